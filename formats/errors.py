@@ -1,0 +1,9 @@
+"""The errors a reader raises. Each carries one line a user can act on."""
+
+
+class FormatError(Exception):
+    """The bytes are not what the spec says (wrong magic, unknown version, bad shape)."""
+
+
+class CorruptError(FormatError):
+    """A checksum or length does not match: the file was damaged after it was written."""

@@ -1,0 +1,278 @@
+"""PLOT segment files (FORMAT.md section 3): write once, then memory-map and probe.
+
+A segment is immutable. Opening one reads its 256-byte header and nothing else; the index and
+keys are checked the first time a process probes it, and each value row the first time it is
+returned, so damage is always an error and never a silent answer, without an O(size) open.
+"""
+
+import mmap
+import os
+import struct
+import threading
+
+import numpy as np
+
+from formats.errors import CorruptError, FormatError
+from formats.xxh64 import checksum, hash_keys, xxh64_rows
+
+MAGIC = b"HKSEG\x00\x00\x01"
+FORMAT_VERSION = 1
+HEADER_SIZE = 256
+ALIGN = 64
+DTYPES = {"fp16": 1, "int8": 2}
+SECTIONS = ("index", "keys", "flags", "rowsums", "values", "scales")
+TOMBSTONE = 1
+
+_HEAD = struct.Struct("<8sIIIIQQQ")  # magic, format, n, d, dtype, count, capacity, max_probe
+_SECTION = struct.Struct("<QQQ")  # offset, length, xxh64
+
+
+def _capacity(count):
+    cap = 8
+    while cap < 2 * count:
+        cap *= 2
+    return cap
+
+
+def build_index(hashes, capacity):
+    """Place every entry at the first free slot at or after its home slot (linear probing).
+
+    All unplaced entries move in lock step: each round, entries whose slot is free claim it
+    (one winner per slot), the rest step forward. An entry only ever steps over occupied
+    slots, which is the invariant a linear-probing lookup relies on.
+    """
+    mask = capacity - 1
+    slots = np.zeros(capacity, dtype=np.uint32)
+    home = (hashes & np.uint64(mask)).astype(np.int64)
+    pos = home.copy()
+    pending = np.arange(len(hashes), dtype=np.int64)
+    while len(pending):
+        p = pos[pending]
+        free = slots[p] == 0
+        taken_slots, first = np.unique(p[free], return_index=True)
+        winners = pending[free][first]
+        slots[taken_slots] = (winners + 1).astype(np.uint32)
+        placed = np.zeros(len(hashes), dtype=bool)
+        placed[winners] = True
+        pending = pending[~placed[pending]]
+        pos[pending] = (pos[pending] + 1) & mask
+    max_probe = int(((pos - home) & mask).max()) if len(hashes) else 0
+    return slots, max_probe
+
+
+def quantize_int8(values):
+    """Symmetric int8 with one float32 scale per vector (per (entry, slot) row of width d)."""
+    values = np.asarray(values, dtype=np.float32)
+    scales = np.abs(values).max(axis=-1) / 127.0
+    safe = np.where(scales > 0, scales, 1.0)
+    q = np.clip(np.rint(values / safe[..., None]), -127, 127).astype(np.int8)
+    return q, scales.astype(np.float32)
+
+
+def _row_sums(key_hashes, values, scales):
+    count = len(values)
+    sums = xxh64_rows(values.reshape(count, -1).view(np.uint8), key_hashes)
+    if scales is not None:
+        sums = xxh64_rows(scales.reshape(count, -1).view(np.uint8), sums)
+    return sums
+
+
+def write_segment(path, keys, values, *, tombstone=None, dtype="fp16"):
+    """Write a segment to `path` atomically (temp file, fsync, rename, fsync directory).
+
+    keys: (count, n) ids, unique; values: (count, n, d); tombstone: optional (count,) bools.
+    """
+    if dtype not in DTYPES:
+        raise FormatError(f"unknown value dtype {dtype!r} (expected fp16 or int8)")
+    keys = np.ascontiguousarray(keys, dtype="<u4")
+    values = np.asarray(values)
+    if keys.ndim != 2 or values.ndim != 3 or values.shape[:2] != keys.shape:
+        raise FormatError(f"keys {keys.shape} and values {values.shape} do not match (count, n) and (count, n, d)")
+    count, n = keys.shape
+    d = values.shape[2]
+    if count and len(np.unique(keys.view(np.dtype((np.void, 4 * n))).ravel())) != count:
+        raise FormatError("a segment's keys must be unique")
+    flags = np.zeros(count, dtype=np.uint8)
+    if tombstone is not None:
+        flags[np.asarray(tombstone, dtype=bool)] = TOMBSTONE
+    if dtype == "fp16":
+        stored, scales = np.ascontiguousarray(values, dtype="<f2"), None
+    else:
+        stored, scales = quantize_int8(values)
+    hashes = hash_keys(keys)
+    capacity = _capacity(count)
+    index, max_probe = build_index(hashes, capacity)
+    rowsums = _row_sums(hashes, stored, scales).astype("<u8")
+    blobs = {
+        "index": index.astype("<u4"), "keys": keys, "flags": flags, "rowsums": rowsums,
+        "values": stored, "scales": scales if scales is not None else np.zeros(0, "<f4"),
+    }
+    table, offset = [], HEADER_SIZE
+    for name in SECTIONS:
+        raw = memoryview(np.ascontiguousarray(blobs[name])).cast("B")
+        table.append((offset, len(raw), checksum(raw), raw))
+        offset += -(-len(raw) // ALIGN) * ALIGN
+    header = bytearray(HEADER_SIZE)
+    _HEAD.pack_into(header, 0, MAGIC, FORMAT_VERSION, n, d, DTYPES[dtype], count, capacity, max_probe)
+    for i, (off, length, digest, _) in enumerate(table):
+        _SECTION.pack_into(header, _HEAD.size + i * _SECTION.size, off, length, digest)
+    struct.pack_into("<Q", header, HEADER_SIZE - 8, checksum(bytes(header[:HEADER_SIZE - 8])))
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(header)
+        for off, length, _, raw in table:
+            f.seek(off)
+            f.write(raw)
+        f.truncate(offset)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Segment:
+    """A memory-mapped segment. Thread-safe for reads."""
+
+    def __init__(self, path):
+        self.path = str(path)
+        name = os.path.basename(self.path)
+        with open(self.path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < HEADER_SIZE:
+                raise CorruptError(f"segment {name}: truncated ({size} bytes, header needs {HEADER_SIZE})")
+            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        header = self._mm[:HEADER_SIZE]
+        magic, fmt, self.n, self.d, dtype, self.count, self.capacity, self.max_probe = _HEAD.unpack_from(header)
+        if magic != MAGIC:
+            raise FormatError(f"segment {name}: not an hkstore segment (bad magic)")
+        if struct.unpack_from("<Q", header, HEADER_SIZE - 8)[0] != checksum(header[:HEADER_SIZE - 8]):
+            raise CorruptError(f"segment {name}: header checksum mismatch")
+        if fmt != FORMAT_VERSION:
+            raise FormatError(f"segment {name}: format version {fmt} is not supported (this reader knows {FORMAT_VERSION})")
+        self.dtype = {v: k for k, v in DTYPES.items()}.get(dtype)
+        if self.dtype is None:
+            raise FormatError(f"segment {name}: unknown value dtype code {dtype}")
+        self.sections = {}
+        for i, sec in enumerate(SECTIONS):
+            self.sections[sec] = _SECTION.unpack_from(header, _HEAD.size + i * _SECTION.size)
+        end = max(off + length for off, length, _ in self.sections.values())
+        if size < end:
+            raise CorruptError(f"segment {name}: truncated ({size} bytes, sections need {end})")
+        n, d, count = self.n, self.d, self.count
+        self.index = self._array("index", "<u4", (self.capacity,))
+        self.keys = self._array("keys", "<u4", (count, n))
+        self.flags = self._array("flags", "u1", (count,))
+        self.rowsums = self._array("rowsums", "<u8", (count,))
+        self.values = self._array("values", "<f2" if self.dtype == "fp16" else "i1", (count, n, d))
+        self.scales = self._array("scales", "<f4", (count, n)) if self.dtype == "int8" else None
+        self._checked = False
+        self._row_ok = None
+        self._lock = threading.Lock()
+
+    @property
+    def name(self):
+        return os.path.basename(self.path)
+
+    def _array(self, section, dtype, shape):
+        off, length, _ = self.sections[section]
+        expected = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        if length != expected:
+            raise CorruptError(f"segment {self.name}: section {section} is {length} bytes, expected {expected}")
+        return np.frombuffer(self._mm, dtype=dtype, count=int(np.prod(shape)), offset=off).reshape(shape)
+
+    def _section_bytes(self, section):
+        off, length, _ = self.sections[section]
+        return memoryview(self._mm)[off:off + length]
+
+    def check_section(self, section):
+        off, length, digest = self.sections[section]
+        if checksum(self._section_bytes(section)) != digest:
+            raise CorruptError(f"segment {self.name}: section {section} checksum mismatch")
+
+    def verify(self):
+        """Check every section checksum and the index structure; raise CorruptError on damage."""
+        for section in SECTIONS:
+            self.check_section(section)
+        live = self.index[self.index != 0].astype(np.int64) - 1
+        if len(live) != self.count or (self.count and (live.max() >= self.count or len(np.unique(live)) != self.count)):
+            raise CorruptError(f"segment {self.name}: index does not name every entry exactly once")
+        if self.count and (self.probe(np.asarray(self.keys)) != np.arange(self.count)).any():
+            raise CorruptError(f"segment {self.name}: an entry cannot be found through the index")
+
+    def _check_once(self):
+        # Index and keys are small (about 20 bytes an entry): check them in full on first use.
+        if not self._checked:
+            with self._lock:
+                if not self._checked:
+                    self.check_section("index")
+                    self.check_section("keys")
+                    self.check_section("flags")
+                    self._row_ok = np.zeros(self.count, dtype=bool)
+                    self._checked = True
+
+    def probe(self, keys, hashes=None):
+        """Entry number of each key, or -1. keys: (m, n) uint32."""
+        self._check_once()
+        keys = np.asarray(keys, dtype=np.uint32)
+        m = len(keys)
+        result = np.full(m, -1, dtype=np.int64)
+        if m == 0 or self.count == 0:
+            return result
+        if hashes is None:
+            hashes = hash_keys(keys)
+        mask = self.capacity - 1
+        slot = (hashes & np.uint64(mask)).astype(np.int64)
+        active = np.arange(m)
+        for _ in range(self.max_probe + 1):
+            entry = self.index[slot[active]].astype(np.int64) - 1
+            occupied = entry >= 0
+            active, entry = active[occupied], entry[occupied]
+            if not len(active):
+                break
+            hit = (self.keys[entry] == keys[active]).all(axis=1)
+            result[active[hit]] = entry[hit]
+            active = active[~hit]
+            slot[active] = (slot[active] + 1) & mask
+        return result
+
+    def tombstoned(self, entries):
+        return (self.flags[entries] & TOMBSTONE) != 0
+
+    def read_values(self, entries, key_hashes, out=None, dtype=np.float16):
+        """Value rows of the given entries (m, n, d) as `dtype`, each checked on first return."""
+        self._check_rows(entries, key_hashes)
+        if self.dtype == "fp16" and np.dtype(dtype) == np.float16:
+            return np.take(self.values, entries, axis=0, out=out)
+        rows = self.values[entries].astype(np.float32)
+        if self.scales is not None:
+            rows *= self.scales[entries][..., None]
+        if out is None:
+            return rows.astype(dtype, copy=False)
+        out[...] = rows
+        return out
+
+    def _check_rows(self, entries, key_hashes):
+        fresh = ~self._row_ok[entries]
+        if not fresh.any():
+            return
+        entries, key_hashes = entries[fresh], key_hashes[fresh]
+        stored = self.values[entries]
+        sums = xxh64_rows(stored.reshape(len(entries), -1).view(np.uint8), key_hashes)
+        if self.scales is not None:
+            sums = xxh64_rows(np.ascontiguousarray(self.scales[entries]).view(np.uint8), sums)
+        bad = sums != self.rowsums[entries]
+        if bad.any():
+            raise CorruptError(f"segment {self.name}: value row {int(entries[bad][0])} fails its checksum")
+        self._row_ok[entries] = True
+
+    def close(self):
+        # Views into the map may still be alive in callers; let the GC unmap it.
+        self._mm = None

@@ -1,0 +1,128 @@
+"""verify (is every byte what the manifest says?) and gc (delete what no manifest names)."""
+
+import os
+
+import numpy as np
+
+from formats import manifest as mf
+from formats import pack
+from formats.backoff import left
+from formats.errors import CorruptError, FormatError
+from formats.segment import Segment
+from formats.xxh64 import hash_keys
+from hkstore.store import open_store
+
+
+def verify(path):
+    """Check the manifest, every segment and every live PET record. Returns a report dict
+    whose `problems` list is empty for a healthy store."""
+    problems, checked = [], {"segments": 0, "entries": 0, "pets": 0, "bytes": 0}
+    try:
+        manifest = mf.load(path)
+    except (FormatError, OSError, ValueError) as e:
+        return {"ok": False, "problems": [f"manifest: {e}"], "checked": checked}
+    meta = manifest["meta"]
+    names = [v["name"] for v in manifest["versions"]]
+    for v in manifest["versions"]:
+        if v["parent"] is None and v is not manifest["versions"][0]:
+            problems.append(f"version {v['name']}: a second root")
+        if v["parent"] is not None and v["parent"] not in names[:names.index(v["name"])]:
+            problems.append(f"version {v['name']}: parent {v['parent']!r} is not an earlier version")
+        for name in v["segments"]:
+            try:
+                seg = Segment(os.path.join(path, "segments", name))
+                seg.verify()
+                if (seg.n, seg.d) != (meta["n"], meta["d"]):
+                    raise CorruptError(f"segment {name}: shape does not match the store")
+                if seg.count:
+                    seg.read_values(np.arange(seg.count), hash_keys(np.asarray(seg.keys)))
+                checked["segments"] += 1
+                checked["entries"] += seg.count
+                checked["bytes"] += os.path.getsize(seg.path)
+            except (FormatError, OSError) as e:
+                problems.append(f"version {v['name']}: {e}")
+    for tenant, loc in sorted(manifest["pets"].items()):
+        try:
+            with open(os.path.join(path, "packs", loc["file"]), "rb") as f:
+                data = os.pread(f.fileno(), loc["length"], loc["offset"])
+            record = pack.decode_record(data, 0, len(data))
+            if record.tenant != tenant or record.tombstone:
+                raise CorruptError(f"record at {loc['file']}:{loc['offset']} is not tenant {tenant!r}'s live record")
+            checked["pets"] += 1
+            checked["bytes"] += loc["length"]
+        except (FormatError, OSError) as e:
+            problems.append(f"tenant {tenant}: {e}")
+    problems += _root_coverage(path, manifest)
+    return {"ok": not problems, "problems": problems, "checked": checked}
+
+
+def _root_coverage(path, manifest):
+    """The root must serve a uni-gram for every id, or some lookup could miss."""
+    meta, root = manifest["meta"], manifest["versions"][0]
+    if not root["segments"] or not meta.get("vocab_size"):
+        return []
+    try:
+        store = open_store(path)
+    except (FormatError, OSError) as e:
+        return [f"store: {e}"]
+    n, vocab, pad = meta["n"], meta["vocab_size"], meta["pad_id"]
+    unigrams = np.full((vocab, n), pad, dtype=np.uint32)
+    unigrams[:, left(n, meta["window"])] = np.arange(vocab)
+    try:
+        result = store.lookup(0, unigrams)
+    except FormatError as e:
+        return [f"root: {e}"]
+    missing = int((result.order == 0).sum())
+    return [f"root: {missing} of {vocab} vocabulary ids have no uni-gram entry"] if missing else []
+
+
+def garbage(path):
+    """Files in the store directory that the live manifest does not name."""
+    manifest = mf.load(path)
+    live_segments = {s for v in manifest["versions"] for s in v["segments"]}
+    live_packs = set(manifest["packs"])
+    current = mf.current_name(path)
+    out = []
+    for name in os.listdir(path):
+        if (name.startswith("MANIFEST-") and name != current) or name.endswith(".tmp"):
+            out.append(name)
+    for sub, live in (("segments", live_segments), ("packs", live_packs)):
+        for name in os.listdir(os.path.join(path, sub)):
+            if name not in live:
+                out.append(os.path.join(sub, name))
+    return sorted(out)
+
+
+def gc(store, dry_run=False):
+    """Delete unreferenced files, then rewrite pack files that are mostly dead records.
+
+    Readers that still hold an old snapshot keep working: their segments stay memory-mapped
+    (the kernel frees a deleted file only when its last map goes away).
+    """
+    removed, freed = [], 0
+    rewritten = [] if dry_run else _rewrite_packs(store)
+    for name in garbage(store.path):
+        full = os.path.join(store.path, name)
+        freed += os.path.getsize(full)
+        removed.append(name)
+        if not dry_run:
+            os.remove(full)
+    return {"removed": removed, "bytes_freed": freed, "packs_rewritten": rewritten}
+
+
+def _rewrite_packs(store, live_fraction=0.5):
+    """Copy the live records of packs that are less than half live into a fresh pack."""
+    manifest = store.snapshot().manifest
+    sizes = {p: os.path.getsize(os.path.join(store.path, "packs", p)) for p in manifest["packs"][:-1]}
+    live = {p: 0 for p in sizes}
+    for loc in manifest["pets"].values():
+        if loc["file"] in live:
+            live[loc["file"]] += loc["length"]
+    victims = [p for p in sizes if live[p] < live_fraction * sizes[p]]
+    if not victims:
+        return []
+    for tenant, loc in sorted(manifest["pets"].items()):
+        if loc["file"] in victims:
+            store.put_pet(store.get_pet(tenant))
+    store._commit(lambda m: m.__setitem__("packs", [p for p in m["packs"] if p not in victims]))
+    return victims

@@ -1,0 +1,391 @@
+"""The store: a directory of immutable segments and pack files tied together by a manifest.
+
+Readers work on a Snapshot (one manifest and the files it names); a writer holds the store's
+flock and publishes each change as a new manifest generation. See formats/FORMAT.md.
+"""
+
+import copy
+import fcntl
+import os
+import re
+import threading
+import time
+
+import numpy as np
+
+from formats import manifest as mf
+from formats import pack
+from formats.errors import CorruptError, FormatError
+from formats.segment import DTYPES, Segment, fsync_dir, write_segment
+from hkstore import lookup as lk
+from hkstore.errors import StoreError, StoreLocked, UnknownTenant, UnknownVersion
+
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+PACK_ROLL_BYTES = 256 << 20  # start a new pack file past this size, so gc can rewrite in pieces
+
+
+def check_name(kind, name):
+    if not isinstance(name, str) or not NAME.match(name):
+        raise StoreError(f"invalid {kind} name {name!r}: use 1-64 letters, digits, '.', '_' or '-', not starting with a symbol")
+    return name
+
+
+class Snapshot:
+    """An immutable view of the store as one manifest describes it."""
+
+    def __init__(self, path, manifest, segments):
+        self.path = path
+        self.manifest = manifest
+        self.meta = manifest["meta"]
+        self.versions = manifest["versions"]
+        self.version_names = [v["name"] for v in self.versions]
+        self._index = {name: i for i, name in enumerate(self.version_names)}
+        self._segments = segments  # file name -> Segment, shared across snapshots
+
+    def version_index(self, version):
+        if isinstance(version, (int, np.integer)) and 0 <= version < len(self.versions):
+            return int(version)
+        if version not in self._index:
+            raise UnknownVersion(f"unknown version {version!r} (known: {', '.join(self.version_names)})")
+        return self._index[version]
+
+    def ancestry(self, version):
+        """Version indices from `version` up to the root."""
+        out, v = [], self.version_index(version)
+        while v is not None:
+            out.append(v)
+            parent = self.versions[v]["parent"]
+            v = None if parent is None else self._index[parent]
+        return out
+
+    def version_segments(self, version):
+        return [self._segments[name] for name in self.versions[self.version_index(version)]["segments"]]
+
+    def lookup(self, version, windows):
+        return lk.lookup(self, version, windows)
+
+    @property
+    def pets(self):
+        return self.manifest["pets"]
+
+    def read_pet(self, tenant):
+        if tenant not in self.manifest["pets"]:
+            raise UnknownTenant(f"unknown tenant {tenant!r}")
+        loc = self.manifest["pets"][tenant]
+        with open(os.path.join(self.path, "packs", loc["file"]), "rb") as f:
+            data = os.pread(f.fileno(), loc["length"], loc["offset"])
+        if len(data) != loc["length"]:
+            raise CorruptError(f"pack {loc['file']}: record of tenant {tenant!r} is truncated")
+        return pack.decode_record(data, 0, loc["length"])
+
+
+class Store:
+    """Open with hkstore.open() or hkstore.create()."""
+
+    def __init__(self, path, writable=False):
+        self.path = os.fspath(path)
+        self.writable = writable
+        self._lock_fd = None
+        self._segments = {}
+        self._mutex = threading.RLock()
+        if writable:
+            self._take_lock()
+        try:
+            self.refresh()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def _take_lock(self):
+        fd = os.open(os.path.join(self.path, "LOCK"), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise StoreLocked(f"{self.path}: another writer holds the store lock; try again when it is done") from None
+        self._lock_fd = fd
+
+    def close(self):
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def refresh(self):
+        """Move to the newest committed manifest. Retries if gc removes a file under us."""
+        for attempt in range(5):
+            manifest = mf.load(self.path)
+            try:
+                self._install(manifest)
+                return self._snapshot
+            except FileNotFoundError:
+                if attempt == 4:
+                    raise
+                time.sleep(0.01)
+
+    def _install(self, manifest):
+        with self._mutex:
+            names = {s for v in manifest["versions"] for s in v["segments"]}
+            segments = {}
+            for name in names:
+                segments[name] = self._segments.get(name) or Segment(os.path.join(self.path, "segments", name))
+                if (segments[name].n, segments[name].d) != (manifest["meta"]["n"], manifest["meta"]["d"]):
+                    raise CorruptError(f"segment {name}: shape (n={segments[name].n}, d={segments[name].d}) does not match the store")
+            self._segments = segments
+            self._manifest = manifest
+            self._snapshot = Snapshot(self.path, manifest, segments)
+
+    def snapshot(self):
+        """The current consistent view; it stays valid while writers commit and compact."""
+        return self._snapshot
+
+    @property
+    def meta(self):
+        return self._snapshot.meta
+
+    @property
+    def versions(self):
+        return self._snapshot.versions
+
+    def lookup(self, version, windows):
+        return self._snapshot.lookup(version, windows)
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def _require_writable(self):
+        if not self.writable:
+            raise StoreError("this store was opened read-only; open it with writable=True")
+
+    def _commit(self, change):
+        """Apply `change` to a copy of the manifest and publish it as the next generation."""
+        self._require_writable()
+        with self._mutex:
+            new = copy.deepcopy(self._manifest)
+            result = change(new)
+            new["generation"] += 1
+            mf.commit(self.path, new)
+            self._install(new)
+            return result
+
+    def _new_file(self, manifest, suffix):
+        number = manifest["next_file"]
+        manifest["next_file"] += 1
+        return f"{number:06d}{suffix}"
+
+    def _version(self, manifest, name):
+        for v in manifest["versions"]:
+            if v["name"] == name:
+                return v
+        raise UnknownVersion(f"unknown version {name!r}")
+
+    def _check_keys_values(self, keys, values):
+        meta = self.meta
+        keys = np.asarray(keys)
+        if keys.ndim != 2 or keys.shape[1] != meta["n"]:
+            raise StoreError(f"keys must have shape (count, {meta['n']}), got {keys.shape}")
+        if values is not None:
+            values = np.asarray(values)
+            if values.shape != (len(keys), meta["n"], meta["d"]):
+                raise StoreError(f"values must have shape ({len(keys)}, {meta['n']}, {meta['d']}), got {values.shape}")
+        if len(keys) and (keys.min() < 0 or keys.max() >= 2**32):
+            raise StoreError("token ids must fit in uint32")
+
+    def add_segment(self, version, keys, values, *, tombstone=None):
+        """Write one immutable segment of entries and attach it to `version` (newest)."""
+        self._require_writable()
+        self._check_keys_values(keys, values)
+        self._snapshot.version_index(version)
+
+        def change(m):
+            name = self._new_file(m, ".seg")
+            write_segment(os.path.join(self.path, "segments", name), keys, values,
+                          tombstone=tombstone, dtype=m["meta"]["dtype"])
+            self._version(m, version)["segments"].append(name)
+            return name
+
+        return self._commit(change)
+
+    def delete(self, version, keys):
+        """Tombstone `keys` in `version`: lookups fall through to the parent for them."""
+        keys = np.asarray(keys, dtype=np.uint32)
+        self._check_keys_values(keys, None)
+        if self._snapshot.versions[self._snapshot.version_index(version)]["parent"] is None:
+            raise StoreError("entries of the root cannot be deleted: it is what every lookup falls back to")
+        keys = np.unique(keys, axis=0)
+        values = np.zeros((len(keys), self.meta["n"], self.meta["d"]), dtype=np.float16)
+        return self.add_segment(version, keys, values, tombstone=np.ones(len(keys), dtype=bool))
+
+    def create_version(self, name, parent, info=None):
+        """A new empty branch under `parent`; it overrides nothing until segments are added."""
+        check_name("version", name)
+        if name in self._snapshot.version_names:
+            raise StoreError(f"version {name!r} already exists")
+        self._snapshot.version_index(parent)
+
+        def change(m):
+            m["versions"].append({"name": name, "parent": parent, "segments": [],
+                                  "created": time.time(), "info": info or {}})
+
+        self._commit(change)
+
+    def set_version_info(self, name, **info):
+        self._snapshot.version_index(name)
+        self._commit(lambda m: self._version(m, name)["info"].update(info))
+
+    def replace_segments(self, version, old, new_name):
+        """Swap a version's segments `old` for `new_name` (or none) in one commit: compaction's publish step."""
+
+        def change(m):
+            v = self._version(m, version)
+            if v["segments"] != old:
+                raise StoreError(f"version {version!r} changed during compaction; run it again")
+            v["segments"] = [new_name] if new_name else []
+
+        self._commit(change)
+
+    def reserve_file(self, suffix):
+        """A fresh file name (committed, so it is never reused) for a file written before its manifest."""
+        return self._commit(lambda m: self._new_file(m, suffix))
+
+    # -- PET pack --------------------------------------------------------------------------
+
+    def _append_pet(self, record):
+        """Append a record to the active pack; returns (manifest change) placing it there."""
+        m = self._manifest
+        active = m["packs"][-1] if m["packs"] else None
+        path = active and os.path.join(self.path, "packs", active)
+        if active is None or m["pack_end"] >= PACK_ROLL_BYTES:
+            active = None
+        else:
+            # A writer killed mid-append leaves a torn tail past the committed end: cut it off.
+            if os.path.getsize(path) > m["pack_end"]:
+                os.truncate(path, m["pack_end"])
+        new_file = None
+        if active is None:
+            new_file = self.reserve_file(".pack")
+            active, path = new_file, os.path.join(self.path, "packs", new_file)
+            open(path, "ab").close()
+            fsync_dir(os.path.join(self.path, "packs"))
+        offset, length = pack.append_record(path, record)
+
+        def place(m2):
+            if new_file:
+                m2["packs"].append(new_file)
+            m2["pack_end"] = offset + length
+            return {"file": active, "offset": offset, "length": length}
+
+        return place
+
+    def put_pet(self, record):
+        """Store (or replace) a tenant's PET record; durable once this returns."""
+        self._require_writable()
+        check_name("tenant", record.tenant)
+        place = self._append_pet(record)
+
+        def change(m):
+            m["pets"][record.tenant] = place(m)
+
+        self._commit(change)
+
+    def get_pet(self, tenant):
+        return self._snapshot.read_pet(tenant)
+
+    def delete_pet(self, tenant):
+        self._require_writable()
+        if tenant not in self._manifest["pets"]:
+            raise UnknownTenant(f"unknown tenant {tenant!r}")
+        place = self._append_pet(pack.PetRecord(tenant=tenant, meta={"deleted": time.time()}, tensors={}, tombstone=True))
+
+        def change(m):
+            place(m)
+            del m["pets"][tenant]
+
+        self._commit(change)
+
+    def pets(self):
+        return dict(self._snapshot.pets)
+
+
+def model_meta(model_dir):
+    """Store metadata read from a Hugging Face BERT-format directory (no torch needed)."""
+    import json
+
+    from formats.xxh64 import checksum
+
+    config_path = os.path.join(model_dir, "config.json")
+    try:
+        with open(config_path) as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        raise StoreError(f"{model_dir}: no config.json (expected a Hugging Face BERT-format directory)") from None
+    except ValueError as e:
+        raise StoreError(f"{config_path}: not valid JSON ({e})") from None
+    for name in ("tokenizer.json", "vocab.txt"):
+        tok = os.path.join(model_dir, name)
+        if os.path.exists(tok):
+            with open(tok, "rb") as f:
+                fingerprint = f"{checksum(f.read()):016x}"
+            break
+    else:
+        raise StoreError(f"{model_dir}: no tokenizer.json or vocab.txt")
+    return {
+        "base_model": config.get("_name_or_path") or os.path.basename(os.path.abspath(model_dir)),
+        "d": int(config["hidden_size"]),
+        "vocab_size": int(config["vocab_size"]),
+        "pad_id": int(config.get("pad_token_id", 0)),
+        "num_layers": int(config["num_hidden_layers"]),
+        "tokenizer_fingerprint": fingerprint,
+    }
+
+
+def create(path, *, d, vocab_size, n=3, window="centered", lower_layers=3, dtype="fp16", pad_id=0,
+           base_model="unknown", tokenizer_fingerprint="", model_path=None, num_layers=None, root="root"):
+    """Create an empty store whose root version holds nothing yet; returns it open for writing."""
+    path = os.fspath(path)
+    if dtype not in DTYPES:
+        raise StoreError(f"unknown value dtype {dtype!r} (expected fp16 or int8)")
+    if window not in ("centered", "causal"):
+        raise StoreError(f"unknown window kind {window!r} (expected centered or causal)")
+    if not 2 <= n <= 5:
+        raise StoreError(f"n must be between 2 and 5, got {n}")
+    if os.path.exists(os.path.join(path, mf.CURRENT)):
+        raise StoreError(f"{path}: a store already exists here")
+    check_name("version", root)
+    for sub in ("", "segments", "packs"):
+        os.makedirs(os.path.join(path, sub), exist_ok=True)
+    meta = {"base_model": base_model, "tokenizer_fingerprint": tokenizer_fingerprint, "d": int(d), "n": int(n),
+            "window": window, "lower_layers": int(lower_layers), "dtype": dtype, "pad_id": int(pad_id),
+            "vocab_size": int(vocab_size), "model_path": model_path, "num_layers": num_layers}
+    manifest = {"format": mf.FORMAT_VERSION, "generation": 1, "next_file": 1, "meta": meta,
+                "versions": [{"name": root, "parent": None, "segments": [], "created": time.time(), "info": {}}],
+                "pets": {}, "packs": [], "pack_end": 0}
+    fd = os.open(os.path.join(path, "LOCK"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if os.path.exists(os.path.join(path, mf.CURRENT)):
+            raise StoreError(f"{path}: a store already exists here")
+        mf.commit(path, manifest)
+    except BlockingIOError:
+        raise StoreLocked(f"{path}: another writer is creating this store") from None
+    finally:
+        os.close(fd)
+    return Store(path, writable=True)
+
+
+def open_store(path, writable=False):
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise StoreError(f"{path}: no such store directory")
+    try:
+        return Store(path, writable=writable)
+    except FormatError as e:
+        if isinstance(e, CorruptError):
+            raise
+        raise StoreError(str(e)) from None
