@@ -17,6 +17,14 @@ def offsets(n, kind):
     return np.arange(-lo, n - lo)
 
 
+def windows(ids, n, kind, pad_id):
+    """The (L, n) uint32 keys of a sequence's L windows; row i is the window around position i."""
+    ids = np.asarray(ids)
+    at = np.arange(len(ids))[:, None] + offsets(n, kind)[None, :]
+    inside = (at >= 0) & (at < len(ids))
+    return np.where(inside, ids[np.clip(at, 0, max(len(ids) - 1, 0))], pad_id).astype(np.uint32)
+
+
 def ranked_slots(n, kind):
     """Slot indices, center first, then nearer before farther, left before right."""
     off = offsets(n, kind)

@@ -67,6 +67,8 @@ def _disk_dtype(name: str, array: np.ndarray) -> tuple[str, np.dtype]:
     if array.dtype.kind == "u" and array.dtype.itemsize == 2:
         return "bfloat16", DTYPES["bfloat16"]
     dtype_name = array.dtype.name
+    # An ml_dtypes bfloat16 array would be cast by value, not copied bit for bit: refuse it
+    # (pass array.view(np.uint16) instead).
     if dtype_name not in DTYPES or dtype_name == "bfloat16":
         raise ValueError(f"tensor {name!r}: dtype {array.dtype} is not storable in a PET pack")
     return dtype_name, DTYPES[dtype_name]
@@ -211,7 +213,8 @@ def _raw_payload(mv: memoryview, header: _Header) -> memoryview:
     except zstandard.ZstdError as err:
         raise CorruptError(f"zstd payload does not decompress ({err})") from None
     if len(raw) != header.raw_length:
-        raise CorruptError(f"zstd payload decompressed to {len(raw)} bytes, header says {header.raw_length}")
+        raise CorruptError(f"zstd payload decompressed to {len(raw)} bytes, "
+                           f"header says {header.raw_length}")
     return memoryview(raw)
 
 
@@ -256,7 +259,10 @@ def decode_record(buf, offset: int = 0, length: int | None = None) -> PetRecord:
     try:
         return _record(buf, offset, length)
     except FormatError as err:
-        raise _located(offset, err) from None
+        error = _located(offset, err)
+    # Raised outside the handler so the error drags along no frame holding a view of buf:
+    # a caller's `with mmap` must still be able to close the map while the error propagates.
+    raise error
 
 
 def record_tensor_views(buf, offset: int, length: int) -> dict[str, np.ndarray]:
@@ -268,7 +274,8 @@ def record_tensor_views(buf, offset: int, length: int) -> dict[str, np.ndarray]:
     try:
         return _parse(buf, offset, length)[1]
     except FormatError as err:
-        raise _located(offset, err) from None
+        error = _located(offset, err)
+    raise error  # outside the handler, as in decode_record
 
 
 def _fsync_dir(path: str) -> None:
@@ -314,9 +321,9 @@ def scan(path) -> Iterator[tuple[int, int | None, PetRecord | FormatError]]:
 
     Yields (offset, length, record) for good records and (offset, length or None, error) for a
     damaged one (length is None when even the header is unreadable); the error is a
-    CorruptError, or a FormatError where no record starts. After an error the scan resyncs at
-    the next page that starts with the record magic, so a damaged or torn record hides no
-    later record. Records are read with pread, so no mapping outlives the scan.
+    CorruptError for damage, a FormatError for bytes that are no v1 record. After an error
+    the scan resyncs at the next page that starts with the record magic, so a damaged or
+    torn record hides no later record. Records are read with pread: no mapping outlives it.
     """
     with open(path, "rb") as f:
         fd = f.fileno()
@@ -326,7 +333,8 @@ def scan(path) -> Iterator[tuple[int, int | None, PetRecord | FormatError]]:
             length = None
             try:
                 length = _read_header(memoryview(os.pread(fd, HEADER_SIZE, offset))).record_length
-                record = _record(os.pread(fd, length, offset), 0, length)
+                # A short read (torn tail) is reported as truncation by _record.
+                record = _record(os.pread(fd, min(length, size - offset), offset), 0, length)
             except FormatError as err:
                 yield offset, length, _located(offset, err)
                 offset = _next_record_page(fd, offset, size)

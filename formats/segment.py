@@ -11,6 +11,7 @@ import struct
 import threading
 
 import numpy as np
+import xxhash
 
 from formats.errors import CorruptError, FormatError
 from formats.xxh64 import checksum, hash_keys, xxh64_rows
@@ -60,13 +61,19 @@ def build_index(hashes, capacity):
     return slots, max_probe
 
 
-def quantize_int8(values):
-    """Symmetric int8 with one float32 scale per vector (per (entry, slot) row of width d)."""
-    values = np.asarray(values, dtype=np.float32)
-    scales = np.abs(values).max(axis=-1) / 127.0
-    safe = np.where(scales > 0, scales, 1.0)
-    q = np.clip(np.rint(values / safe[..., None]), -127, 127).astype(np.int8)
-    return q, scales.astype(np.float32)
+def quantize_int8(values, chunk=65536):
+    """Symmetric int8 with one float32 scale per vector (per (entry, slot) row of width d).
+
+    Works in chunks so that peak memory stays near the int8 output, not 3 float32 copies."""
+    values = np.asarray(values)
+    q = np.empty(values.shape, dtype=np.int8)
+    scales = np.empty(values.shape[:-1], dtype=np.float32)
+    for start in range(0, len(values), chunk):
+        v = values[start:start + chunk].astype(np.float32)
+        s = np.abs(v).max(axis=-1) / 127.0
+        q[start:start + chunk] = np.clip(np.rint(v / np.where(s > 0, s, 1.0)[..., None]), -127, 127)
+        scales[start:start + chunk] = s
+    return q, scales
 
 
 def _row_sums(key_hashes, values, scales):
@@ -123,7 +130,7 @@ def write_segment(path, keys, values, *, tombstone=None, dtype="fp16"):
         for off, length, _, raw in table:
             f.seek(off)
             f.write(raw)
-        f.truncate(offset)
+        f.truncate(table[-1][0] + table[-1][1])
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -166,6 +173,8 @@ class Segment:
         end = max(off + length for off, length, _ in self.sections.values())
         if size < end:
             raise CorruptError(f"segment {name}: truncated ({size} bytes, sections need {end})")
+        if size > end:
+            raise CorruptError(f"segment {name}: {size - end} unexpected bytes after the last section")
         n, d, count = self.n, self.d, self.count
         self.index = self._array("index", "<u4", (self.capacity,))
         self.keys = self._array("keys", "<u4", (count, n))
@@ -216,6 +225,7 @@ class Segment:
                     self.check_section("keys")
                     self.check_section("flags")
                     self._row_ok = np.zeros(self.count, dtype=bool)
+                    self.has_tombstones = bool((self.flags & TOMBSTONE).any())
                     self._checked = True
 
     def probe(self, keys, hashes=None):
@@ -244,34 +254,44 @@ class Segment:
         return result
 
     def tombstoned(self, entries):
+        self._check_once()
+        if not self.has_tombstones:
+            return np.zeros(len(entries), dtype=bool)
         return (self.flags[entries] & TOMBSTONE) != 0
 
-    def read_values(self, entries, key_hashes, out=None, dtype=np.float16):
-        """Value rows of the given entries (m, n, d) as `dtype`, each checked on first return."""
+    def read_values(self, entries, key_hashes):
+        """Value rows of the given entries (m, n, d), each checked on first return: float16
+        for fp16 segments, float32 (dequantized) for int8 ones, whose float16 conversion
+        would cost more than the gather."""
         self._check_rows(entries, key_hashes)
-        if self.dtype == "fp16" and np.dtype(dtype) == np.float16:
-            return np.take(self.values, entries, axis=0, out=out)
-        rows = self.values[entries].astype(np.float32)
-        if self.scales is not None:
-            rows *= self.scales[entries][..., None]
-        if out is None:
-            return rows.astype(dtype, copy=False)
-        out[...] = rows
-        return out
+        # mode="clip" skips NumPy's defensive copy; entries are valid because probe made them.
+        rows = np.take(self.values, entries, axis=0, mode="clip")
+        if self.scales is None:
+            return rows
+        rows = rows.astype(np.float32)
+        rows *= np.take(self.scales, entries, axis=0, mode="clip")[..., None]
+        return rows
+
+    def check_rows(self, entries):
+        """Check the given entries' value rows against their rowsums (verify walks them all)."""
+        self._check_rows(entries, hash_keys(self.keys[entries]))
 
     def _check_rows(self, entries, key_hashes):
-        fresh = ~self._row_ok[entries]
-        if not fresh.any():
+        self._check_once()
+        fresh = np.flatnonzero(~self._row_ok[entries])
+        if not len(fresh):
             return
-        entries, key_hashes = entries[fresh], key_hashes[fresh]
-        stored = self.values[entries]
-        sums = xxh64_rows(stored.reshape(len(entries), -1).view(np.uint8), key_hashes)
-        if self.scales is not None:
-            sums = xxh64_rows(np.ascontiguousarray(self.scales[entries]).view(np.uint8), sums)
-        bad = sums != self.rowsums[entries]
-        if bad.any():
-            raise CorruptError(f"segment {self.name}: value row {int(entries[bad][0])} fails its checksum")
-        self._row_ok[entries] = True
+        # The C hash over each row's bytes beats the vectorized one here: rows are long.
+        values = memoryview(self._mm)[self.sections["values"][0]:][:self.sections["values"][1]]
+        scales = self.scales is not None and memoryview(self._mm)[self.sections["scales"][0]:][:self.sections["scales"][1]]
+        vbytes, sbytes = self.n * self.d * self.values.itemsize, self.n * 4
+        for e, h in zip(entries[fresh].tolist(), key_hashes[fresh].tolist()):
+            digest = xxhash.xxh64_intdigest(values[e * vbytes:(e + 1) * vbytes], h)
+            if scales:
+                digest = xxhash.xxh64_intdigest(scales[e * sbytes:(e + 1) * sbytes], digest)
+            if digest != self.rowsums[e]:
+                raise CorruptError(f"segment {self.name}: value row {e} fails its checksum")
+        self._row_ok[entries[fresh]] = True
 
     def close(self):
         # Views into the map may still be alive in callers; let the GC unmap it.

@@ -78,7 +78,7 @@ def xxh64_rows(data, seeds=0):
 def hash_keys(keys):
     """The key hash of FORMAT.md section 3: XXH64 of each key's little-endian uint32 ids."""
     keys = np.ascontiguousarray(keys, dtype="<u4")
-    return xxh64_rows(keys.view(np.uint8).reshape(len(keys), -1))
+    return xxh64_rows(keys.view(np.uint8).reshape(len(keys), 4 * keys.shape[1]))
 
 
 def checksum(buffer) -> int:

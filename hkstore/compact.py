@@ -39,12 +39,14 @@ def own_entries(snapshot, version):
     return keys, seg, ent, tomb
 
 
-def read_entries(segments, keys, seg, ent, dtype=np.float32):
-    values = np.zeros((len(keys), keys.shape[1] if len(keys) else 0, segments[0].d if segments else 0), dtype=dtype)
+def read_entries(segments, keys, seg, ent):
+    """Values of the given entries as float32 (m, n, d)."""
+    d = segments[0].d if segments else 0
+    values = np.zeros((len(keys), keys.shape[1], d), dtype=np.float32)
     hashes = hash_keys(keys)
     for s in np.unique(seg):
         rows = np.flatnonzero(seg == s)
-        values[rows] = segments[s].read_values(ent[rows], hashes[rows], dtype=dtype)
+        values[rows] = segments[s].read_values(ent[rows], hashes[rows])
     return values
 
 

