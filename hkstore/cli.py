@@ -24,6 +24,9 @@ MODEL_COMMANDS = {
     "domain": ("runtime.commands", "domain"),
     "tenant": ("runtime.commands", "tenant"),
     "demo": ("runtime.demo", "demo"),
+    "serve": ("runtime.serve", "serve"),
+    "report": ("tools.commands", "report"),
+    "explain": ("tools.commands", "explain"),
 }
 
 
