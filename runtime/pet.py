@@ -1,0 +1,268 @@
+"""Parameter-efficient modules (PETs): a tenant's task knowledge, applied inside the upper layers.
+
+A PET is a flat dict of tensors under the unified names below plus a JSON-able meta dict, so
+the store can pack it without knowing the type. Layer indices are absolute (3, 4, 5 are the
+upper layers of a 6-layer model split 3/3). Exported names:
+
+    layers.{i}.adapter.down.weight (b, d)  .down.bias (b)  .up.weight (d, b)  .up.bias (d)
+    layers.{i}.lora.{target}.A (r, d_in)  .B (d_out, r)      with meta["scale"]
+    layers.{i}.bias.{target} (d_out)                         bitfit bias delta
+    layers.{i}.diff.{target}.index int32  .value             W' = W + delta at flat indices
+    layers.{i}.mask.{target}.index int32                     W' = W with those entries zeroed
+    head.weight (labels, d)  head.bias (labels)
+
+Flat indices run over the row-major (d_out, d_in) weight. Targets are the six projections
+q, k, v, o, ffn_in, ffn_out. While training, diff and mask hold dense tensors instead
+(`.delta`: the weight delta, `.score`: keep-scores); `export` turns them into index form.
+Every PET carries a task head: classification reads the first token ([CLS]), tagging every
+token. A "head" PET is a head alone (the head-only baseline).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:  # annotations only: runtime.model imports this module
+    from runtime.model import Encoder
+
+TARGETS = ("q", "k", "v", "o", "ffn_in", "ffn_out")
+PET_TYPES = ("adapter", "lora", "bitfit", "diff", "mask", "head")
+TASKS = ("classification", "tagging")
+# Default targets per type: LoRA's paper setting (q, v); the rest edit every projection.
+DEFAULT_TARGETS = {"lora": ("q", "v"), "bitfit": TARGETS, "diff": TARGETS, "mask": TARGETS}
+# A mask score starts above the keep threshold (0), so a fresh mask PET keeps every weight;
+# small, so that a few optimizer steps can push a score below it.
+MASK_INIT = 1e-2
+
+
+@dataclass
+class Pet:
+    tensors: dict[str, torch.Tensor]
+    meta: dict
+
+
+# -- applying a PET (called from Encoder.layer) -------------------------------------------------
+
+
+def linear(pet: Pet | None, i: int, target: str, x: torch.Tensor, lin: torch.nn.Linear) -> torch.Tensor:
+    """x W'^T + b' for projection `target` of layer i, W' and b' being lin's with pet's edits."""
+    w, b = lin.weight, lin.bias
+    if pet is None:
+        return F.linear(x, w, b)
+    t, p = pet.tensors, f"layers.{i}."
+    if (k := f"{p}bias.{target}") in t:
+        b = b + t[k]
+    if (k := f"{p}diff.{target}.delta") in t:
+        w = w + t[k]
+    if (k := f"{p}diff.{target}.index") in t:
+        w = w.flatten().index_add(0, t[k].long(), t[f"{p}diff.{target}.value"]).view_as(w)
+    if (k := f"{p}mask.{target}.score") in t:
+        w = w * _straight_through(t[k])
+    if (k := f"{p}mask.{target}.index") in t:
+        w = w.flatten().index_fill(0, t[k].long(), 0.0).view_as(w)
+    y = F.linear(x, w, b)
+    if (k := f"{p}lora.{target}.A") in t:
+        y = y + pet.meta["scale"] * F.linear(F.linear(x, t[k]), t[f"{p}lora.{target}.B"])
+    return y
+
+
+def adapter(pet: Pet | None, i: int, a: torch.Tensor) -> torch.Tensor:
+    """Houlsby bottleneck on the attention output a = o(ctx): a + up(relu(down(a)))."""
+    p = f"layers.{i}.adapter."
+    if pet is None or p + "down.weight" not in pet.tensors:
+        return a
+    t = pet.tensors
+    down = F.relu(F.linear(a, t[p + "down.weight"], t[p + "down.bias"]))
+    return a + F.linear(down, t[p + "up.weight"], t[p + "up.bias"])
+
+
+def head(pet: Pet, h: torch.Tensor) -> torch.Tensor:
+    """Logits from the upper-layer output h (B, L, d): (B, labels) or (B, L, labels)."""
+    if pet.meta["task"] == "classification":
+        h = h[:, 0]
+    return F.linear(h, pet.tensors["head.weight"], pet.tensors["head.bias"])
+
+
+def _straight_through(score: torch.Tensor) -> torch.Tensor:
+    """The binary keep-mask (score > 0) forward; the identity gradient to score backward."""
+    keep = (score > 0).to(score.dtype)
+    return keep + score - score.detach()
+
+
+# -- creating, exporting, loading -----------------------------------------------------------
+
+# The meta fields each type adds to pet_type, task, labels, layers (FORMAT.md section 5).
+TYPE_META = {
+    "adapter": ("bottleneck",),
+    "lora": ("rank", "scale", "targets"),
+    "bitfit": ("targets",),
+    "diff": ("targets", "density"),
+    "mask": ("targets", "density"),
+    "head": (),
+}
+
+
+def create_pet(
+    encoder: Encoder,
+    pet_type: str,
+    task: str,
+    labels: list[str],
+    *,
+    layers: list[int] | None = None,
+    targets: tuple[str, ...] | None = None,
+    rank: int = 8,
+    scale: float = 2.0,
+    bottleneck: int = 64,
+    density: float = 0.005,
+    seed: int = 0,
+) -> Pet:
+    """A trainable PET (tensors require grad) that leaves the upper layers unchanged:
+    adapter up = 0, LoRA B = 0, bias/diff deltas = 0, mask scores > 0; only the head is random.
+    layers default to the encoder's upper layers; scale is LoRA's alpha / rank."""
+    if pet_type not in PET_TYPES:
+        raise ValueError(f"unknown PET type {pet_type!r}; expected one of {', '.join(PET_TYPES)}")
+    options = {"bottleneck": bottleneck, "rank": rank, "scale": scale, "density": density,
+               "targets": list(targets or DEFAULT_TARGETS.get(pet_type, ()))}
+    layers = range(encoder.lower_layers, encoder.config.num_layers) if layers is None else layers
+    meta = {"pet_type": pet_type, "task": task, "labels": list(labels), "layers": list(layers)}
+    meta |= {k: options[k] for k in TYPE_META[pet_type]}
+    _check_meta(meta, encoder)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {name: _init(name, shape, g) for name, shape in _layout(meta, encoder.config).items()}
+    return Pet(tensors, meta)
+
+
+def _init(name: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    if name == "head.weight":  # BERT's initializer_range for a fresh classifier
+        v = torch.randn(shape, generator=g) * 0.02
+    elif name.endswith((".A", "adapter.down.weight")):
+        # nn.Linear's range +-1/sqrt(fan_in): nonzero, so the zero-initialized B/up get gradient.
+        v = (torch.rand(shape, generator=g) * 2 - 1) / math.sqrt(shape[1])
+    elif name.endswith(".score"):
+        v = torch.full(shape, MASK_INIT)
+    else:
+        v = torch.zeros(shape)
+    return v.requires_grad_(True)
+
+
+def _layout(meta: dict, c) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor of a trainable PET described by meta."""
+    shapes = {"head.weight": (len(meta["labels"]), c.d), "head.bias": (len(meta["labels"]),)}
+    kind = meta["pet_type"]
+    for i in meta["layers"]:
+        p = f"layers.{i}."
+        if kind == "adapter":
+            b = meta["bottleneck"]
+            shapes |= {p + "adapter.down.weight": (b, c.d), p + "adapter.down.bias": (b,),
+                       p + "adapter.up.weight": (c.d, b), p + "adapter.up.bias": (c.d,)}
+        for target in meta.get("targets", ()):
+            d_out, d_in = _shape(c, target)
+            shapes |= {
+                "lora": {f"{p}lora.{target}.A": (meta.get("rank"), d_in), f"{p}lora.{target}.B": (d_out, meta.get("rank"))},
+                "bitfit": {f"{p}bias.{target}": (d_out,)},
+                "diff": {f"{p}diff.{target}.delta": (d_out, d_in)},
+                "mask": {f"{p}mask.{target}.score": (d_out, d_in)},
+            }[kind]
+    return shapes
+
+
+def _served_layout(meta: dict, c) -> dict[str, tuple[int, ...] | int]:
+    """Name -> shape of an exported PET's tensors; for the variable-length 1-D index lists
+    (and diff values) an int instead: the number of weights they index, d_out * d_in."""
+    served = {}
+    for name, shape in _layout(meta, c).items():
+        stem, _, suffix = name.rpartition(".")
+        if suffix == "delta":
+            served |= {stem + ".index": math.prod(shape), stem + ".value": math.prod(shape)}
+        elif suffix == "score":
+            served[stem + ".index"] = math.prod(shape)
+        else:
+            served[name] = shape
+    return served
+
+
+def l1_penalty(pet: Pet) -> torch.Tensor:
+    """Sum of |delta| over a training diff PET's dense deltas (0 for other types): it pushes
+    the entries the task does not need toward zero, so export's top-k loses little."""
+    deltas = [v for k, v in pet.tensors.items() if k.endswith(".delta")]
+    return sum((d.abs().sum() for d in deltas), torch.tensor(0.0))
+
+
+def export(pet: Pet) -> Pet:
+    """The serving form: detached tensors; a diff keeps its top-k |delta| per target and a mask
+    zeroes at most density of each target's weights (those with the lowest scores <= 0),
+    k = ceil(density * d_out * d_in). Indices are sorted."""
+    out = {}
+    for name, v in pet.tensors.items():
+        stem, _, suffix = name.rpartition(".")
+        flat = v.detach().flatten()
+        k = math.ceil(pet.meta.get("density", 0) * flat.numel())
+        if suffix == "delta":
+            index = flat.abs().topk(k).indices.sort().values
+            out |= {stem + ".index": index.to(torch.int32), stem + ".value": flat[index].clone()}
+        elif suffix == "score":
+            dropped = (flat <= 0).nonzero().flatten()
+            out[stem + ".index"] = dropped[flat[dropped].argsort()[:k]].sort().values.to(torch.int32)
+        else:
+            out[name] = v.detach().clone()
+    return Pet(out, dict(pet.meta))
+
+
+def load_pet(encoder: Encoder, tensors: dict, meta: dict) -> Pet:
+    """Check an exported PET (torch tensors or NumPy arrays) against its meta and the encoder:
+    exactly the tensors the meta implies, with their shapes; ValueError if not. Floating
+    tensors come back as fp32 (packs may hold fp16)."""
+    _check_meta(meta, encoder)
+    expected = _served_layout(meta, encoder.config)
+    if missing := sorted(expected.keys() - tensors.keys()):
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise ValueError(f"PET lacks tensor {missing[0]}{more}")
+    loaded = {}
+    for name, v in tensors.items():
+        v = torch.as_tensor(v)  # pack readers hand back NumPy arrays
+        if name not in expected:
+            raise ValueError(f"PET tensor {name!r} is not part of a {meta['pet_type']} PET on layers {meta['layers']}")
+        if isinstance(expected[name], int):
+            _check_index_list(name, v, expected[name], tensors)
+        elif tuple(v.shape) != expected[name]:
+            raise ValueError(f"PET tensor {name} has shape {tuple(v.shape)}, expected {expected[name]}")
+        loaded[name] = v.to(torch.int32) if name.endswith(".index") else v.float()
+    return Pet(loaded, dict(meta))
+
+
+def _check_index_list(name: str, v: torch.Tensor, size: int, tensors: dict) -> None:
+    stem, _, suffix = name.rpartition(".")
+    if v.ndim != 1:
+        raise ValueError(f"PET tensor {name} must be 1-D, has shape {tuple(v.shape)}")
+    if suffix == "index" and v.numel() and not 0 <= int(v.min()) <= int(v.max()) < size:
+        raise ValueError(f"PET tensor {name} holds indices outside [0, {size})")
+    if suffix == "value" and len(v) != len(tensors[stem + ".index"]):
+        raise ValueError(f"PET tensor {name} has {len(v)} values for {len(tensors[stem + '.index'])} indices")
+
+
+def _check_meta(meta: dict, encoder: Encoder) -> None:
+    kind = meta.get("pet_type")
+    if kind not in PET_TYPES:
+        raise ValueError(f"PET meta has unknown pet_type {kind!r}; expected one of {', '.join(PET_TYPES)}")
+    if meta.get("task") not in TASKS:
+        raise ValueError(f"PET meta has unknown task {meta.get('task')!r}; expected classification or tagging")
+    if not meta.get("labels"):
+        raise ValueError("PET meta has no labels")
+    if missing := [k for k in ("layers", *TYPE_META[kind]) if k not in meta]:
+        raise ValueError(f"{kind} PET meta lacks {', '.join(missing)}")
+    upper = range(encoder.lower_layers, encoder.config.num_layers)
+    if not all(i in upper for i in meta["layers"]):
+        # PLOT tables replace the lower layers, so a PET can only edit upper ones.
+        raise ValueError(f"PET layers {meta['layers']} are not all upper layers ({upper.start}..{upper.stop - 1})")
+    if unknown := set(meta.get("targets", ())) - set(TARGETS):
+        raise ValueError(f"unknown targets {sorted(unknown)}; expected some of {', '.join(TARGETS)}")
+
+
+def _shape(c, target: str) -> tuple[int, int]:
+    """(d_out, d_in) of a target projection."""
+    return {"ffn_in": (c.ffn, c.d), "ffn_out": (c.d, c.ffn)}.get(target, (c.d, c.d))
