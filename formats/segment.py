@@ -13,6 +13,7 @@ import threading
 import numpy as np
 import xxhash
 
+from formats import accel
 from formats.errors import CorruptError, FormatError
 from formats.xxh64 import checksum, hash_keys, xxh64_rows
 
@@ -78,9 +79,10 @@ def quantize_int8(values, chunk=65536):
 
 def _row_sums(key_hashes, values, scales):
     count = len(values)
-    sums = xxh64_rows(values.reshape(count, -1).view(np.uint8), key_hashes)
+    rows = lambda a: a.reshape(count, int(np.prod(a.shape[1:]))).view(np.uint8)  # noqa: E731 - count may be 0
+    sums = xxh64_rows(rows(values), key_hashes)
     if scales is not None:
-        sums = xxh64_rows(scales.reshape(count, -1).view(np.uint8), sums)
+        sums = xxh64_rows(rows(scales), sums)
     return sums
 
 
@@ -116,7 +118,7 @@ def write_segment(path, keys, values, *, tombstone=None, dtype="fp16"):
     }
     table, offset = [], HEADER_SIZE
     for name in SECTIONS:
-        raw = memoryview(np.ascontiguousarray(blobs[name])).cast("B")
+        raw = memoryview(np.ascontiguousarray(blobs[name]).reshape(-1).view(np.uint8))
         table.append((offset, len(raw), checksum(raw), raw))
         offset += -(-len(raw) // ALIGN) * ALIGN
     header = bytearray(HEADER_SIZE)
@@ -229,10 +231,24 @@ class Segment:
                     self._checked = True
 
     def probe(self, keys, hashes=None):
-        """Entry number of each key, or -1. keys: (m, n) uint32."""
+        """Entry number of each key, or -1. keys: (m, n) uint32; hashes: their key hashes (m,)
+        uint64, computed here when None."""
         self._check_once()
         keys = np.asarray(keys, dtype=np.uint32)
         m = len(keys)
+        ext = accel.ext
+        if (ext is not None and m and self.count and keys.ndim == 2 and keys.shape[1] == self.n
+                and self.capacity > 0 and not self.capacity & (self.capacity - 1)):
+            # formats/_probe.c: hash, probe and compare in one loop, without the GIL.
+            keys = np.ascontiguousarray(keys)
+            result = np.empty(m, dtype=np.int64)
+            compute = hashes is None
+            hashes = np.empty(m, dtype=np.uint64) if compute else np.ascontiguousarray(hashes, dtype=np.uint64)
+            try:
+                ext.probe(self.index, self.keys, self.n, self.max_probe, keys, result, hashes, compute)
+            except ext.CorruptIndex as e:
+                raise CorruptError(f"segment {self.name}: index names entry {e.args[1]}, past its {e.args[2]} entries") from None
+            return result
         result = np.full(m, -1, dtype=np.int64)
         if m == 0 or self.count == 0:
             return result
@@ -259,18 +275,40 @@ class Segment:
             return np.zeros(len(entries), dtype=bool)
         return (self.flags[entries] & TOMBSTONE) != 0
 
-    def read_values(self, entries, key_hashes):
+    def read_values(self, entries, key_hashes, out=None, out_rows=None):
         """Value rows of the given entries (m, n, d), each checked on first return: float16
         for fp16 segments, float32 (dequantized) for int8 ones, whose float16 conversion
-        would cost more than the gather."""
+        would cost more than the gather. With `out` ((M, n, d) of that dtype) the rows go to
+        out[out_rows] (out_rows None: out is (m, n, d) and takes them all) and out is returned."""
+        ext = accel.ext
+        if ext is not None:
+            self._check_once()
+            entries = np.ascontiguousarray(entries, dtype=np.int64)
+            key_hashes = np.ascontiguousarray(key_hashes, dtype=np.uint64)
+            if out is None:
+                out = np.empty((len(entries), self.n, self.d), dtype=np.float16 if self.scales is None else np.float32)
+            if out_rows is not None:
+                out_rows = np.ascontiguousarray(out_rows, dtype=np.int64)
+            # One pass: first-return rows are checked against their rowsums, then copied
+            # (int8: dequantized); rows are prefetched ahead.
+            bad = ext.gather(self.values, self.count, self.n, entries, out, out_rows, self.scales, self.rowsums,
+                             self._row_ok, key_hashes)
+            if bad >= 0:
+                raise CorruptError(f"segment {self.name}: value row {entries[bad]} fails its checksum")
+            return out
         self._check_rows(entries, key_hashes)
         # mode="clip" skips NumPy's defensive copy; entries are valid because probe made them.
         rows = np.take(self.values, entries, axis=0, mode="clip")
-        if self.scales is None:
+        if self.scales is not None:
+            rows = rows.astype(np.float32)
+            rows *= np.take(self.scales, entries, axis=0, mode="clip")[..., None]
+        if out is None:
             return rows
-        rows = rows.astype(np.float32)
-        rows *= np.take(self.scales, entries, axis=0, mode="clip")[..., None]
-        return rows
+        if out_rows is None:
+            out[...] = rows
+        else:
+            out[out_rows] = rows
+        return out
 
     def check_rows(self, entries):
         """Check the given entries' value rows against their rowsums (verify walks them all)."""
@@ -278,6 +316,14 @@ class Segment:
 
     def _check_rows(self, entries, key_hashes):
         self._check_once()
+        ext = accel.ext
+        if ext is not None:
+            entries = np.ascontiguousarray(entries, dtype=np.int64)
+            bad = ext.gather(self.values, self.count, self.n, entries, None, None, self.scales, self.rowsums,
+                             self._row_ok, np.ascontiguousarray(key_hashes, dtype=np.uint64))
+            if bad >= 0:
+                raise CorruptError(f"segment {self.name}: value row {entries[bad]} fails its checksum")
+            return
         fresh = np.flatnonzero(~self._row_ok[entries])
         if not len(fresh):
             return
