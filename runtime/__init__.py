@@ -1,0 +1,339 @@
+"""The lean serving runtime (HMI §6): one shared encoder, thousands of tenants.
+
+    import runtime
+    with runtime.open("STORE") as rt:                      # device="auto" | "cpu" | "cuda"
+        results = rt.infer([{"tenant": "acme", "text": "Return the sum of a list."},
+                            {"tenant": "globex", "ids": [101, 7592, 102]}])
+    results = runtime.infer("STORE", requests)             # one-shot
+
+A request is a dict (or a ``Request``) with ``tenant`` and either ``text`` (tokenized with the
+store's tokenizer, [CLS] ... [SEP] added) or ``ids`` (token ids exactly as the model sees
+them). The upper-layer inputs come from the tenant's PLOT version (runtime.plot.retrieve);
+requests of many tenants are batched together and run once through the shared upper layers,
+each with its own PET (runtime/executor_cpu.py, runtime/executor_gpu.py, batching and
+pipelining in runtime/scheduler.py). A ``Result`` carries the label (classification) or the
+tags (tagging: one per word of a text, one per id of an ids request), the probabilities, the
+version that served it and timings in seconds (retrieval, transfer, compute, total).
+
+Errors a caller can fix are raised by ``infer`` before anything runs: ``UnknownTenant``,
+``EmptyText``, ``TextTooLong`` (more than ``max_len`` tokens), ``BadRequest`` (a malformed
+request) and ``IncompatiblePet`` (a PET trained for another base model, or for a PLOT
+version the store does not hold). Importing this package needs no torch; ``open`` does.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hkstore.errors import StoreError, UnknownTenant
+
+__all__ = [
+    "BadRequest", "EmptyText", "IncompatiblePet", "Request", "Result", "Runtime", "StoreError", "TextTooLong",
+    "UnknownTenant", "infer", "open",
+]
+
+DEFAULT_PET_CACHE_BYTES = 512 << 20  # device PET cache (GPU)
+DEFAULT_HOST_CACHE_BYTES = 4 << 30  # host PET cache: 10K adapter/LoRA tenants of MiniLM fit
+DEFAULT_HOT_TIER_ROWS = 65536  # GPU PLOT hot tier: (window, version) rows kept on the device
+
+
+class BadRequest(ValueError):
+    """A request that is not {tenant, text | ids}, or holds ids outside the vocabulary."""
+
+
+class EmptyText(BadRequest):
+    """The text (or ids) of a request holds no token."""
+
+
+class TextTooLong(BadRequest):
+    """The request has more tokens than the runtime's max_len."""
+
+
+class IncompatiblePet(StoreError):
+    """The tenant's PET was trained for another base model or a PLOT version this store does
+    not hold, or its tensors do not fit the model."""
+
+
+@dataclass
+class Request:
+    tenant: str
+    text: str | None = None
+    ids: list | None = None
+
+
+@dataclass
+class Result:
+    tenant: str
+    task: str  # classification | tagging
+    labels: list  # the tenant's label names, in probability order
+    label: str | None  # classification: the most probable label
+    tags: list | None  # tagging: one label per word (text) or per id (ids request)
+    tokens: list | None  # tagging: the words / tokens the tags belong to
+    probabilities: list  # classification: per label; tagging: per word/token, per label
+    version: str  # the PLOT version that served the request
+    timings: dict  # seconds: retrieval, transfer, compute (of its batch), total (submit to result)
+    batch_size: int = 0  # requests in the batch that computed it
+    logits: np.ndarray = field(default=None, repr=False)  # raw head output: (labels,) or (tokens, labels)
+
+
+def _cuda_available() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no CuPy, no driver, no device
+        return False
+
+
+class Runtime:
+    """A store opened for serving; see the package doc. Use ``runtime.open``."""
+
+    def __init__(self, store_path, device: str = "auto", *, max_len: int = 128, max_batch: int = 64,
+                 pet_cache_bytes: int = DEFAULT_PET_CACHE_BYTES, pipeline: bool = True, prefetch: bool = True,
+                 hot_tier_rows: int = DEFAULT_HOT_TIER_ROWS, host_cache_bytes: int = DEFAULT_HOST_CACHE_BYTES,
+                 dtype: str = "fp32", lora_kernel: str = "auto", encoder=None):
+        import hkstore
+
+        if device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
+        if device == "auto":
+            device = "cuda" if _cuda_available() else "cpu"
+        elif device == "cuda" and not _cuda_available():
+            raise StoreError("device='cuda' needs CuPy and a CUDA GPU (pip install 'hkstore[gpu]')")
+        if max_len < 1 or max_batch < 1:
+            raise ValueError(f"max_len and max_batch must be positive, got {max_len} and {max_batch}")
+        self.device, self.max_len, self.max_batch = device, int(max_len), int(max_batch)
+        self.store = hkstore.open(store_path)
+        try:
+            self._setup(device, encoder, pet_cache_bytes, pipeline, prefetch, hot_tier_rows, host_cache_bytes,
+                        dtype, lora_kernel)
+        except BaseException:
+            self.store.close()
+            raise
+
+    def _setup(self, device, encoder, pet_cache_bytes, pipeline, prefetch, hot_tier_rows, host_cache_bytes, dtype,
+               lora_kernel):
+        from runtime import manager
+        from runtime.plot import check_encoder
+        from runtime.scheduler import PetCache, Scheduler
+
+        meta = self.store.meta
+        if encoder is None:
+            encoder = manager.base_encoder(self.store)
+        else:
+            check_encoder(meta, encoder)
+        self.encoder = encoder
+        self.meta = meta
+        if device == "cuda":
+            from runtime.executor_gpu import GpuExecutor
+
+            self.executor = GpuExecutor(encoder, dtype=dtype, pet_cache_bytes=pet_cache_bytes, prefetch=prefetch,
+                                        hot_tier_rows=hot_tier_rows, max_batch=self.max_batch, max_len=self.max_len,
+                                        lora_kernel=lora_kernel)
+        else:
+            if dtype != "fp32":
+                raise ValueError("the CPU executor computes in fp32 only")
+            from runtime.executor_cpu import CpuExecutor
+
+            self.executor = CpuExecutor(encoder, lora_kernel=lora_kernel, prefetch=prefetch)
+        self.pets = PetCache(host_cache_bytes)
+        self._refresh_lock = threading.Lock()
+        self.scheduler = Scheduler(self.executor, self.store.snapshot, max_batch=self.max_batch, pipeline=pipeline)
+        tok = encoder.tokenizer
+        self._cls, self._sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def close(self):
+        sched = getattr(self, "scheduler", None)
+        if sched is not None:
+            sched.close()
+        close = getattr(self.executor, "close", None) if hasattr(self, "executor") else None
+        if close:
+            close()
+        self.store.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def refresh(self):
+        """Serve the store's newest manifest (new or updated tenants, new versions)."""
+        with self._refresh_lock:
+            self.store.refresh()
+
+    @property
+    def tenants(self) -> list:
+        return sorted(self.store.snapshot().pets)
+
+    def stats(self) -> dict:
+        out = {"device": self.device, "batches": self.scheduler.batches, "requests": self.scheduler.items,
+               "host_pet_cache": self.pets.stats()}
+        extra = getattr(self.executor, "stats", None)
+        if extra:
+            out.update(extra())
+        return out
+
+    # -- requests --------------------------------------------------------------------------
+
+    def pet(self, tenant):
+        """The tenant's ServingPet (decoded once, then from the host cache)."""
+        snap = self.store.snapshot()
+        if not isinstance(tenant, str):
+            raise BadRequest(f"tenant must be a string, got {type(tenant).__name__}")
+        if tenant not in snap.pets:
+            self.refresh()  # created after this runtime opened?
+            snap = self.store.snapshot()
+            if tenant not in snap.pets:
+                raise UnknownTenant(f"unknown tenant {tenant!r}")
+        loc = snap.pets[tenant]
+        token = (loc["file"], loc["offset"])
+        pet = self.pets.get(tenant, token, lambda: self._load_pet(snap, tenant, token))
+        if pet.version not in snap.version_names:
+            raise IncompatiblePet(f"tenant {tenant!r} was trained on PLOT version {pet.version!r}, "
+                                  "which this store no longer holds")
+        return pet
+
+    def _load_pet(self, snap, tenant, token):
+        from runtime.pet import TYPE_META, load_pet
+
+        record = snap.read_pet(tenant)
+        meta = record.meta
+        base = self.meta.get("base_model")
+        if meta.get("base_model") != base:
+            raise IncompatiblePet(f"tenant {tenant!r}'s PET was trained for base model {meta.get('base_model')!r}, "
+                                  f"this store serves {base!r}")
+        version = meta.get("version")
+        if version not in snap.version_names:
+            raise IncompatiblePet(f"tenant {tenant!r} was trained on PLOT version {version!r}, "
+                                  "which this store does not hold")
+        keep = ("pet_type", "task", "labels", "layers", *TYPE_META.get(meta.get("pet_type"), ()))
+        try:
+            pet = load_pet(self.encoder, record.tensors, {k: meta[k] for k in keep if k in meta})
+        except ValueError as e:
+            raise IncompatiblePet(f"tenant {tenant!r}'s PET does not fit the model: {e}") from None
+        pet.meta.update(version=version, tenant=tenant)
+        return self.executor.load_pet(pet, key=tenant, token=token)
+
+    def _normalize(self, requests) -> list:
+        """(tenant, ids, words or None, text) per request, validated (see the package doc)."""
+        if isinstance(requests, (dict, Request)):
+            raise BadRequest("infer takes a list of requests")
+        parsed, texts = [], []
+        for r in requests:
+            if isinstance(r, Request):
+                tenant, text, ids = r.tenant, r.text, r.ids
+            elif isinstance(r, dict):
+                unknown = set(r) - {"tenant", "text", "ids"}
+                if unknown:
+                    raise BadRequest(f"unknown request fields {sorted(unknown)}; expected tenant and text or ids")
+                tenant, text, ids = r.get("tenant"), r.get("text"), r.get("ids")
+            else:
+                raise BadRequest(f"a request is a dict or runtime.Request, got {type(r).__name__}")
+            if tenant is None:
+                raise BadRequest("a request needs a tenant")
+            if (text is None) == (ids is None):
+                raise BadRequest("a request needs exactly one of text and ids")
+            if text is not None:
+                if not isinstance(text, str):
+                    raise BadRequest(f"text must be a string, got {type(text).__name__}")
+                if not text.strip():
+                    raise EmptyText(f"tenant {tenant!r}: the text is empty")
+                texts.append(len(parsed))
+            parsed.append([tenant, ids, None, text])
+        if texts:
+            encodings = self.encoder.tokenizer.encode_batch([parsed[j][3] for j in texts])
+            for j, e in zip(texts, encodings):
+                parsed[j][1] = list(e.ids)
+                parsed[j][2] = _words(parsed[j][3], e)
+        vocab = self.encoder.config.vocab_size
+        for p in parsed:
+            tenant, ids, words, text = p
+            if text is None:
+                try:
+                    arr = np.asarray(ids)
+                except Exception:  # ragged or odd objects
+                    arr = np.asarray([None])
+                if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+                    raise BadRequest(f"tenant {tenant!r}: ids must be a list of integers")
+                if arr.size and (arr.min() < 0 or arr.max() >= vocab):
+                    raise BadRequest(f"tenant {tenant!r}: token ids must lie in [0, {vocab})")
+                p[1] = ids = arr.astype(np.int64).tolist()
+            if not len(ids) or (words is not None and not words):
+                raise EmptyText(f"tenant {tenant!r}: the request holds no token")
+            if len(ids) > self.max_len:
+                raise TextTooLong(f"tenant {tenant!r}: {len(ids)} tokens, more than max_len={self.max_len}")
+        return parsed
+
+    def infer(self, requests) -> list:
+        """Results of requests (see the package doc), in request order. Thread-safe."""
+        from runtime.scheduler import Item
+
+        parsed = self._normalize(list(requests) if not isinstance(requests, (dict, Request)) else requests)
+        if not parsed:
+            return []
+        pets = {}
+        for tenant, *_ in parsed:
+            if tenant not in pets:
+                pets[tenant] = self.pet(tenant)
+        items = [Item([int(t) for t in ids], pets[tenant], pets[tenant].version) for tenant, ids, _, _ in parsed]
+        outputs = self.scheduler.run(items)
+        return [self._result(p, item, out) for p, item, out in zip(parsed, items, outputs)]
+
+    def _result(self, parsed, item, out):
+        tenant, ids, words, _ = parsed
+        pet = item.pet
+        logits = np.asarray(out.logits, dtype=np.float32)
+        probs = _softmax(logits)
+        labels = list(pet.labels)
+        if pet.task == "classification":
+            label, tags, tokens, p = labels[int(probs.argmax())], None, None, probs.tolist()
+        else:
+            if words is None:  # ids request: a tag per id
+                positions = list(range(len(ids)))
+                tokens = [self.encoder.tokenizer.id_to_token(int(t)) for t in ids]
+            else:
+                positions = [first for first, _ in words]
+                tokens = [w for _, w in words]
+            label = None
+            tags = [labels[int(probs[j].argmax())] for j in positions]
+            p = probs[positions].tolist()
+        return Result(tenant=tenant, task=pet.task, labels=labels, label=label, tags=tags, tokens=tokens,
+                      probabilities=p, version=item.version, timings=out.timings, batch_size=out.batch_size,
+                      logits=logits)
+
+
+def _words(text, encoding) -> list:
+    """(first sub-token position, word text) per word of a tokenized text."""
+    out, previous = [], None
+    for j, (w, (start, end)) in enumerate(zip(encoding.word_ids, encoding.offsets)):
+        if w is None:
+            continue
+        if w != previous:
+            out.append([j, start, end])
+        else:
+            out[-1][2] = end
+        previous = w
+    return [(j, text[a:b]) for j, a, b in out]
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def open(store_path, device: str = "auto", **options) -> Runtime:  # noqa: A001 - the package's verb
+    """A Runtime serving the store at store_path; options as Runtime's (max_len, max_batch,
+    pet_cache_bytes, pipeline, prefetch, hot_tier_rows, host_cache_bytes, dtype, lora_kernel)."""
+    return Runtime(store_path, device, **options)
+
+
+def infer(store_path, requests, device: str = "auto", **options) -> list:
+    """One-shot: open the store, serve requests, close."""
+    with open(store_path, device, **options) as rt:
+        return rt.infer(requests)

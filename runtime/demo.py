@@ -1,0 +1,299 @@
+"""The README's main job on the embedded default: ``hkstore demo [STORE_DIR]``.
+
+Everything comes with the install: the bundled all-MiniLM-L6-v2 and, as text, the docstrings
+of Python's standard library (first paragraph of each public class, function and method of
+~40 modules, about 900 of them). The steps, each skipped when the store already has it
+(so a rerun resumes, and a finished store just serves):
+
+1. **build** the root PLOT from all the docstrings (runtime.manager.build);
+2. **domain** ``email``: the lower layers further pre-trained (a few MLM steps) on the
+   docstrings of the ``email`` package family, and a branch holding the top-50% of its n-grams;
+3. **tenants**, one per PET type, each a small task derived from the docstrings:
+
+   | tenant | PET | version | task |
+   | --- | --- | --- | --- |
+   | ``which-module`` | adapter | root | classification: which of 6 modules (logging, pathlib, datetime, random, calendar, tarfile) a docstring comes from |
+   | ``class-or-function`` | LoRA | email | classification: does the docstring document a class or a function/method |
+   | ``type-words`` | BitFit | root | tagging: the words naming Python types and values (str, int, bytes, None, ...) are ``B-TYPE`` |
+   | ``raises`` | diff | email | classification: does the docstring talk about exceptions (raise, error, exception) |
+
+   Every 5th example (in a fixed order) is held out;
+4. **serve** a mixed-tenant batch of held-out docstrings through ``runtime.infer``: printed
+   predictions, held-out accuracy per tenant, and throughput with the timing breakdown.
+
+Data files go to ``STORE_DIR/demo/`` (the store's gc leaves them alone). About 3-5 minutes on
+two CPU cores the first time, seconds after that.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import os
+import re
+import time
+
+import click
+
+ROOT_MODULES = (
+    "json re string textwrap collections itertools functools pathlib datetime argparse logging shutil subprocess csv "
+    "random statistics decimal fractions heapq calendar tarfile zipfile configparser difflib posixpath "
+    "email.message email.utils email.header email.parser email.generator email.policy email.headerregistry "
+    "email.feedparser email.charset email.encoders email._policybase").split()
+DOMAIN = "email"
+MODULE_LABELS = ("logging", "pathlib", "datetime", "random", "calendar", "tarfile")
+TYPE_WORDS = {"str", "string", "strings", "int", "integer", "integers", "float", "bytes", "bool", "list", "lists",
+              "dict", "dictionary", "tuple", "tuples", "set", "none", "true", "false", "object", "objects"}
+RAISES = re.compile(r"\b(raise[sd]?|error|errors|exception|exceptions)\b", re.IGNORECASE)
+TENANTS = {  # tenant -> (pet type, version, task, data file)
+    "which-module": ("adapter", "root", "classification", "modules.jsonl"),
+    "class-or-function": ("lora", DOMAIN, "classification", "kinds.jsonl"),
+    "type-words": ("bitfit", "root", "tagging", "types.conll"),
+    "raises": ("diff", DOMAIN, "classification", "raises.jsonl"),
+}
+# (epochs, learning rate or None for the manager's default per PET type); BitFit and diff get
+# more epochs on their small data sets (BitFit's rate is higher: biases move slowly).
+TRAINING = {"which-module": (4, None), "class-or-function": (3, None), "type-words": (6, 1e-2),
+            "raises": (6, 1e-3)}
+
+
+# -- data -------------------------------------------------------------------------------------
+
+
+def stdlib_docstrings(modules=ROOT_MODULES) -> list[tuple[str, str, str]]:
+    """(first paragraph, module, "class" | "function") of the public classes, functions and
+    methods each module defines itself, 20-300 characters, in a fixed order."""
+    out = []
+    for name in modules:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        for attr, obj in sorted(vars(mod).items()):
+            if attr.startswith("_") or getattr(obj, "__module__", None) != name:
+                continue
+            items = []
+            if inspect.isclass(obj):
+                items.append(("class", obj))
+                items += [("function", f) for m, f in sorted(vars(obj).items())
+                          if not m.startswith("_") and (inspect.isfunction(f) or inspect.ismethoddescriptor(f))]
+            elif callable(obj):
+                items.append(("function", obj))
+            for kind, o in items:
+                doc = o.__doc__ if isinstance(o.__doc__, str) else None
+                if not doc:
+                    continue
+                text = " ".join(inspect.cleandoc(doc).strip().split("\n\n")[0].split())
+                if 20 <= len(text) <= 300 and not text.startswith(attr + "("):
+                    out.append((text, name, kind))
+    return out
+
+
+def _split(examples):
+    """(train, test): every 5th example held out."""
+    return [e for j, e in enumerate(examples) if j % 5], [e for j, e in enumerate(examples) if j % 5 == 0]
+
+
+def _balanced(pos, neg):
+    k = min(len(pos), len(neg))
+    out = []
+    for a, b in zip(pos[:k], neg[:k]):
+        out += [a, b]
+    return out
+
+
+def tasks(docs) -> dict:
+    """tenant -> (train examples, test examples); classification (text, label), tagging
+    (words, tags)."""
+    per_module = {m: [(t, m) for t, mod, _ in docs if mod == m][:50] for m in MODULE_LABELS}
+    modules = [e for group in zip(*per_module.values()) for e in group]
+    classes = [(t, "class") for t, _, k in docs if k == "class"]
+    functions = [(t, "function") for t, _, k in docs if k == "function"][::3]
+    kinds = _balanced(classes, functions)
+    raises = _balanced([(t, "raises") for t, _, _ in docs if RAISES.search(t)],
+                       [(t, "other") for t, _, _ in docs if not RAISES.search(t)][::2])
+    tagged = []
+    for t, _, _ in docs[::2]:
+        words = re.findall(r"[A-Za-z0-9]+|[^\sA-Za-z0-9]", t)  # BERT's word split
+        tags = ["B-TYPE" if w.lower() in TYPE_WORDS else "O" for w in words]
+        if "B-TYPE" in tags:
+            tagged.append((words, tags))
+    return {"which-module": _split(modules), "class-or-function": _split(kinds), "type-words": _split(tagged[:240]),
+            "raises": _split(raises)}
+
+
+def write_data(data_dir, docs, task_data):
+    os.makedirs(data_dir, exist_ok=True)
+    _write(os.path.join(data_dir, "corpus.txt"), "".join(t + "\n" for t, _, _ in docs))
+    _write(os.path.join(data_dir, "domain.txt"), "".join(t + "\n" for t, m, _ in docs if m.split(".")[0] == DOMAIN))
+    for tenant, (_, _, task, name) in TENANTS.items():
+        train, _ = task_data[tenant]
+        if task == "classification":
+            text = "".join(json.dumps({"text": t, "label": y}) + "\n" for t, y in train)
+        else:
+            text = "".join("".join(f"{w}\t{y}\n" for w, y in zip(words, tags)) + "\n" for words, tags in train)
+        _write(os.path.join(data_dir, name), text)
+
+
+def _write(path, text):
+    """Write only if different (keeps mtimes, and the build's corpus fingerprint, stable)."""
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            if f.read() == text:
+                return
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+# -- the job ----------------------------------------------------------------------------------
+
+
+def main(store_dir="hkstore-demo", echo=print, progress=True) -> dict:
+    """Build (or resume) the demo store in store_dir and serve a mixed-tenant batch; returns a
+    summary dict (accuracies, throughput, step timings)."""
+    import hkstore
+    import runtime
+    from runtime import manager
+    from runtime.data import entity_f1
+
+    t_start = time.perf_counter()
+    store_dir = os.fspath(store_dir)
+    data_dir = os.path.join(store_dir, "demo")
+    docs = stdlib_docstrings()
+    task_data = tasks(docs)
+    write_data(data_dir, docs, task_data)
+    summary = {"store": store_dir, "docstrings": len(docs), "steps": {}}
+    echo(f"hkstore demo: {len(docs)} standard-library docstrings -> {store_dir}")
+
+    def step(name, fn):
+        t0 = time.perf_counter()
+        result = fn()
+        summary["steps"][name] = round(time.perf_counter() - t0, 1)
+        return result
+
+    # 1. root PLOT (manager.build resumes an unfinished build and is quick on a finished one)
+    info = _store_info(store_dir)
+    if info and info["root_complete"]:
+        echo("1. root PLOT: already built")
+    else:
+        echo("1. root PLOT: building from the docstrings (lower layers of all-MiniLM-L6-v2 per window) ...")
+        out = step("build", lambda: manager.build(store_dir, corpus_paths=[os.path.join(data_dir, "corpus.txt")],
+                                                  progress=progress))
+        echo(f"   {out['keys']:,} keys ({out['distinct_windows']:,} corpus windows, backoff keys, "
+             f"every uni-gram) in {out['seconds']:.0f} s")
+    # 2. domain branch
+    info = _store_info(store_dir)
+    if DOMAIN in info["versions"]:
+        echo(f"2. domain {DOMAIN!r}: already there")
+    else:
+        echo(f"2. domain {DOMAIN!r}: MLM on the {DOMAIN} package's docstrings, then its top-50% n-grams ...")
+        out = step("domain", lambda: manager.domain_create(store_dir, DOMAIN, [os.path.join(data_dir, "domain.txt")],
+                                                           alpha=50, mlm_steps=20, batch_size=8, progress=progress))
+        echo(f"   MLM loss {out['mlm']['loss_first']:.2f} -> {out['mlm']['loss_last']:.2f}; "
+             f"{out['ngrams_kept']:,} of {out['ngrams_seen']:,} n-grams kept")
+    # 3. tenants
+    for tenant, (pet_type, version, task, name) in TENANTS.items():
+        if tenant in _store_info(store_dir)["tenants"]:
+            echo(f"3. tenant {tenant!r}: already trained")
+            continue
+        echo(f"3. tenant {tenant!r}: {pet_type} PET, {task}, on version {version!r} ...")
+        epochs, lr = TRAINING[tenant]
+        out = step(f"tenant {tenant}", lambda: manager.tenant_create(
+            store_dir, tenant, version=version, train_path=os.path.join(data_dir, name), task=task,
+            pet_type=pet_type, epochs=epochs, lr=lr, max_len=64, bottleneck=32, rank=8, density=0.01,
+            progress=progress))
+        echo(f"   {out['examples']} examples, {out['steps']} steps, loss {out['loss_first']:.2f} -> "
+             f"{out['loss_last']:.2f}, PET {out['pet_bytes'] / 1024:.0f} KiB")
+    # 4. serve
+    echo("4. serving a mixed-tenant batch through runtime.infer")
+    requests, gold = [], []
+    for tenant, (_, _, task, _) in TENANTS.items():
+        for example in task_data[tenant][1]:
+            text = example[0] if task == "classification" else " ".join(example[0])
+            requests.append({"tenant": tenant, "text": text})
+            gold.append(example[1])
+    # interleave tenants, so every batch mixes them
+    order = sorted(range(len(requests)), key=lambda j: (j - _first_index(requests, requests[j]["tenant"]), j))
+    requests, gold = [requests[j] for j in order], [gold[j] for j in order]
+    with runtime.open(store_dir, device="auto", max_len=128, max_batch=64) as rt:
+        rt.infer(requests[:8])  # warm-up (PET decode, first-call costs)
+        t0 = time.perf_counter()
+        results = rt.infer(requests)
+        wall = time.perf_counter() - t0
+        summary["device"] = rt.device
+    echo("")
+    echo(f"{'tenant':<18} {'PET':<8} {'version':<8} {'text':<46} {'prediction':<22} gold")
+    shown = {}
+    for req, res, g in zip(requests, results, gold):
+        if shown.get(req["tenant"], 0) >= 3:
+            continue
+        shown[req["tenant"]] = shown.get(req["tenant"], 0) + 1
+        pred = res.label if res.task == "classification" else _tagged(res.tokens, res.tags)
+        want = g if res.task == "classification" else _tagged(req["text"].split(), g)
+        echo(f"{req['tenant']:<18} {TENANTS[req['tenant']][0]:<8} {res.version:<8} {_short(req['text'], 46):<46} "
+             f"{_short(pred, 22):<22} {_short(want, 30)}")
+    echo("")
+    acc = {}
+    for tenant in TENANTS:
+        pairs = [(r, g) for q, r, g in zip(requests, results, gold) if q["tenant"] == tenant]
+        if TENANTS[tenant][2] == "classification":
+            acc[tenant] = sum(r.label == g for r, g in pairs) / len(pairs)
+        else:  # entity-level F1 of the B-TYPE words
+            acc[tenant] = entity_f1([g for _, g in pairs], [r.tags for r, _ in pairs])
+        metric = "accuracy" if TENANTS[tenant][2] == "classification" else "entity F1"
+        echo(f"held-out {metric:<9} {tenant:<18} {acc[tenant]:.2%} ({len(pairs)} examples)")
+    n = len(results)
+    mean = {k: sum(r.timings[k] for r in results) / n for k in ("retrieval", "transfer", "compute", "total")}
+    echo(f"\nserved {n} requests of {len(TENANTS)} tenants in {wall:.2f} s: {n / wall:.1f} requests/s "
+         f"on {summary['device']} (batches of up to 64; per batch: retrieval {mean['retrieval'] * 1e3:.0f} ms, "
+         f"transfer {mean['transfer'] * 1e3:.0f} ms, compute {mean['compute'] * 1e3:.0f} ms)")
+    summary.update(accuracy=acc, requests=n, seconds=round(wall, 3), requests_per_s=round(n / wall, 2),
+                   total_seconds=round(time.perf_counter() - t_start, 1))
+    with hkstore.open(store_dir) as st:
+        summary["versions"] = st.snapshot().version_names
+        summary["tenants"] = sorted(st.snapshot().pets)
+    echo(f"demo done in {summary['total_seconds']:.0f} s")
+    return summary
+
+
+def _first_index(requests, tenant):
+    return next(j for j, r in enumerate(requests) if r["tenant"] == tenant)
+
+
+def _store_info(store_dir):
+    if not os.path.exists(os.path.join(store_dir, "CURRENT")):
+        return None
+    import hkstore
+
+    with hkstore.open(store_dir) as st:
+        snap = st.snapshot()
+        build = snap.versions[0]["info"].get("build") or {}
+        return {"versions": snap.version_names, "tenants": set(snap.pets), "root_complete": bool(build.get("complete"))}
+
+
+def _short(text, width):
+    text = str(text)
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _tagged(words, tags):
+    marked = [w for w, t in zip(words, tags) if t != "O"]
+    return "[" + ", ".join(marked) + "]"
+
+
+@click.command("demo")
+@click.argument("store_dir", required=False, default="hkstore-demo", type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON at the end.")
+@click.option("--no-progress", is_flag=True, help="No progress bars.")
+def demo(store_dir, as_json, no_progress):
+    """Build (or resume) a demo store from the standard library's docstrings with a domain
+    branch and four tenants (adapter, LoRA, BitFit, diff), then serve a mixed-tenant batch."""
+    summary = main(store_dir, echo=click.echo if not as_json else (lambda *a, **k: None), progress=not no_progress)
+    if as_json:
+        click.echo(json.dumps(summary, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    demo()

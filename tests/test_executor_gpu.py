@@ -1,0 +1,285 @@
+"""The GPU executor against the CPU reference executor.
+
+Two halves:
+
+* ``@pytest.mark.gpu`` (skipped without CuPy and a CUDA GPU): the real GpuExecutor on fresh
+  random inputs (random tiny models and every PET type) and on a real store built with
+  runtime.manager, served through runtime.open(device="cuda") with and without the hot tier,
+  pipelining and prefetch: fp32 within 1e-5 relative, fp16 within 1e-2.
+* Always: the same executor code run on the CPU with NumPy standing in for CuPy and
+  runtime.ops_cpu for runtime.ops_gpu (streams and events become no-ops). That checks the
+  executor's own logic - permutation, stacking and padding, the device PET cache and its
+  eviction, the hot tier's keys, probe, gather/scatter and rebuilds, double buffering -
+  everywhere, GPU or not; only CuPy's and the kernels' behaviour is left to the GPU half
+  (and to tests/test_ops_gpu.py).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from runtime import ops_cpu
+from runtime.executor_cpu import CpuExecutor
+from runtime.executor_gpu import GpuExecutor
+from runtime.scheduler import Item, Scheduler
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # sibling test modules, any import mode
+from test_executor_cpu import pet_zoo, tiny_encoder  # noqa: E402
+
+TOL = {"fp32": 1e-5, "fp16": 1e-2}
+
+
+def rel_err(out, ref) -> float:
+    out = np.asarray(out, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    assert out.shape == ref.shape
+    assert np.isfinite(out).all()
+    den = np.linalg.norm(ref)
+    return float(np.linalg.norm(out - ref) / (den if den > 0 else 1.0))
+
+
+def random_batch(enc, n_items, seed, max_len=12):
+    g = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, max_len + 1, size=n_items)
+    L = int(lengths.max())
+    inputs = torch.randn(n_items, L, enc.config.d, generator=g)
+    mask = torch.arange(L)[None, :] < torch.as_tensor(lengths)[:, None]
+    inputs[~mask] = 0.0
+    return inputs, mask
+
+
+# -- NumPy stand-ins for CuPy and ops_gpu --------------------------------------------------------
+
+
+class _Stream:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def wait_event(self, event):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+class _Event:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+class _Device:
+    def __init__(self, *args):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def fake_cupy():
+    cuda = types.SimpleNamespace(
+        Stream=_Stream, Event=_Event, Device=_Device, alloc_pinned_memory=lambda n: bytearray(n),
+        get_elapsed_time=lambda a, b: 0.0,
+        runtime=types.SimpleNamespace(getDevice=lambda: 0, getDeviceCount=lambda: 1))
+    return types.SimpleNamespace(
+        cuda=cuda, asarray=np.asarray, empty=np.empty, zeros=np.zeros, ascontiguousarray=np.ascontiguousarray,
+        asnumpy=np.asarray, matmul=np.matmul, stack=np.stack, concatenate=np.concatenate, where=np.where, exp=np.exp)
+
+
+def _t(a):
+    if not isinstance(a, np.ndarray):
+        return a
+    a = np.ascontiguousarray(a)
+    return torch.from_numpy(a if a.flags.writeable else a.copy())
+
+
+class FakeOps:
+    """runtime.ops_gpu's interface over runtime.ops_cpu on NumPy arrays (in place stays in place)."""
+
+    @staticmethod
+    def _np(t):
+        return t.numpy() if isinstance(t, torch.Tensor) else t
+
+    def __getattr__(self, name):
+        fn = getattr(ops_cpu, name)
+
+        def call(*args, **kwargs):
+            args = [_t(a) for a in args]
+            kwargs = {k: _t(v) for k, v in kwargs.items()}
+            return self._np(fn(*args, **kwargs))
+
+        return call
+
+
+class NumpyGpuExecutor(GpuExecutor):
+    def __init__(self, encoder, **kwargs):
+        super().__init__(encoder, _cupy=fake_cupy(), _ops=FakeOps(), **kwargs)
+
+    def copy_h2d(self, dst, src, stream):
+        dst[...] = src.reshape(dst.shape)
+
+
+# -- always: the executor's logic on the CPU ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def zoo_setup(tmp_path_factory):
+    enc = tiny_encoder(tmp_path_factory.mktemp("g"))
+    return enc, pet_zoo(enc, 3)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_numpy_stand_in_matches_cpu_executor(zoo_setup, dtype, prefetch):
+    enc, zoo = zoo_setup
+    cpu = CpuExecutor(enc)
+    gpu = NumpyGpuExecutor(enc, dtype=dtype, prefetch=prefetch, max_batch=4, max_len=8, pet_cache_bytes=4_000)
+    serving = [cpu.load_pet(p, key=k) for k, p in enumerate(zoo)]
+    rng = np.random.default_rng(0)
+    for seed in range(4):  # several batches: cache hits, evictions, buffer reuse, a buffer regrowth
+        assignment = rng.integers(0, len(zoo), size=9).tolist()
+        inputs, mask = random_batch(enc, 9, seed)
+        pets = [serving[a] for a in assignment]
+        ref = cpu.run(inputs, mask, pets, keys=assignment)
+        got = gpu.run(inputs.numpy(), mask.numpy(), pets, keys=assignment)
+        for r, o in zip(ref, got):
+            assert rel_err(o, r.numpy()) <= TOL[dtype]
+    stats = gpu.pet_cache.stats()
+    assert stats["hits"] > 0 and stats["evictions"] > 0
+
+
+def _scheduler_outputs(executor, snapshot, items, max_batch):
+    sched = Scheduler(executor, lambda: snapshot, max_batch=max_batch, pipeline=True)
+    try:
+        return sched.run(items)
+    finally:
+        sched.close()
+
+
+def _store_items(tiny, rt, count):
+    from test_runtime import requests_for
+
+    reqs = requests_for(tiny, count)
+    return [Item(rt.encoder.tokenize([q["text"]])[0], rt.pet(q["tenant"]), rt.pet(q["tenant"]).version) for q in reqs]
+
+
+@pytest.fixture(scope="module")
+def store_setup():
+    import runtime
+    from test_runtime import shared_tiny_store
+
+    tiny = shared_tiny_store()
+    rt = runtime.open(tiny[0], device="cpu", max_len=48)
+    yield tiny, rt
+    rt.close()
+
+
+def test_numpy_stand_in_hot_tier_on_a_real_store(store_setup):
+    tiny, rt = store_setup
+    items = _store_items(tiny, rt, 16)
+    snap = rt.store.snapshot()
+    ref = _scheduler_outputs(rt.executor, snap, items, 5)
+    gpu = NumpyGpuExecutor(rt.encoder, hot_tier_rows=64, hot_rebuild_every=1, max_batch=5, max_len=48)
+    for rounds in range(3):  # the tier warms up after the first batch, then serves hits
+        got = _scheduler_outputs(gpu, snap, items, 5)
+        for r, o in zip(ref, got):
+            assert rel_err(o.logits, r.logits) <= 1e-5
+            np.testing.assert_array_equal(o.served[0], r.served[0])  # served versions
+            np.testing.assert_array_equal(o.served[1], r.served[1])  # and orders
+    hot = gpu.hot.stats()
+    assert hot["hits"] > 0 and hot["misses"] > 0 and hot["rebuilds"] >= 1 and 0 < hot["rows"] <= 64
+
+
+def test_numpy_stand_in_without_hot_tier_through_the_scheduler(store_setup):
+    tiny, rt = store_setup
+    items = _store_items(tiny, rt, 11)
+    snap = rt.store.snapshot()
+    ref = _scheduler_outputs(rt.executor, snap, items, 4)
+    gpu = NumpyGpuExecutor(rt.encoder, hot_tier_rows=0, max_batch=4, max_len=48)
+    got = _scheduler_outputs(gpu, snap, items, 4)
+    for r, o in zip(ref, got):
+        assert rel_err(o.logits, r.logits) <= 1e-5
+
+
+# -- GPU: the real thing ----------------------------------------------------------------------
+
+
+def _gpu_available():
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no CuPy, no driver, no device
+        return False
+
+
+gpu = pytest.mark.skipif(not _gpu_available(), reason="needs CuPy and a CUDA GPU")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_gpu_matches_cpu_on_random_models(tmp_path_factory, dtype, seed):
+    enc = tiny_encoder(tmp_path_factory.mktemp("m"), d=[32, 48, 64][seed], heads=[4, 3, 8][seed],
+                       ffn=[64, 97, 128][seed], seed=seed)
+    zoo = pet_zoo(enc, seed)
+    cpu = CpuExecutor(enc)
+    ex = GpuExecutor(enc, dtype=dtype, max_batch=16, max_len=16, pet_cache_bytes=1 << 20, hot_tier_rows=0)
+    serving = [cpu.load_pet(p, key=k) for k, p in enumerate(zoo)]
+    rng = np.random.default_rng(seed)
+    for batch in range(3):
+        n = int(rng.integers(1, 17))
+        assignment = rng.integers(0, len(zoo), size=n).tolist()
+        inputs, mask = random_batch(enc, n, seed * 10 + batch, max_len=16)
+        pets = [serving[a] for a in assignment]
+        ref = cpu.run(inputs, mask, pets, keys=assignment)
+        got = ex.run(inputs.numpy(), mask.numpy(), pets, keys=assignment)
+        for r, o in zip(ref, got):
+            assert rel_err(o, r.numpy()) <= TOL[dtype]
+    ex.close()
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+@pytest.mark.parametrize("options", [{"hot_tier_rows": 0}, {"hot_tier_rows": 256, "pipeline": False},
+                                     {"hot_tier_rows": 64, "prefetch": False}])
+def test_gpu_runtime_matches_cpu_runtime_on_a_real_store(store_setup, dtype, options):
+    import runtime
+    from test_runtime import requests_for
+
+    tiny, rt = store_setup
+    reqs = requests_for(tiny, 30)
+    ref = rt.infer(reqs)
+    with runtime.open(tiny[0], device="cuda", dtype=dtype, max_len=48, max_batch=8, **options) as g:
+        for _ in range(3):  # the hot tier warms up and serves hits from the second batch on
+            got = g.infer(reqs)
+            for r, o in zip(ref, got):
+                assert rel_err(o.logits, r.logits) <= TOL[dtype]
+                if dtype == "fp32" and r.task == "classification":
+                    assert o.label == r.label
+        stats = g.stats()
+        if options["hot_tier_rows"]:
+            assert stats["hot_tier"]["hits"] > 0

@@ -1,0 +1,520 @@
+"""HMI Table 3 / Table 5 analogue on the SciBERT benchmark tasks, on a 2-core CPU.
+
+    python -m tools.hmi_accuracy --data /work/shared/data/scibert --out /tmp/hmi
+
+Tasks: chemprot, citation_intent, sci-cite (accuracy); bc5cdr, NCBI-disease, sciie (entity F1).
+Domains: biology (chemprot, bc5cdr, NCBI-disease), cs (citation_intent, sciie), biomed (sci-cite).
+
+Rows (Table 3):
+  dedicated     full fine-tuning of every layer (embeddings included) + head, per task
+  shared        the frozen encoder, a head only
+  adapter-only  lower layers computed in full context, adapter + head above
+  plot-only     PLOT inputs of the task's domain branch, the upper layers fully fine-tuned + head
+  hplm          PLOT of the domain branch + adapter: a tenant made by runtime.manager.tenant_create
+                and scored by tenant_eval, i.e. through the serving path (runtime.plot.retrieve)
+  hplm-lora     the same with LoRA
+Table 5: the domain branch at alpha in {0, 30, 50, 100}% (hplm adapter rows; alpha 0 = an
+empty branch: everything from the root) with the branch's bytes; and root-PLOT + adapter
+tenants on a root built with and without window distillation of the lower layers.
+
+The store: the root PLOT is built from the unlabeled text of every task's sampled train and
+test examples (a stand-in for HMI's general corpus); a domain version is the base lower layers
+further pre-trained (MLM) on its tasks' train text (up to --max-domain-docs documents per task,
+labels unused), plus the top-alpha% n-grams of that text. Everything is subsampled (--max-train/--max-test/--max-len) so the run fits ~45 minutes
+on 2 cores. Results go to OUT/results.json (resumable per (task, row): finished rows are
+skipped on a rerun) and OUT/results.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+TASKS = {  # name: (task kind, directory under --data, domain)
+    "chemprot": ("classification", "text_classification/chemprot", "biology"),
+    "citation_intent": ("classification", "text_classification/citation_intent", "cs"),
+    "sci-cite": ("classification", "text_classification/sci-cite", "biomed"),
+    "bc5cdr": ("tagging", "ner/bc5cdr", "biology"),
+    "NCBI-disease": ("tagging", "ner/NCBI-disease", "biology"),
+    "sciie": ("tagging", "ner/sciie", "cs"),
+}
+ROWS = ("dedicated", "shared", "adapter-only", "plot-only", "hplm", "hplm-lora")
+ROW_TITLES = {
+    "dedicated": "dedicated (full fine-tuning)",
+    "shared": "shared (frozen encoder, head only)",
+    "adapter-only": "adapter-only (full lower + adapter)",
+    "plot-only": "PLOT-only (domain PLOT + upper fine-tuning)",
+    "hplm": "hPLM (domain PLOT + adapter)",
+    "hplm-lora": "hPLM with LoRA",
+}
+ALPHAS = (0, 30, 50, 100)
+T0 = time.time()
+
+
+def say(msg):
+    wall = time.time() - T0
+    print(f"[{wall:7.1f}s wall, {time.process_time() / max(wall, 1e-9) * 50:3.0f}% of 2 cores] {msg}", flush=True)
+
+
+# -- data -------------------------------------------------------------------------------------
+
+
+def prepare_data(args, out: Path) -> dict:
+    """Sample each task's train/test examples (seeded) into OUT/data, plus the corpora."""
+    from runtime.manager import _subsample, read_task
+
+    data_dir = out / "data"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    tasks, root_texts, domain_texts = {}, [], {}
+    for name in args.tasks:
+        kind, sub, domain = TASKS[name]
+        files = {}
+        for split, cap in (("train", args.max_train), ("test", args.max_test)):
+            (x, y), _ = read_task(Path(args.data) / sub / f"{split}.txt", kind)
+            pick = _subsample(len(x), cap, args.seed)
+            x, y = [x[i] for i in pick], [y[i] for i in pick]
+            path = data_dir / f"{name}.{split}.{'jsonl' if kind == 'classification' else 'conll'}"
+            write_task(path, kind, x, y)
+            files[split] = str(path)
+            texts = x if kind == "classification" else [" ".join(words) for words in x]
+            root_texts += texts
+        (full_x, _), _ = read_task(Path(args.data) / sub / "train.txt", kind)
+        full_x = [full_x[i] for i in _subsample(len(full_x), args.max_domain_docs, args.seed)]
+        domain_texts.setdefault(domain, []).extend(
+            full_x if kind == "classification" else [" ".join(words) for words in full_x])
+        tasks[name] = {"kind": kind, "domain": domain, **files}
+    corpora = {"root": str(data_dir / "root.txt")}
+    write_lines(corpora["root"], root_texts)
+    for domain, texts in domain_texts.items():
+        corpora[domain] = str(data_dir / f"domain-{domain}.txt")
+        write_lines(corpora[domain], texts)
+    return {"tasks": tasks, "corpora": corpora}
+
+
+def write_lines(path, texts):
+    with open(path, "w") as f:
+        for t in texts:
+            t = " ".join(t.split())
+            if t:
+                f.write(t + "\n")
+
+
+def write_task(path, kind, x, y):
+    with open(path, "w") as f:
+        if kind == "classification":
+            for text, label in zip(x, y):
+                f.write(json.dumps({"text": text, "label": label}) + "\n")
+        else:
+            for words, tags in zip(x, y):
+                f.write("".join(f"{w}\t{t}\n" for w, t in zip(words, tags)) + "\n")
+
+
+# -- scoring ----------------------------------------------------------------------------------
+
+
+class Task:
+    """A task's encoded train and test sets, shared by the baseline rows."""
+
+    def __init__(self, name, info, encoder, max_len):
+        from runtime.manager import encode_eval, encode_task, read_task
+
+        self.name, self.kind = name, info["kind"]
+        (x, y), self.labels = read_task(info["train"], self.kind)
+        self.train_ids, self.train_y = encode_task(encoder, (x, y), self.kind, self.labels, max_len)
+        (tx, ty), _ = read_task(info["test"], self.kind)
+        self.test_words, self.test_gold = tx, ty
+        self.test_ids, self.test_y = encode_eval(encoder, (tx, ty), self.kind, self.labels, max_len)
+
+    def score(self, predicted) -> float:
+        from runtime.data import accuracy, entity_f1, word_tags
+
+        if self.kind == "classification":
+            return accuracy(self.test_y, predicted)
+        pred = [word_tags(p, t, self.labels, len(w)) for p, t, w in zip(predicted, self.test_y, self.test_words)]
+        gold = [[t if t in self.labels else "O" for t in ts] for ts in self.test_gold]
+        return entity_f1(gold, pred)
+
+
+def predict(logits_of, items, batch=64):
+    """argmax predictions (per example or per token) of logits_of(list of items) in batches."""
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for start in range(0, len(items), batch):
+            out += logits_of(items[start:start + batch]).argmax(-1).tolist()
+    return out
+
+
+def full_lower(encoder, seqs, batch=64):
+    """Full-context lower-layer outputs, one (L, d) tensor per sequence."""
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for start in range(0, len(seqs), batch):
+            part = seqs[start:start + batch]
+            h = encoder.lower(*encoder.pad(part))
+            out += [h[b, :len(s)].clone() for b, s in enumerate(part)]
+    return out
+
+
+def padded(xs):
+    from runtime.train import _pad_inputs
+
+    return _pad_inputs(xs)
+
+
+# -- rows ------------------------------------------------------------------------------------
+
+
+def cfg(args, lr, epochs=None):
+    from runtime.train import TrainConfig
+
+    return TrainConfig(lr=lr, epochs=epochs or args.epochs, batch_size=args.batch_size, seed=args.seed,
+                       progress=args.progress)
+
+
+def row_dedicated(args, ctx, t: Task):
+    from runtime.pet import create_pet, head
+    from runtime.train import train_full
+
+    base = ctx["base"]
+    student, hd, log = train_full(base, create_pet(base, "head", t.kind, t.labels, seed=args.seed),
+                                  t.train_ids, t.train_y, cfg(args, args.lr_full))
+    return t.score(predict(lambda b: head(hd, student(*student.pad(b), hd)), t.test_ids)), log
+
+
+def row_shared(args, ctx, t: Task):
+    from runtime.pet import create_pet, head
+    from runtime.train import train_pet
+
+    whole = ctx["whole"]  # the same weights with every layer "lower": upper() is the identity
+    train_x, test_x = full_lower(whole, t.train_ids), full_lower(whole, t.test_ids)
+    pet, log = train_pet(whole, create_pet(whole, "head", t.kind, t.labels, seed=args.seed), train_x, t.train_y,
+                         cfg(args, args.lr_head, args.epochs * 3))
+    return t.score(predict(lambda b: head(pet, padded(b)[0]), test_x)), log
+
+
+def row_adapter_only(args, ctx, t: Task):
+    from runtime.pet import create_pet, head
+    from runtime.train import train_pet
+
+    base = ctx["base"]
+    train_x, test_x = full_lower(base, t.train_ids), full_lower(base, t.test_ids)
+    pet, log = train_pet(base, create_pet(base, "adapter", t.kind, t.labels, seed=args.seed), train_x, t.train_y,
+                         cfg(args, args.lr_adapter))
+    return t.score(predict(lambda b: head(pet, base.upper(*padded(b), pet)), test_x)), log
+
+
+def row_plot_only(args, ctx, t: Task, version):
+    import hkstore
+    from runtime.pet import create_pet, head
+    from runtime.plot import retrieve_list
+    from runtime.train import train_upper
+
+    base = ctx["base"]
+    with hkstore.open(ctx["store"]) as st:
+        train_x = retrieve_list(st.snapshot(), version, t.train_ids)
+        test_x = retrieve_list(st.snapshot(), version, t.test_ids)
+    student, hd, log = train_upper(base, create_pet(base, "head", t.kind, t.labels, seed=args.seed), train_x,
+                                   t.train_y, cfg(args, args.lr_full))
+    return t.score(predict(lambda b: head(hd, student.upper(*padded(b), hd)), test_x)), log
+
+
+def row_tenant(args, ctx, t: Task, store, version, pet_type, tenant):
+    """A real tenant: manager.tenant_create (inputs by retrieve) + tenant_eval (serving path)."""
+    from runtime import manager
+
+    lr = args.lr_adapter if pet_type == "adapter" else args.lr_lora
+    out = manager.tenant_create(store, tenant, version=version, train_path=ctx["data"]["tasks"][t.name]["train"],
+                                task=t.kind, pet_type=pet_type, epochs=args.epochs, lr=lr,
+                                batch_size=args.batch_size, max_len=args.max_len, seed=args.seed, replace=True,
+                                progress=args.progress)
+    score = manager.tenant_eval(store, tenant, ctx["data"]["tasks"][t.name]["test"], max_len=args.max_len)
+    return score["score"], [out["loss_first"], out["loss_last"]], {"pet_bytes": out["pet_bytes"]}
+
+
+# -- the store --------------------------------------------------------------------------------
+
+
+def branch_bytes(store_path, version):
+    import hkstore
+
+    with hkstore.open(store_path) as st:
+        snap = st.snapshot()
+        segs = snap.versions[snap.version_index(version)]["segments"]
+        return sum(os.path.getsize(os.path.join(store_path, "segments", s)) for s in segs)
+
+
+def ensure_root(args, ctx, store, distill_steps, results, key):
+    from runtime import manager
+
+    if key in results["construction"] and results["construction"][key].get("complete"):
+        return
+    say(f"building {key} (distill_steps={distill_steps})")
+    out = manager.build(store, model_path=args.model, corpus_paths=[ctx["data"]["corpora"]["root"]],
+                        max_len=args.max_len, distill_steps=distill_steps, distill_lr=args.lr_distill,
+                        progress=args.progress)
+    out["complete"] = True
+    results["construction"][key] = out
+    say(f"{key}: {out['keys']} keys ({out['distinct_windows']} corpus windows) in {out['seconds']:.0f}s, "
+        f"{out['windows_per_s']} windows/s")
+    save(args, results)
+
+
+def ensure_domain(args, ctx, domain, results):
+    import hkstore
+    from runtime import manager
+
+    with hkstore.open(ctx["store"]) as st:
+        snap = st.snapshot()
+        if domain in snap.version_names:
+            v = snap.versions[snap.version_index(domain)]
+            if v["segments"] or not v["info"].get("ngrams_kept"):
+                return
+            raise SystemExit(f"version {domain!r} of {ctx['store']} was left half-built; delete the store and rerun")
+    say(f"domain {domain}: MLM {args.mlm_steps} steps + branch alpha={args.alpha}")
+    out = manager.domain_create(ctx["store"], domain, [ctx["data"]["corpora"][domain]], alpha=args.alpha,
+                                mlm_steps=args.mlm_steps, lr=args.lr_mlm, max_len=args.max_len,
+                                progress=args.progress)
+    out["bytes"] = branch_bytes(ctx["store"], domain)
+    results["construction"][f"domain:{domain}"] = out
+    say(f"domain {domain}: kept {out['ngrams_kept']}/{out['ngrams_seen']} n-grams, {out['bytes']} bytes, "
+        f"{out['seconds']:.0f}s")
+    save(args, results)
+
+
+def ensure_alpha_branch(args, ctx, domain, alpha, results):
+    """Version '<domain>-a<alpha>' under the root: the domain's lower layers, another alpha."""
+    import hkstore
+    from runtime import manager
+    from runtime.plot import build_branch
+
+    name = domain if alpha == args.alpha else f"{domain}-a{alpha:g}"
+    with hkstore.open(ctx["store"], writable=True) as st:
+        if name not in st.snapshot().version_names:
+            say(f"branch {name}")
+            enc = manager.version_encoder(st, domain)
+            docs = manager.read_corpora([ctx["data"]["corpora"][domain]])
+            seqs = manager.tokenize_corpus(enc, docs, args.max_len)
+            out = build_branch(st, name, "root", enc, seqs, alpha, {"lower_weights_of": domain})
+            results["construction"][f"branch:{name}"] = out
+    return name
+
+
+# -- results ----------------------------------------------------------------------------------
+
+
+def save(args, results):
+    results["wall_s"] = results.get("_elapsed_before", 0.0) + (time.time() - T0)
+    # CPU seconds of this process (all threads): wall time on an otherwise idle 2-core machine
+    # is about cpu_s / 2; the two differ when other work shares the cores.
+    results["cpu_s"] = results.get("_cpu_before", 0.0) + time.process_time()
+    path = Path(args.out) / "results.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(results, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+    (Path(args.out) / "results.md").write_text(markdown(results))
+
+
+def markdown(results) -> str:
+    tasks = [t for t in TASKS if t in results.get("config", {}).get("tasks", TASKS)]
+    metric = {t: "acc" if TASKS[t][0] == "classification" else "F1" for t in tasks}
+    lines = ["## Table 3 analogue: accuracy (classification) / entity F1 (NER), %", "",
+             "| row | " + " | ".join(f"{t} ({metric[t]})" for t in tasks) + " | mean |",
+             "|---|" + "---|" * (len(tasks) + 1)]
+    for row in ROWS:
+        cells, vals = [], []
+        for t in tasks:
+            r = results["rows"].get(t, {}).get(row)
+            cells.append(f"{100 * r['score']:.1f}" if r else "-")
+            if r:
+                vals.append(r["score"])
+        mean = f"{100 * sum(vals) / len(vals):.1f}" if len(vals) == len(tasks) else "-"
+        lines.append(f"| {ROW_TITLES[row]} | " + " | ".join(cells) + f" | {mean} |")
+    if results.get("alpha"):
+        lines += ["", "## Table 5 analogue: domain branch size alpha (hPLM adapter rows)", "",
+                  "| alpha | task | score % | branch n-grams kept / seen | branch bytes |", "|---|---|---|---|---|"]
+        for key, r in sorted(results["alpha"].items(), key=lambda kv: (kv[1]["task"], kv[1]["alpha"])):
+            lines.append(f"| {r['alpha']:g}% | {r['task']} | {100 * r['score']:.1f} | "
+                         f"{r.get('ngrams_kept', 0)} / {r.get('ngrams_seen', 0)} | {r['bytes']:,} |")
+    if results.get("distill"):
+        lines += ["", "## Window distillation of the root (root PLOT + adapter)", "",
+                  "| root | task | score % |", "|---|---|---|"]
+        for key, r in sorted(results["distill"].items()):
+            lines.append(f"| {'distilled' if r['distilled'] else 'not distilled'} | {r['task']} | "
+                         f"{100 * r['score']:.1f} |")
+    c = results.get("construction", {})
+    lines += ["", "## Construction", ""]
+    for key, r in c.items():
+        lines.append(f"- {key}: " + ", ".join(f"{k}={r[k]}" for k in ("keys", "ngrams_kept", "ngrams_seen", "bytes",
+                                                                     "windows_per_s", "seconds") if k in r))
+    if "wall_s" in results:
+        lines += ["", f"Total wall time: {results['wall_s'] / 60:.1f} min; CPU time {results.get('cpu_s', 0) / 60:.1f} min "
+                  f"(about {results.get('cpu_s', 0) / 120:.1f} min of wall time on 2 otherwise idle cores)"]
+    return "\n".join(lines) + "\n"
+
+
+# -- main -------------------------------------------------------------------------------------
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--data", default="/work/shared/data/scibert")
+    p.add_argument("--out", required=True)
+    p.add_argument("--model", default=None, help="HF BERT directory (default: embedded all-MiniLM-L6-v2)")
+    p.add_argument("--tasks", default=",".join(TASKS))
+    p.add_argument("--rows", default=",".join(ROWS))
+    p.add_argument("--alpha-tasks", default="citation_intent,sciie",
+                   help="tasks of the alpha table ('' = none); the defaults share the cs branches")
+    p.add_argument("--distill-tasks", default="citation_intent", help="tasks of the distillation rows")
+    p.add_argument("--max-domain-docs", type=int, default=3000,
+                   help="train documents per task in a domain corpus (MLM + n-gram counts)")
+    p.add_argument("--max-train", type=int, default=600)
+    p.add_argument("--max-test", type=int, default=400)
+    p.add_argument("--max-len", type=int, default=64)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--alpha", type=float, default=50, help="alpha of the main domain branches")
+    p.add_argument("--mlm-steps", type=int, default=40)
+    p.add_argument("--distill-steps", type=int, default=40)
+    p.add_argument("--lr-full", type=float, default=1e-4)
+    p.add_argument("--lr-head", type=float, default=5e-3)
+    p.add_argument("--lr-adapter", type=float, default=2e-3)
+    p.add_argument("--lr-lora", type=float, default=2e-3)
+    p.add_argument("--lr-mlm", type=float, default=1e-4)
+    p.add_argument("--lr-distill", type=float, default=1e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--progress", action="store_true", help="tqdm bars for every loop")
+    args = p.parse_args(argv)
+    args.tasks = [t for t in args.tasks.split(",") if t]
+    rows = [r for r in args.rows.split(",") if r]
+    for t in args.tasks:
+        if t not in TASKS:
+            p.error(f"unknown task {t!r}; expected some of {', '.join(TASKS)}")
+    for r in rows:
+        if r not in ROWS:
+            p.error(f"unknown row {r!r}; expected some of {', '.join(ROWS)}")
+    alpha_tasks = [t for t in args.alpha_tasks.split(",") if t in args.tasks]
+    distill_tasks = [t for t in args.distill_tasks.split(",") if t in args.tasks]
+
+    import torch
+
+    import hkstore
+    from runtime.model import load_encoder
+
+    torch.manual_seed(args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "results.json"
+    results = json.loads(path.read_text()) if path.exists() else {}
+    config = {k: v for k, v in vars(args).items() if k not in ("out", "progress")}
+    fixed = ("max_train", "max_test", "max_len", "seed", "max_domain_docs", "alpha", "mlm_steps", "distill_steps")
+    if results.get("config") and {k: results["config"].get(k) for k in fixed} != {k: config[k] for k in fixed}:
+        raise SystemExit(f"{path} was made with other sampling settings; use another --out")
+    results.setdefault("rows", {})
+    results.setdefault("alpha", {})
+    results.setdefault("distill", {})
+    results.setdefault("construction", {})
+    results["config"] = config
+    results["_elapsed_before"] = results.get("wall_s", 0.0)
+    results["_cpu_before"] = results.get("cpu_s", 0.0)
+
+    say(f"torch threads {torch.get_num_threads()}; sampling data")
+    data = prepare_data(args, out)
+    ctx = {"data": data, "store": str(out / "store"), "base": load_encoder(args.model, 3),
+           "whole": load_encoder(args.model, 6)}
+    ensure_root(args, ctx, ctx["store"], 0, results, "root")
+    for domain in dict.fromkeys(TASKS[t][2] for t in args.tasks):
+        ensure_domain(args, ctx, domain, results)
+
+    cache = {}
+
+    def task_of(name):
+        if name not in cache:
+            cache.clear()  # one task's encoded data at a time
+            cache[name] = Task(name, data["tasks"][name], ctx["base"], args.max_len)
+        return cache[name]
+
+    for name in args.tasks:
+        info = data["tasks"][name]
+        for row in rows:
+            if row in results["rows"].get(name, {}):
+                continue
+            task = task_of(name)
+            say(f"{name} / {row}: {len(task.train_ids)} train, {len(task.test_ids)} test examples")
+            t0 = time.time()
+            extra = {}
+            if row == "dedicated":
+                score, log = row_dedicated(args, ctx, task)
+            elif row == "shared":
+                score, log = row_shared(args, ctx, task)
+            elif row == "adapter-only":
+                score, log = row_adapter_only(args, ctx, task)
+            elif row == "plot-only":
+                score, log = row_plot_only(args, ctx, task, info["domain"])
+            else:
+                pet_type = "adapter" if row == "hplm" else "lora"
+                score, log, extra = row_tenant(args, ctx, task, ctx["store"], info["domain"], pet_type,
+                                               f"{name}-{row}")
+            results["rows"].setdefault(name, {})[row] = {
+                "score": score, "metric": "accuracy" if task.kind == "classification" else "entity_f1",
+                "seconds": round(time.time() - t0, 1), "loss_first": log[0], "loss_last": log[-1], **extra}
+            save(args, results)
+            say(f"{name} / {row}: {100 * score:.1f} ({time.time() - t0:.0f}s)")
+
+    for name in alpha_tasks:
+        domain = TASKS[name][2]
+        for alpha in ALPHAS:
+            key = f"{name}@{alpha:g}"
+            if key in results["alpha"]:
+                continue
+            version = ensure_alpha_branch(args, ctx, domain, alpha, results)
+            t0 = time.time()
+            if alpha == args.alpha and "hplm" in results["rows"].get(name, {}):
+                score = results["rows"][name]["hplm"]["score"]
+            else:
+                score, _, _ = row_tenant(args, ctx, task_of(name), ctx["store"], version, "adapter",
+                                         f"{name}-a{alpha:g}")
+            with hkstore.open(ctx["store"]) as st:
+                snap = st.snapshot()
+                vinfo = snap.versions[snap.version_index(version)]["info"]
+            results["alpha"][key] = {"task": name, "alpha": alpha, "version": version, "score": score,
+                                     "bytes": branch_bytes(ctx["store"], version),
+                                     "ngrams_kept": vinfo.get("ngrams_kept"), "ngrams_seen": vinfo.get("ngrams_seen"),
+                                     "seconds": round(time.time() - t0, 1)}
+            save(args, results)
+            say(f"alpha {alpha:g}% / {name}: {100 * score:.1f}, branch {results['alpha'][key]['bytes']:,} bytes")
+
+    if distill_tasks:
+        distilled = str(out / "store-distill")
+        ensure_root(args, ctx, distilled, args.distill_steps, results, "root-distilled")
+        for name in distill_tasks:
+            for is_distilled, store in ((False, ctx["store"]), (True, distilled)):
+                key = f"{name}@{'distilled' if is_distilled else 'plain'}"
+                if key in results["distill"]:
+                    continue
+                t0 = time.time()
+                same = results["alpha"].get(f"{name}@0")  # an empty branch serves exactly the root
+                if not is_distilled and same:
+                    score = same["score"]
+                else:
+                    score, _, _ = row_tenant(args, ctx, task_of(name), store, "root", "adapter", f"{name}-root")
+                results["distill"][key] = {"task": name, "distilled": is_distilled, "score": score,
+                                           "seconds": round(time.time() - t0, 1)}
+                save(args, results)
+                say(f"root PLOT{' (distilled)' if is_distilled else ''} + adapter / {name}: {100 * score:.1f}")
+
+    save(args, results)
+    say(f"done in {(time.time() - T0) / 60:.1f} min (this invocation); results in {out}/results.md")
+    print(markdown(results))
+    return results
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
