@@ -35,7 +35,7 @@ def create_branch(store, name, parent, keys, counts, alpha, compute_values, info
     total = int(np.asarray(counts).sum())
     meta = dict(info or {}, alpha=alpha, ngrams_seen=int(len(keys)), ngrams_kept=int(len(kept)),
                 occurrences=total, occurrences_covered=int(kept_counts.sum()))
-    store.create_version(name, parent, meta)
-    if len(kept):
-        store.add_segment(name, kept, compute_values(kept))
+    # Values first, then the branch and its entries in one commit.
+    values = compute_values(kept) if len(kept) else None
+    store.create_version(name, parent, meta, kept if len(kept) else None, values)
     return meta

@@ -25,7 +25,7 @@ PACK_ROLL_BYTES = 256 << 20  # start a new pack file past this size, so gc can r
 
 
 def check_name(kind, name):
-    if not isinstance(name, str) or not NAME.match(name):
+    if not isinstance(name, str) or not NAME.fullmatch(name):
         raise StoreError(f"invalid {kind} name {name!r}: use 1-64 letters, digits, '.', '_' or '-', not starting with a symbol")
     return name
 
@@ -222,15 +222,22 @@ class Store:
         values = np.zeros((len(keys), self.meta["n"], self.meta["d"]), dtype=np.float16)
         return self.add_segment(version, keys, values, tombstone=np.ones(len(keys), dtype=bool))
 
-    def create_version(self, name, parent, info=None):
-        """A new empty branch under `parent`; it overrides nothing until segments are added."""
+    def create_version(self, name, parent, info=None, keys=None, values=None):
+        """A new branch under `parent`, holding (keys, values) if given, in one commit: a
+        crash never leaves a visible branch without its entries."""
         check_name("version", name)
         if name in self._snapshot.version_names:
             raise StoreError(f"version {name!r} already exists")
         self._snapshot.version_index(parent)
+        if keys is not None:
+            self._check_keys_values(keys, values)
 
         def change(m):
-            m["versions"].append({"name": name, "parent": parent, "segments": [],
+            segments = []
+            if keys is not None and len(keys):
+                segments.append(self._new_file(m, ".seg"))
+                write_segment(os.path.join(self.path, "segments", segments[0]), keys, values, dtype=m["meta"]["dtype"])
+            m["versions"].append({"name": name, "parent": parent, "segments": segments,
                                   "created": time.time(), "info": info or {}})
 
         self._commit(change)
@@ -256,43 +263,55 @@ class Store:
 
     # -- PET pack --------------------------------------------------------------------------
 
-    def _append_pet(self, record):
-        """Append a record to the active pack; returns (manifest change) placing it there."""
+    def _append_pets(self, records):
+        """Append records to the active pack (rolling to a new one past PACK_ROLL_BYTES);
+        returns their locations and a manifest change that places them."""
         m = self._manifest
         active = m["packs"][-1] if m["packs"] else None
-        path = active and os.path.join(self.path, "packs", active)
-        if active is None or m["pack_end"] >= PACK_ROLL_BYTES:
-            active = None
-        else:
+        end, new_files, locations = m["pack_end"], [], []
+        for record in records:
+            if active is None or end >= PACK_ROLL_BYTES:
+                active = self.reserve_file(".pack")
+                new_files.append(active)
+                open(os.path.join(self.path, "packs", active), "ab").close()
+                fsync_dir(os.path.join(self.path, "packs"))
+                end = 0
+            path = os.path.join(self.path, "packs", active)
             # A writer killed mid-append leaves a torn tail past the committed end: cut it off.
-            if os.path.getsize(path) > m["pack_end"]:
-                os.truncate(path, m["pack_end"])
-        new_file = None
-        if active is None:
-            new_file = self.reserve_file(".pack")
-            active, path = new_file, os.path.join(self.path, "packs", new_file)
-            open(path, "ab").close()
-            fsync_dir(os.path.join(self.path, "packs"))
-        offset, length = pack.append_record(path, record)
+            if os.path.getsize(path) > end:
+                os.truncate(path, end)
+            offset, length = pack.append_record(path, record)
+            end = offset + length
+            locations.append({"file": active, "offset": offset, "length": length})
 
         def place(m2):
-            if new_file:
-                m2["packs"].append(new_file)
-            m2["pack_end"] = offset + length
-            return {"file": active, "offset": offset, "length": length}
+            m2["packs"] += new_files
+            m2["pack_end"] = end
 
-        return place
+        return locations, place
+
+    def put_pets(self, records):
+        """Store, replace or (tombstone records) delete tenants' PETs in one commit; durable
+        once this returns. One commit for many records keeps bulk loads fast."""
+        self._require_writable()
+        records = list(records)
+        for record in records:
+            check_name("tenant", record.tenant)
+        locations, place = self._append_pets(records)
+
+        def change(m):
+            place(m)
+            for record, loc in zip(records, locations):
+                if record.tombstone:
+                    m["pets"].pop(record.tenant, None)
+                else:
+                    m["pets"][record.tenant] = loc
+
+        self._commit(change)
 
     def put_pet(self, record):
         """Store (or replace) a tenant's PET record; durable once this returns."""
-        self._require_writable()
-        check_name("tenant", record.tenant)
-        place = self._append_pet(record)
-
-        def change(m):
-            m["pets"][record.tenant] = place(m)
-
-        self._commit(change)
+        self.put_pets([record])
 
     def get_pet(self, tenant):
         return self._snapshot.read_pet(tenant)
@@ -301,13 +320,7 @@ class Store:
         self._require_writable()
         if tenant not in self._manifest["pets"]:
             raise UnknownTenant(f"unknown tenant {tenant!r}")
-        place = self._append_pet(pack.PetRecord(tenant=tenant, meta={"deleted": time.time()}, tensors={}, tombstone=True))
-
-        def change(m):
-            place(m)
-            del m["pets"][tenant]
-
-        self._commit(change)
+        self.put_pets([pack.PetRecord(tenant=tenant, meta={"deleted": time.time()}, tensors={}, tombstone=True)])
 
     def pets(self):
         return dict(self._snapshot.pets)

@@ -242,3 +242,33 @@ def test_int8_values_stay_close_to_fp16(tmp_path):
     ref = values.reshape(-1, 64)
     cos = (got * ref).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(ref, axis=1)
     assert cos.min() > 0.999
+
+
+def test_put_pets_commits_many_records_at_once(tmp_path):
+    store = make_store(tmp_path / "s")
+    store.put_pet(PetRecord("t0", {"i": 0}, {"w": commit_values(0)}))
+    before = store.snapshot().manifest["generation"]
+    records = [PetRecord(f"t{i}", {"i": i}, {"w": commit_values(i)}) for i in range(1, 40)]
+    store.put_pets(records + [PetRecord("t0", {}, {}, tombstone=True)])
+    assert store.snapshot().manifest["generation"] == before + 1
+    reader = hkstore.open(tmp_path / "s")
+    assert sorted(reader.pets()) == sorted(f"t{i}" for i in range(1, 40))
+    for i in (1, 20, 39):
+        np.testing.assert_array_equal(reader.get_pet(f"t{i}").tensors["w"], commit_values(i))
+    assert hkstore.verify(str(tmp_path / "s"))["ok"]
+
+
+def test_names_are_validated_and_branches_appear_with_their_entries(tmp_path):
+    store = make_store(tmp_path / "s")
+    for bad in ("abc\n", "../x", "", "a" * 65, "-x", "a/b"):
+        with pytest.raises(hkstore.StoreError, match="invalid"):
+            store.create_version(bad, "root")
+    before = store.snapshot().manifest["generation"]
+    keys = np.array([[1, 2, 3], [2, 3, 4], [3, 4, 5]], dtype=np.uint32)
+    meta = hkstore.create_branch(store, "bio", "root", keys, [5, 3, 1], 60,
+                                 lambda k: np.ones((len(k), 3, D), dtype=np.float32))
+    assert meta["ngrams_kept"] == 2
+    # One commit: no reader ever sees the branch without its entries.
+    assert store.snapshot().manifest["generation"] == before + 1
+    got = store.lookup("bio", keys[:2])
+    assert [got.version_names[v] for v in got.version] == ["bio", "bio"]
