@@ -1,7 +1,7 @@
 """Load generator for the HTTP server (HMI §7 workloads), loopback only.
 
     python -m tools.loadgen --quick                 # < 60 s: tiny model, few tenants, short runs
-    python -m tools.loadgen --out loadgen-out       # full run (<= 15 min on 2 cores): MiniLM
+    python -m tools.loadgen                         # full run (<= 15 min on 2 cores): MiniLM
 
 It builds a store (or reuses --store), trains one tenant and clones its PET under more names,
 starts `python -m runtime.serve` on a free 127.0.0.1 port for each system, drives the
@@ -44,6 +44,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -537,7 +538,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m tools.loadgen", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="< 60 s: tiny model and short runs")
-    p.add_argument("--out", default=None, help="output folder (default loadgen-quick or loadgen-out)")
+    p.add_argument("--out", default=None,
+                   help="output folder (default $TMPDIR/hkstore-loadgen-quick or $TMPDIR/hkstore-loadgen); "
+                        "its store is reused by later runs")
     p.add_argument("--store", default=None, help="store to use (built in OUT/store when missing)")
     p.add_argument("--model", default=None, help="minilm (the embedded all-MiniLM-L6-v2), tiny, or a model folder")
     p.add_argument("--systems", default="hplm,dedicated", help="comma list of hplm, dedicated")
@@ -564,7 +567,8 @@ def parse_args(argv=None):
     for key, value in defaults.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
-    args.out = os.path.abspath(args.out or ("loadgen-quick" if args.quick else "loadgen-out"))
+    default_out = os.path.join(tempfile.gettempdir(), "hkstore-loadgen-quick" if args.quick else "hkstore-loadgen")
+    args.out = os.path.abspath(args.out or default_out)
     args.store = os.path.abspath(args.store or os.path.join(args.out, "store"))
     args.tenant_counts = sorted({int(x) for x in str(args.tenants).split(",") if x.strip()})
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
