@@ -76,6 +76,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
+from formats.segment import fsync_dir
 import hkstore
 from hkstore.errors import StoreError, UnknownTenant
 from hkstore.store import NAME, check_name
@@ -102,14 +103,6 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 # -- files --------------------------------------------------------------------------------------
 
 
-def _fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def atomic_write(path, data: bytes, mode: int = 0o644):
     """Write a file so that readers see the old or the new bytes, never a mix: a temporary
     file, fsync, rename over `path`, fsync of the directory."""
@@ -125,7 +118,7 @@ def atomic_write(path, data: bytes, mode: int = 0o644):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def atomic_write_json(path, obj, mode: int = 0o644):
