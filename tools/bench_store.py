@@ -907,29 +907,18 @@ def section_open(cfg, tmp, rng, res, big):
 
 
 def plot_open(rows, png):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from tools import plots
 
     x = [r["entries"] for r in rows]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.plot(x, [1e3 * r["hkstore_open_s"] for r in rows], "o-", label="hkstore.open (fresh process)")
-    ax.plot(x, [1e3 * r["hkstore_reopen_s"] for r in rows], "s--", label="hkstore.open (re-open)")
-    ax.plot(x, [1e3 * (r["hkstore_open_s"] + r["hkstore_first_lookup_s"]) for r in rows], "^:",
-            label="hkstore open + first 4096 lookups (lazy checks)")
-    ax.plot(x, [1e3 * r["skipbert_open_s"] for r in rows], "d-", label="SkipBERT open (dict rebuild)")
-    ax.axhline(10, color="grey", lw=0.8, ls="--", label="10 ms target")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel(f"entries (d = {rows[0]['d']}, fp16)")
-    ax.set_ylabel("ms")
-    ax.set_title("Open time vs store size")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
+    series = {
+        "hkstore.open (fresh process)": (x, [1e3 * r["hkstore_open_s"] for r in rows]),
+        "hkstore.open (re-open)": (x, [1e3 * r["hkstore_reopen_s"] for r in rows]),
+        "hkstore open + first 4096 lookups (lazy checks)":
+            (x, [1e3 * (r["hkstore_open_s"] + r["hkstore_first_lookup_s"]) for r in rows]),
+        "SkipBERT open (dict rebuild)": (x, [1e3 * r["skipbert_open_s"] for r in rows]),
+    }
+    plots.line_plot(series, f"entries (d = {rows[0]['d']}, fp16)", "ms", png, logx=True, logy=True,
+                    title="Open time vs store size", hlines={"10 ms target": 10})
 
 
 # -- section 5: compaction ---------------------------------------------------------------------
