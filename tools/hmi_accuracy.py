@@ -20,8 +20,9 @@ tenants on a root built with and without window distillation of the lower layers
 The store: the root PLOT is built from the unlabeled text of every task's sampled train and
 test examples (a stand-in for HMI's general corpus); a domain version is the base lower layers
 further pre-trained (MLM) on its tasks' train text (up to --max-domain-docs documents per task,
-labels unused), plus the top-alpha% n-grams of that text. Everything is subsampled (--max-train/--max-test/--max-len) so the run fits ~45 minutes
-on 2 cores. Results go to OUT/results.json (resumable per (task, row): finished rows are
+labels unused), plus the top-alpha% n-grams of that text. Everything is subsampled (--max-train/--max-test/--max-len) and epochs are capped (5 for
+the PET / head / upper-layer rows, 3 for full fine-tuning) so the run fits ~45 minutes on
+2 cores. Results go to OUT/results.json (resumable per (task, row): finished rows are
 skipped on a rerun) and OUT/results.md.
 """
 
@@ -185,7 +186,7 @@ def row_dedicated(args, ctx, t: Task):
 
     base = ctx["base"]
     student, hd, log = train_full(base, create_pet(base, "head", t.kind, t.labels, seed=args.seed),
-                                  t.train_ids, t.train_y, cfg(args, args.lr_full))
+                                  t.train_ids, t.train_y, cfg(args, args.lr_full, args.epochs_full))
     return t.score(predict(lambda b: head(hd, student(*student.pad(b), hd)), t.test_ids)), log
 
 
@@ -378,15 +379,16 @@ def main(argv=None):
     p.add_argument("--max-train", type=int, default=600)
     p.add_argument("--max-test", type=int, default=400)
     p.add_argument("--max-len", type=int, default=64)
-    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--epochs", type=int, default=5, help="epochs of every row but dedicated (shared: 3x)")
+    p.add_argument("--epochs-full", type=int, default=3, help="epochs of the dedicated row (full fine-tuning)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--alpha", type=float, default=50, help="alpha of the main domain branches")
     p.add_argument("--mlm-steps", type=int, default=40)
-    p.add_argument("--distill-steps", type=int, default=40)
+    p.add_argument("--distill-steps", type=int, default=100)
     p.add_argument("--lr-full", type=float, default=1e-4)
     p.add_argument("--lr-head", type=float, default=5e-3)
-    p.add_argument("--lr-adapter", type=float, default=2e-3)
-    p.add_argument("--lr-lora", type=float, default=2e-3)
+    p.add_argument("--lr-adapter", type=float, default=5e-3)
+    p.add_argument("--lr-lora", type=float, default=5e-3)
     p.add_argument("--lr-mlm", type=float, default=1e-4)
     p.add_argument("--lr-distill", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
@@ -414,9 +416,12 @@ def main(argv=None):
     path = out / "results.json"
     results = json.loads(path.read_text()) if path.exists() else {}
     config = {k: v for k, v in vars(args).items() if k not in ("out", "progress")}
-    fixed = ("max_train", "max_test", "max_len", "seed", "max_domain_docs", "alpha", "mlm_steps", "distill_steps")
-    if results.get("config") and {k: results["config"].get(k) for k in fixed} != {k: config[k] for k in fixed}:
-        raise SystemExit(f"{path} was made with other sampling settings; use another --out")
+    # A resumed run may pick other tasks or rows, but nothing that changes a finished row's meaning.
+    fixed = [k for k in config if k not in ("tasks", "rows", "alpha_tasks", "distill_tasks")]
+    if results.get("config"):
+        differs = [k for k in fixed if results["config"].get(k) != config[k]]
+        if differs:
+            raise SystemExit(f"{path} was made with other settings ({', '.join(differs)}); use another --out")
     results.setdefault("rows", {})
     results.setdefault("alpha", {})
     results.setdefault("distill", {})
