@@ -194,11 +194,8 @@ def sgmv_shrink(x, A, seg_starts, seg_ids, out=None) -> torch.Tensor:
     return v
 
 
-def sgmv_expand(y, v, B, seg_starts, seg_ids, scales=None) -> torch.Tensor:
-    """y[rows of s] += scales[t] * v[rows of s] @ B[t].T, t = seg_ids[s]; in place.
-
-    y (rows, d_out), v (rows, r) fp32, B (T, d_out, r), scales (T,) or None (= 1).
-    """
+def _check_expand(y, v, B, scales):
+    """Shapes shared by SGMV and BGMV expand; returns (rows, T)."""
     _float_dtype(y, B)
     rows, d_out = y.shape
     T, _, r = B.shape
@@ -206,6 +203,15 @@ def sgmv_expand(y, v, B, seg_starts, seg_ids, scales=None) -> torch.Tensor:
     _shape(v, (rows, r), "v")
     if scales is not None:
         _shape(torch.as_tensor(scales), (T,), "scales")
+    return rows, T
+
+
+def sgmv_expand(y, v, B, seg_starts, seg_ids, scales=None) -> torch.Tensor:
+    """y[rows of s] += scales[t] * v[rows of s] @ B[t].T, t = seg_ids[s]; in place.
+
+    y (rows, d_out), v (rows, r) fp32, B (T, d_out, r), scales (T,) or None (= 1).
+    """
+    rows, T = _check_expand(y, v, B, scales)
     for a, b, t in _segments(seg_starts, seg_ids, rows, T):
         y[a:b] = (y[a:b].float() + _scale(scales, t) * (v[a:b].float() @ B[t].float().T)).to(y.dtype)
     return y
@@ -234,13 +240,7 @@ def bgmv_shrink(x, A, row_ids, out=None) -> torch.Tensor:
 
 def bgmv_expand(y, v, B, row_ids, scales=None) -> torch.Tensor:
     """y[row] += scales[t] * B[t] @ v[row], t = row_ids[row] >= 0; in place."""
-    _float_dtype(y, B)
-    rows, d_out = y.shape
-    T, _, r = B.shape
-    _shape(B, (T, d_out, r), "B")
-    _shape(v, (rows, r), "v")
-    if scales is not None:
-        _shape(torch.as_tensor(scales), (T,), "scales")
+    rows, T = _check_expand(y, v, B, scales)
     for t, sel in _row_groups(row_ids, rows, T):
         y[sel] = (y[sel].float() + _scale(scales, t) * (v[sel].float() @ B[t].float().T)).to(y.dtype)
     return y
