@@ -141,7 +141,8 @@ def version_tree(path):
         keys = keys[~tomb]
         row = {"name": v["name"], "parent": v["parent"], "entries": int(len(keys)),
                "bytes": sum(os.path.getsize(s.path) for s in snap.version_segments(vi)),
-               "segments": len(v["segments"]), "created": v["created"], "info": v["info"]}
+               "segments": len(v["segments"]), "created": v["created"], "info": v["info"],
+               "position_rows": v["position"]["rows"] if v.get("position") else None}
         if v["parent"] is not None:
             chain = [snap.version_segments(a) for a in snap.ancestry(vi)[1:]]
             pos, _, _ = find_exact(chain, keys, hash_keys(keys))
@@ -281,6 +282,9 @@ def diff(a, b, tolerance, as_json):
             if p[name]:
                 s = p[name]
                 click.echo(f"{name:16} mean {s['mean']:.4g}  p50 {s['p50']:.4g}  p95 {s['p95']:.4g}  max {s['max']:.4g}")
+        q = r["position"]
+        click.echo(f"{'position':10} rows {q['rows_a'] or 0} -> {q['rows_b'] or 0}, "
+                   f"max abs difference {q['max_abs_difference']:.4g}")
         if "pets" in r:
             q = r["pets"]
             click.echo(f"{'pets':10} {'':>10} {len(q['added']):>10} {len(q['removed']):>10} {len(q['changed']):>10} "

@@ -53,6 +53,19 @@ def diff_versions(snap_a, version_a, snap_b, version_b, tolerance=0.0, sample=5)
     }
 
 
+def diff_positions(snap_a, version_a, snap_b, version_b):
+    """The position tables in force at each version (FORMAT.md section 4): their rows and the
+    largest absolute difference (rows one lacks count as zeros, as in aggregation)."""
+    pa, pb = snap_a.position(version_a), snap_b.position(version_b)
+    rows = max(0 if pa is None else len(pa), 0 if pb is None else len(pb))
+    full = [np.zeros((rows, snap_a.meta["d"]), np.float32) for _ in range(2)]
+    for out, p in zip(full, (pa, pb)):
+        if p is not None:
+            out[:len(p)] = p
+    return {"rows_a": None if pa is None else len(pa), "rows_b": None if pb is None else len(pb),
+            "max_abs_difference": float(np.abs(full[0] - full[1]).max()) if rows else 0.0}
+
+
 def _same_record(a, b):
     if a.meta != b.meta or set(a.tensors) != set(b.tensors):
         return False
@@ -68,7 +81,8 @@ def diff_pets(snap_a, snap_b):
 
 
 def diff(snap_a, version_a, snap_b, version_b, tolerance=0.0):
-    out = {"plot": diff_versions(snap_a, version_a, snap_b, version_b, tolerance)}
+    out = {"plot": diff_versions(snap_a, version_a, snap_b, version_b, tolerance),
+           "position": diff_positions(snap_a, version_a, snap_b, version_b)}
     if snap_a.path != snap_b.path:
         out["pets"] = diff_pets(snap_a, snap_b)
     return out

@@ -8,6 +8,7 @@ from formats import manifest as mf
 from formats import pack
 from formats.backoff import left
 from formats.errors import CorruptError, FormatError
+from formats.position import read_position
 from formats.segment import Segment
 from hkstore.store import open_store
 
@@ -15,7 +16,7 @@ from hkstore.store import open_store
 def verify(path):
     """Check the manifest, every segment and every live PET record. Returns a report dict
     whose `problems` list is empty for a healthy store."""
-    problems, checked = [], {"segments": 0, "entries": 0, "pets": 0, "bytes": 0}
+    problems, checked = [], {"segments": 0, "entries": 0, "positions": 0, "pets": 0, "bytes": 0}
     try:
         manifest = mf.load(path)
     except (FormatError, OSError, ValueError) as e:
@@ -38,6 +39,15 @@ def verify(path):
                 checked["segments"] += 1
                 checked["entries"] += seg.count
                 checked["bytes"] += os.path.getsize(seg.path)
+            except (FormatError, OSError) as e:
+                problems.append(f"version {v['name']}: {e}")
+        if v.get("position"):
+            entry = v["position"]
+            try:
+                with open(os.path.join(path, "positions", entry["file"]), "rb") as f:
+                    read_position(f, entry["rows"], meta["d"], entry["xxh64"])
+                checked["positions"] += 1
+                checked["bytes"] += entry["rows"] * meta["d"] * 4
             except (FormatError, OSError) as e:
                 problems.append(f"version {v['name']}: {e}")
     for tenant, loc in sorted(manifest["pets"].items()):
@@ -80,12 +90,15 @@ def garbage(path):
     manifest = mf.load(path)
     live_segments = {s for v in manifest["versions"] for s in v["segments"]}
     live_packs = set(manifest["packs"])
+    live_positions = {v["position"]["file"] for v in manifest["versions"] if v.get("position")}
     current = mf.current_name(path)
     out = []
     for name in os.listdir(path):
         if (name.startswith("MANIFEST-") and name != current) or name.endswith(".tmp"):
             out.append(name)
-    for sub, live in (("segments", live_segments), ("packs", live_packs)):
+    for sub, live in (("segments", live_segments), ("packs", live_packs), ("positions", live_positions)):
+        if not os.path.isdir(os.path.join(path, sub)):
+            continue
         for name in os.listdir(os.path.join(path, sub)):
             if name not in live:
                 out.append(os.path.join(sub, name))

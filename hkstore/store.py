@@ -16,6 +16,7 @@ import numpy as np
 from formats import manifest as mf
 from formats import pack
 from formats.errors import CorruptError, FormatError
+from formats.position import read_position, write_position
 from formats.segment import DTYPES, Segment, fsync_dir, write_segment
 from hkstore import lookup as lk
 from hkstore.errors import StoreError, StoreLocked, UnknownTenant, UnknownVersion
@@ -33,7 +34,7 @@ def check_name(kind, name):
 class Snapshot:
     """An immutable view of the store as one manifest describes it."""
 
-    def __init__(self, path, manifest, segments):
+    def __init__(self, path, manifest, segments, positions):
         self.path = path
         self.manifest = manifest
         self.meta = manifest["meta"]
@@ -41,6 +42,7 @@ class Snapshot:
         self.version_names = [v["name"] for v in self.versions]
         self._index = {name: i for i, name in enumerate(self.version_names)}
         self._segments = segments  # file name -> Segment, shared across snapshots
+        self._positions = positions  # file name -> PositionFile, shared likewise
 
     def version_index(self, version):
         if isinstance(version, (int, np.integer)) and 0 <= version < len(self.versions):
@@ -57,6 +59,15 @@ class Snapshot:
             parent = self.versions[v]["parent"]
             v = None if parent is None else self._index[parent]
         return out
+
+    def position(self, version):
+        """The position table (rows, d) float32 that `version`'s aggregation adds (FORMAT.md
+        section 4): the nearest one on its ancestry, None if no version there has one."""
+        for v in self.ancestry(version):
+            entry = self.versions[v].get("position")
+            if entry:
+                return self._positions[entry["file"]].table()
+        return None
 
     def version_segments(self, version):
         return [self._segments[name] for name in self.versions[self.version_index(version)]["segments"]]
@@ -79,6 +90,24 @@ class Snapshot:
         return pack.decode_record(data, 0, loc["length"])
 
 
+class PositionFile:
+    """A position table named by a manifest. The file is opened when the manifest is installed
+    (so gc cannot take it from an older snapshot) and read and checked on first use."""
+
+    def __init__(self, path, entry, d):
+        self.path, self.entry, self.d = path, entry, d
+        self._file = open(path, "rb")
+        self._table = None
+        self._lock = threading.Lock()
+
+    def table(self):
+        with self._lock:
+            if self._table is None:
+                self._table = read_position(self._file, self.entry["rows"], self.d, self.entry["xxh64"])
+                self._file.close()
+            return self._table
+
+
 class Store:
     """Open with hkstore.open() or hkstore.create()."""
 
@@ -87,6 +116,7 @@ class Store:
         self.writable = writable
         self._lock_fd = None
         self._segments = {}
+        self._positions = {}
         self._mutex = threading.RLock()
         if writable:
             self._take_lock()
@@ -138,9 +168,16 @@ class Store:
                 segments[name] = self._segments.get(name) or Segment(os.path.join(self.path, "segments", name))
                 if (segments[name].n, segments[name].d) != (manifest["meta"]["n"], manifest["meta"]["d"]):
                     raise CorruptError(f"segment {name}: shape (n={segments[name].n}, d={segments[name].d}) does not match the store")
+            positions = {}
+            for v in manifest["versions"]:
+                entry = v.get("position")
+                if entry:
+                    positions[entry["file"]] = self._positions.get(entry["file"]) or PositionFile(
+                        os.path.join(self.path, "positions", entry["file"]), entry, manifest["meta"]["d"])
             self._segments = segments
+            self._positions = positions
             self._manifest = manifest
-            self._snapshot = Snapshot(self.path, manifest, segments)
+            self._snapshot = Snapshot(self.path, manifest, segments, positions)
 
     def snapshot(self):
         """The current consistent view; it stays valid while writers commit and compact."""
@@ -245,6 +282,33 @@ class Store:
     def set_version_info(self, name, **info):
         self._snapshot.version_index(name)
         self._commit(lambda m: self._version(m, name)["info"].update(info))
+
+    def set_position(self, version, table):
+        """Give `version` its own position table (rows, d), or with None drop it so the
+        version inherits its parent's again; one commit either way."""
+        self._require_writable()
+        self._snapshot.version_index(version)
+        if table is not None:
+            table = np.asarray(table, dtype=np.float32)
+            if table.ndim != 2 or table.shape[1] != self.meta["d"] or not len(table):
+                raise StoreError(f"a position table must have shape (rows, {self.meta['d']}), got {table.shape}")
+            if not np.isfinite(table).all():
+                raise StoreError("a position table must be finite")
+
+        def change(m):
+            v = self._version(m, version)
+            if table is None:
+                v.pop("position", None)
+                return None
+            name = self._new_file(m, ".pos")
+            directory = os.path.join(self.path, "positions")
+            if not os.path.isdir(directory):
+                os.makedirs(directory, exist_ok=True)
+                fsync_dir(self.path)
+            v["position"] = {"file": name, **write_position(os.path.join(directory, name), table)}
+            return name
+
+        return self._commit(change)
 
     def replace_segments(self, version, old, new_name):
         """Swap a version's segments `old` for `new_name` (or none) in one commit: compaction's publish step."""
@@ -371,7 +435,7 @@ def create(path, *, d, vocab_size, n=3, window="centered", lower_layers=3, dtype
     if os.path.exists(os.path.join(path, mf.CURRENT)):
         raise StoreError(f"{path}: a store already exists here")
     check_name("version", root)
-    for sub in ("", "segments", "packs"):
+    for sub in ("", "segments", "packs", "positions"):
         os.makedirs(os.path.join(path, sub), exist_ok=True)
     meta = {"base_model": base_model, "tokenizer_fingerprint": tokenizer_fingerprint, "d": int(d), "n": int(n),
             "window": window, "lower_layers": int(lower_layers), "dtype": dtype, "pad_id": int(pad_id),

@@ -27,14 +27,14 @@ two CPU cores the first time, seconds after that.
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import json
 import os
 import re
 import time
 
 import click
+
+from runtime.stdlib_text import docstrings
 
 ROOT_MODULES = (
     "json re string textwrap collections itertools functools pathlib datetime argparse logging shutil subprocess csv "
@@ -59,35 +59,6 @@ TRAINING = {"which-module": (4, None), "class-or-function": (3, None), "type-wor
 
 
 # -- data -------------------------------------------------------------------------------------
-
-
-def stdlib_docstrings(modules=ROOT_MODULES) -> list[tuple[str, str, str]]:
-    """(first paragraph, module, "class" | "function") of the public classes, functions and
-    methods each module defines itself, 20-300 characters, in a fixed order."""
-    out = []
-    for name in modules:
-        try:
-            mod = importlib.import_module(name)
-        except ImportError:
-            continue
-        for attr, obj in sorted(vars(mod).items()):
-            if attr.startswith("_") or getattr(obj, "__module__", None) != name:
-                continue
-            items = []
-            if inspect.isclass(obj):
-                items.append(("class", obj))
-                items += [("function", f) for m, f in sorted(vars(obj).items())
-                          if not m.startswith("_") and (inspect.isfunction(f) or inspect.ismethoddescriptor(f))]
-            elif callable(obj):
-                items.append(("function", obj))
-            for kind, o in items:
-                doc = o.__doc__ if isinstance(o.__doc__, str) else None
-                if not doc:
-                    continue
-                text = " ".join(inspect.cleandoc(doc).strip().split("\n\n")[0].split())
-                if 20 <= len(text) <= 300 and not text.startswith(attr + "("):
-                    out.append((text, name, kind))
-    return out
 
 
 def _split(examples):
@@ -161,7 +132,7 @@ def main(store_dir="hkstore-demo", echo=print, progress=True) -> dict:
     t_start = time.perf_counter()
     store_dir = os.fspath(store_dir)
     data_dir = os.path.join(store_dir, "demo")
-    docs = stdlib_docstrings()
+    docs = docstrings(ROOT_MODULES)
     task_data = tasks(docs)
     write_data(data_dir, docs, task_data)
     summary = {"store": store_dir, "docstrings": len(docs), "steps": {}}

@@ -476,6 +476,7 @@ class GpuExecutor:
             padded = cp.zeros((B * L, n, d), dtype=np.float16)
             padded[self.upload(pos, stream, keep)] = vals
             inputs = ops.aggregate(padded, lengths.astype(np.int32), kind)
+            self._add_position(inputs, snapshot, versions, lengths, stream, keep)
             end.record(stream)
             done = cp.cuda.Event()
             done.record(stream)
@@ -487,6 +488,31 @@ class GpuExecutor:
         staged = {"slot": None, "shape": (B, L, d), "events": (start, end), "array": inputs, "done": done,
                   "keep": keep, "lengths": lengths}
         return staged, served, {"retrieval": retrieval, "transfer": transfer}
+
+    def _add_position(self, inputs, snapshot, versions, lengths, stream, keep):
+        """runtime.plot.add_position on the device: each version's position table is uploaded
+        once (cached by file name) and gathered per row, so a batch moves no extra bytes."""
+        cp = self.cp
+        tables = [snapshot.versions[v].get("position") for v in range(len(snapshot.versions))]
+        files = [None if t is None else t["file"] for t in tables]
+        effective = [next((files[a] for a in snapshot.ancestry(v) if files[a]), None)
+                     for v in range(len(files))]
+        if not any(effective):
+            return
+        if getattr(self, "_positions_key", None) != effective:
+            rows = max(len(snapshot.position(v)) for v in range(len(files)) if effective[v])
+            host = np.zeros((len(files), rows, inputs.shape[2]), dtype=np.float32)
+            for v in range(len(files)):
+                if effective[v]:
+                    table = snapshot.position(v)
+                    host[v, :len(table)] = table
+            self._positions_dev = self.upload(host, stream, keep)
+            self._positions_key = effective
+        B, L, _ = inputs.shape
+        rows = min(L, self._positions_dev.shape[1])
+        vidx = self.upload(np.array([snapshot.version_index(v) for v in versions], dtype=np.int64), stream, keep)
+        real = self.upload((np.arange(rows)[None, :] < lengths[:, None]).astype(np.float32)[..., None], stream, keep)
+        inputs[:, :rows] += self._positions_dev[vidx, :rows] * real
 
     # -- the computation -------------------------------------------------------------------
 

@@ -209,7 +209,8 @@ def build(store_path, *, model_path=None, corpus_paths, n: int = 3, kind: str = 
     """Create the store (or resume an unfinished build of it) and fill its root PLOT.
 
     With distill_steps > 0 the lower layers are first window-distilled on the corpus
-    (runtime.train.distill_windows) and saved in STORE/models/root.safetensors.
+    (runtime.train.distill_windows) and saved in STORE/models/root.safetensors. Last, the
+    root's position table is fitted (runtime.plot.fit_position).
     """
     from runtime import plot
     from runtime.train import TrainConfig, distill_windows
@@ -222,7 +223,7 @@ def build(store_path, *, model_path=None, corpus_paths, n: int = 3, kind: str = 
     if distill_steps < 0:
         raise ValueError(f"distill_steps must be >= 0, got {distill_steps}")
     docs = read_corpora(corpus_paths, corpus_format)
-    encoder = load_model(model_path, lower_layers)
+    encoder = base = load_model(model_path, lower_layers)
     seqs = tokenize_corpus(encoder, docs, max_len)
     wanted = {"n": n, "window": kind, "lower_layers": lower_layers, "dtype": dtype, "d": meta["d"],
               "vocab_size": meta["vocab_size"], "tokenizer_fingerprint": meta["tokenizer_fingerprint"]}
@@ -259,8 +260,14 @@ def build(store_path, *, model_path=None, corpus_paths, n: int = 3, kind: str = 
                   "sequences": len(seqs), "max_len": max_len}
         stats = plot.build_root(store, encoder, seqs, chunk=chunk, batch_size=batch_size, progress=progress,
                                 on_chunk=on_chunk, info=corpus)
+        position = store.snapshot().versions[0]["info"].get("position")
+        if not store.snapshot().versions[0].get("position"):
+            # The target is the base model's full-context output even for a distilled root:
+            # the upper layers were trained on those.
+            position = plot.fit_position(store, root, base, seqs, seed=seed)
+            store.set_version_info(root, position=position)
         return {"store": os.fspath(store_path), "version": root, "resumed": resumed, "distill": distill, **corpus,
-                **stats, "seconds": round(time.perf_counter() - t0, 3)}
+                **stats, "position": position, "seconds": round(time.perf_counter() - t0, 3)}
     finally:
         store.close()
 
@@ -285,10 +292,16 @@ def _mlm(encoder, seqs, mlm_steps, lr, batch_size, seed, progress):
 
 
 def _branch_from(store, name, parent, encoder, count_seqs, alpha, info):
-    from runtime.plot import build_branch
+    """The branch, then its position table: the domain model's full-context outputs are the
+    target, through the branch's own lookups (a second commit; until it lands the branch
+    serves with its parent's table)."""
+    from runtime.plot import build_branch, fit_position
 
     info = dict(info, lower_weights=save_lower(store.path, name, encoder))
-    return build_branch(store, name, parent, encoder, count_seqs, alpha, info)
+    out = build_branch(store, name, parent, encoder, count_seqs, alpha, info)
+    out["position"] = fit_position(store, name, encoder, count_seqs)
+    store.set_version_info(name, position=out["position"])
+    return out
 
 
 def _new_version_checks(store, name, parent):

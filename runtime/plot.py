@@ -7,7 +7,7 @@
 
 `retrieve` is what training (runtime/manager.py) and serving call alike, so a PET is trained
 on exactly the inputs it will be served with: the windows of every sequence, one batched
-lookup for the whole batch, then the normalized aggregation of runtime.window.
+lookup for the whole batch, then the normalized aggregation of runtime.window, plus the version's position table.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from formats.backoff import backoff, key_order, left
 from formats.xxh64 import checksum
@@ -133,7 +134,8 @@ def retrieve(snapshot, version, seqs) -> tuple[torch.Tensor, torch.Tensor, Serve
     hkstore Snapshot or Store): (inputs float32 (B, L, d), mask bool (B, L), served).
 
     Windows of every sequence, ONE lookup for the whole batch, then runtime.window's
-    normalized aggregation; positions past a sequence's length are zero and masked out.
+    normalized aggregation plus the version's position table (snapshot.position); positions
+    past a sequence's length are zero and masked out.
     """
     meta = snapshot.meta
     n, kind, pad_id, d = meta["n"], meta["window"], meta["pad_id"], meta["d"]
@@ -149,6 +151,7 @@ def retrieve(snapshot, version, seqs) -> tuple[torch.Tensor, torch.Tensor, Serve
     values = np.zeros((B, L, n, d), dtype=np.float32)
     values[real] = result.values
     inputs = aggregate_batch(torch.from_numpy(values), torch.from_numpy(lengths), n, kind)
+    add_position(inputs, real, snapshot.position(version))
     served_windows = np.full((B, L, n), pad_id, dtype=np.uint32)
     served_windows[real] = wins
     served_version = np.full((B, L), -1, dtype=np.int16)
@@ -157,6 +160,15 @@ def retrieve(snapshot, version, seqs) -> tuple[torch.Tensor, torch.Tensor, Serve
     served_order[real] = result.order
     served = Served(served_windows, served_version, served_order, lengths, list(result.version_names))
     return inputs, torch.from_numpy(real), served
+
+
+def add_position(inputs: torch.Tensor, real: np.ndarray, table) -> None:
+    """Add a version's position table (FORMAT.md section 4) to aggregated inputs (B, L, d) in
+    place, at real positions only; rows past the table's end add nothing."""
+    if table is None:
+        return
+    rows = min(inputs.shape[1], len(table))
+    inputs[:, :rows] += torch.from_numpy(np.array(table[:rows])) * torch.from_numpy(real[:, :rows, None])
 
 
 def retrieve_list(snapshot, version, seqs, batch_size: int = 256) -> list[torch.Tensor]:
@@ -302,3 +314,55 @@ def build_branch(store, name, parent, encoder, seqs, alpha, info=None, *, batch_
     out = create_branch(store, name, parent, keys, counts, alpha,
                         lambda kept: compute_values(encoder, kept, batch_size), info)
     return dict(out, seconds=round(time.perf_counter() - t0, 3))
+
+
+def fit_position(store, version, reference, seqs, *, max_seqs: int = 4096, batch_size: int = 128,
+                 min_count: int = 8, seed: int = 0) -> dict:
+    """Fit and store `version`'s position table (FORMAT.md section 4). Why: a window's value is
+    computed at local positions 0..n-1, so the aggregate carries no absolute position, which
+    the upper layers of a BERT expect (its embeddings add one).
+
+    Row i becomes the table in force now (own or inherited) plus the mean, over the corpus
+    sequences that reach position i, of reference.lower's full-context output at i minus what
+    retrieve() serves there now: the least-squares per-position correction. Rows seen fewer
+    than min(min_count, sequences) times repeat the last row seen enough. At most max_seqs sequences (a seeded
+    sample) are used. Returns {rows, sequences, cosine_before, cosine_after}: the mean
+    per-token cosine of served inputs to full-context outputs, on up to 512 of them.
+    """
+    seqs = [s for s in seqs if 0 < len(s) <= reference.config.max_len]
+    if len(seqs) > max_seqs:
+        pick = np.random.default_rng(seed).choice(len(seqs), size=max_seqs, replace=False)
+        seqs = [seqs[i] for i in sorted(pick.tolist())]
+    rows, d = reference.config.max_len, store.meta["d"]
+    total, count = torch.zeros(rows, d, dtype=torch.float64), torch.zeros(rows, dtype=torch.float64)
+    before = store.snapshot()
+    with torch.no_grad():
+        for batch in _chunks(seqs, batch_size):
+            served, mask, _ = retrieve(before, version, batch)
+            residual = (reference.lower(*reference.pad(batch)) - served) * mask[..., None]
+            total[:served.shape[1]] += residual.sum(0).double()
+            count[:served.shape[1]] += mask.sum(0).double()
+    if not seqs:
+        raise ValueError(f"empty corpus: no token sequences to fit the position table of {version!r}")
+    seen = count >= min(min_count, len(seqs))
+    mean = (total / count.clamp(min=1)[:, None]).float()
+    last_seen = torch.cummax(torch.where(seen, torch.arange(rows), 0), 0).values
+    table = mean[last_seen].numpy()
+    current = before.position(version)
+    if current is not None:
+        table[:min(rows, len(current))] += current[:rows]
+    store.set_position(version, table)
+    after = store.snapshot()
+    cosines = {"before": [], "after": []}
+    with torch.no_grad():
+        for batch in _chunks(seqs[:512], batch_size):
+            target = reference.lower(*reference.pad(batch))
+            for key, snap in (("before", before), ("after", after)):
+                served, mask, _ = retrieve(snap, version, batch)
+                cosines[key].append(F.cosine_similarity(served, target, dim=-1)[mask])
+    return {"rows": rows, "sequences": len(seqs),
+            **{f"cosine_{k}": round(torch.cat(v).mean().item(), 4) for k, v in cosines.items()}}
+
+
+def _chunks(items, size):
+    return [items[i:i + size] for i in range(0, len(items), size)]

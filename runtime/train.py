@@ -155,22 +155,33 @@ def train_upper(encoder: Encoder, head: petlib.Pet, inputs: list[torch.Tensor], 
 
 
 def distill_windows(encoder: Encoder, docs: list[list[int]], n: int, kind: str, cfg: TrainConfig):
-    """Train the lower layers so that aggregate(window_values(windows)) matches the starting
-    encoder's full-context lower output (MSE over tokens); returns (encoder copy, losses).
+    """Train the lower layers so that aggregate(window_values(windows)) + a position table
+    matches the starting encoder's full-context lower output (MSE over tokens); returns
+    (encoder copy, losses).
 
     The target is fixed at the start: the upper layers were trained on the original
     full-context features, so the windowed features should move toward those, not chase a
-    target that shifts with the student.
+    target that shifts with the student. The position table (what serving adds after
+    aggregation, runtime.plot.fit_position) trains alongside, starting from the per-position
+    mean residual, so the layers are not pushed to encode absolute position, which a window
+    cannot see; it is discarded afterwards, since the build refits it on the store's lookups.
     """
     with torch.no_grad():
         targets = [encoder.lower(*encoder.pad([doc]))[0] for doc in docs]
+        position = torch.zeros(encoder.config.max_len, encoder.config.d)
+        count = torch.zeros(encoder.config.max_len, 1)
+        for doc, target, x in zip(docs[:512], targets, windowed_lower(encoder, docs[:512], n, kind)):
+            position[:len(doc)] += target - x
+            count[:len(doc)] += 1
+        position = (position / count.clamp(min=1)).requires_grad_(True)
     student = copy.deepcopy(encoder)
 
     def loss_of(batch):
-        predicted = torch.cat(windowed_lower(student, [docs[j] for j in batch], n, kind))
+        predicted = torch.cat([x + position[:len(x)] for x in windowed_lower(student, [docs[j] for j in batch], n, kind)])
         return F.mse_loss(predicted, torch.cat([targets[j] for j in batch]))
 
-    log = _fit([p.requires_grad_(True) for p in student.lower_parameters()], len(docs), loss_of, cfg, "window distillation")
+    params = [p.requires_grad_(True) for p in student.lower_parameters()] + [position]
+    log = _fit(params, len(docs), loss_of, cfg, "window distillation")
     return student.requires_grad_(False), log
 
 

@@ -10,7 +10,8 @@ from click.testing import CliRunner
 import hkstore
 from runtime import manager
 from runtime.commands import COMMANDS
-from test_manager import make_data, make_tiny_model
+from runtime.tiny_model import make_tiny_model
+from test_manager import make_data
 
 
 @pytest.fixture(scope="module")

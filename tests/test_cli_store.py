@@ -80,6 +80,20 @@ def test_compact_drops_parent_equal_entries_and_diff_sees_it(store):
     assert "changed" in run("diff", f"{store}@root", f"{store}@bio")
 
 
+def test_tree_and_diff_report_position_tables(store):
+    st = hkstore.open(store, writable=True)
+    table = np.random.default_rng(1).standard_normal((4, D)).astype(np.float32)
+    st.set_position("bio", table)
+    st.close()
+    rows = {r["name"]: r for r in json.loads(run("tree", store, "--json"))}
+    assert (rows["root"]["position_rows"], rows["bio"]["position_rows"]) == (None, 4)
+    d = json.loads(run("diff", f"{store}@root", f"{store}@bio", "--json"))["position"]
+    assert (d["rows_a"], d["rows_b"]) == (None, 4)
+    assert d["max_abs_difference"] == pytest.approx(float(np.abs(table).max()))
+    assert json.loads(run("diff", f"{store}@bio", f"{store}@bio", "--json"))["position"]["max_abs_difference"] == 0
+    assert "position   rows 0 -> 4" in run("diff", f"{store}@root", f"{store}@bio")
+
+
 def test_diff_two_stores_reports_pets(store, tmp_path):
     other = str(tmp_path / "copy")
     import shutil

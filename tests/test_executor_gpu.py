@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import os
 import sys
-import types
 
 import numpy as np
 import pytest
 import torch
 
-from runtime import ops_cpu
 from runtime.executor_cpu import CpuExecutor
 from runtime.executor_gpu import GpuExecutor
+from runtime.host_device import HostGpuExecutor as NumpyGpuExecutor
 from runtime.scheduler import Item, Scheduler
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # sibling test modules, any import mode
@@ -53,91 +52,6 @@ def random_batch(enc, n_items, seed, max_len=12):
     mask = torch.arange(L)[None, :] < torch.as_tensor(lengths)[:, None]
     inputs[~mask] = 0.0
     return inputs, mask
-
-
-# -- NumPy stand-ins for CuPy and ops_gpu --------------------------------------------------------
-
-
-class _Stream:
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def wait_event(self, event):
-        pass
-
-    def synchronize(self):
-        pass
-
-
-class _Event:
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def record(self, stream=None):
-        pass
-
-    def synchronize(self):
-        pass
-
-
-class _Device:
-    def __init__(self, *args):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-def fake_cupy():
-    cuda = types.SimpleNamespace(
-        Stream=_Stream, Event=_Event, Device=_Device, alloc_pinned_memory=lambda n: bytearray(n),
-        get_elapsed_time=lambda a, b: 0.0,
-        runtime=types.SimpleNamespace(getDevice=lambda: 0, getDeviceCount=lambda: 1))
-    return types.SimpleNamespace(
-        cuda=cuda, asarray=np.asarray, empty=np.empty, zeros=np.zeros, ascontiguousarray=np.ascontiguousarray,
-        asnumpy=np.asarray, matmul=np.matmul, stack=np.stack, concatenate=np.concatenate, where=np.where, exp=np.exp)
-
-
-def _t(a):
-    if not isinstance(a, np.ndarray):
-        return a
-    a = np.ascontiguousarray(a)
-    return torch.from_numpy(a if a.flags.writeable else a.copy())
-
-
-class FakeOps:
-    """runtime.ops_gpu's interface over runtime.ops_cpu on NumPy arrays (in place stays in place)."""
-
-    @staticmethod
-    def _np(t):
-        return t.numpy() if isinstance(t, torch.Tensor) else t
-
-    def __getattr__(self, name):
-        fn = getattr(ops_cpu, name)
-
-        def call(*args, **kwargs):
-            args = [_t(a) for a in args]
-            kwargs = {k: _t(v) for k, v in kwargs.items()}
-            return self._np(fn(*args, **kwargs))
-
-        return call
-
-
-class NumpyGpuExecutor(GpuExecutor):
-    def __init__(self, encoder, **kwargs):
-        super().__init__(encoder, _cupy=fake_cupy(), _ops=FakeOps(), **kwargs)
-
-    def copy_h2d(self, dst, src, stream):
-        dst[...] = src.reshape(dst.shape)
 
 
 # -- always: the executor's logic on the CPU ----------------------------------------------------

@@ -5,11 +5,8 @@ is a 6-layer d=32 BERT over a vocabulary made from that text, so every step take
 milliseconds. Nothing here checks accuracy: tools/hmi_accuracy.py does, on real data.
 """
 
-import inspect
 import json
-import math
 import os
-import re
 
 import numpy as np
 import pytest
@@ -18,66 +15,17 @@ import torch
 import hkstore
 from runtime import manager
 from runtime.pet import PET_TYPES
+from runtime.stdlib_text import first_lines as docstring_lines
+from runtime.tiny_model import make_tiny_model, words_of
 
-# -- shared fixtures' builders (tests/test_cli_model.py imports them) -----------------------
-
-
-def docstring_lines(module):
-    out = []
-    for name, f in sorted(inspect.getmembers(module)):
-        doc = inspect.getdoc(f) if callable(f) and not name.startswith("_") else None
-        if doc and len(doc.split()) >= 3:
-            out.append(doc.splitlines()[0].strip())
-    return list(dict.fromkeys(out))
-
-
-def words_of(text):
-    return re.findall(r"\w+|[^\w\s]", text.lower())
-
-
-def make_tiny_model(path, texts, d=32, layers=6, seed=0):
-    """An HF BERT-format directory (config.json, vocab.txt, model.safetensors) with random weights."""
-    from safetensors.torch import save_file
-
-    os.makedirs(path, exist_ok=True)
-    chars = sorted({c for t in texts for c in t.lower() if not c.isspace()})
-    words = sorted({w for t in texts for w in words_of(t)})
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    vocab += list(dict.fromkeys(chars + words + ["##" + c for c in chars]))
-    with open(os.path.join(path, "vocab.txt"), "w") as f:
-        f.write("\n".join(vocab) + "\n")
-    config = {"hidden_size": d, "num_attention_heads": 4, "intermediate_size": 2 * d, "num_hidden_layers": layers,
-              "max_position_embeddings": 64, "vocab_size": len(vocab), "pad_token_id": 0, "layer_norm_eps": 1e-12,
-              "hidden_act": "gelu", "_name_or_path": "tiny-bert"}
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f)
-    g = torch.Generator().manual_seed(seed)
-
-    def rnd(*shape):
-        return torch.randn(*shape, generator=g) * 0.2
-
-    w = {"embeddings.word_embeddings.weight": rnd(len(vocab), d),
-         "embeddings.position_embeddings.weight": rnd(64, d),
-         "embeddings.token_type_embeddings.weight": rnd(2, d),
-         "embeddings.LayerNorm.weight": torch.ones(d), "embeddings.LayerNorm.bias": torch.zeros(d)}
-    shapes = {"attention.self.query": (d, d), "attention.self.key": (d, d), "attention.self.value": (d, d),
-              "attention.output.dense": (d, d), "intermediate.dense": (2 * d, d), "output.dense": (d, 2 * d)}
-    for i in range(layers):
-        p = f"encoder.layer.{i}."
-        for name, shape in shapes.items():
-            w[p + name + ".weight"] = rnd(*shape) / math.sqrt(shape[1]) * 5
-            w[p + name + ".bias"] = torch.zeros(shape[0])
-        for ln in ("attention.output.LayerNorm", "output.LayerNorm"):
-            w[p + ln + ".weight"], w[p + ln + ".bias"] = torch.ones(d), torch.zeros(d)
-    save_file(w, os.path.join(path, "model.safetensors"))
-    return path
+# -- shared fixtures' builders (other test modules import them) --------------------------------
 
 
 def make_data(root):
     """Corpus + classification (math vs os.path docstrings) + tagging (tag 'return' words)."""
     import os.path as osp
 
-    math_lines, path_lines = docstring_lines(math)[:16], docstring_lines(osp)[:16]
+    math_lines, path_lines = docstring_lines("math")[:16], docstring_lines(osp)[:16]
     corpus = os.path.join(root, "corpus.txt")
     with open(corpus, "w") as f:
         f.write("\n".join(math_lines + path_lines) + "\n")

@@ -15,7 +15,8 @@ from formats.backoff import key_order
 from runtime import plot
 from runtime.model import load_encoder
 from runtime.window import windowed_lower, windows
-from test_manager import docstring_lines, make_tiny_model
+from runtime.stdlib_text import first_lines as docstring_lines
+from runtime.tiny_model import make_tiny_model
 
 
 def naive_windows(seq, n, kind, pad):
@@ -216,6 +217,7 @@ def test_retrieve_counts_a_single_lookup(minilm_store):
 
     class Spy:
         meta = snap.meta
+        position = snap.position
 
         def lookup(self, version, windows):
             calls.append(len(windows))

@@ -330,10 +330,10 @@ def test_html_renders_in_headless_chromium(hand, tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """A tiny random BERT (tests/test_manager.py) and a causal n=3 root built from a few sentences."""
+    """A tiny random BERT (runtime.tiny_model) and a causal n=3 root built from a few sentences."""
     import runtime.plot as plot
     from runtime.model import load_encoder
-    from test_manager import make_tiny_model
+    from runtime.tiny_model import make_tiny_model
 
     texts = ["the cell divides into two cells", "a gene encodes a protein", "the protein folds",
              "cells express the gene", "two proteins bind", "proteins"]

@@ -1,6 +1,6 @@
 """runtime.serve end to end: real servers (python -m runtime.serve) on loopback ports.
 
-The store is the tiny one of tests/test_manager.py (a d=32 BERT over stdlib docstrings), so
+The store is the tiny one of tests/test_manager.py (runtime.tiny_model) (a d=32 BERT over stdlib docstrings), so
 every job trains in seconds. Servers: the main one (manage jobs, infer, isolation, bad
 input); a second on the same store with tiny limits (429, 504; it runs no jobs: 503); one
 killed with SIGKILL in the middle of a job and restarted (the job resumes); one fuzzed by
@@ -21,7 +21,8 @@ import httpx
 import pytest
 
 from runtime import manager
-from test_manager import make_data, make_tiny_model
+from runtime.tiny_model import make_tiny_model
+from test_manager import make_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ADMIN = "admin-token-for-tests-0123456789"

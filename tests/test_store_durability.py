@@ -34,19 +34,25 @@ def commit_values(i):
     return np.random.default_rng(i).standard_normal((4, 3, D)).astype(np.float16)
 
 
+def position_table(i):
+    return np.random.default_rng(10_000 + i).standard_normal((5 + i % 4, D)).astype(np.float32)
+
+
 WRITER = textwrap.dedent(f"""
     import sys, numpy as np
     sys.path.insert(0, {ROOT!r})
     sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
     import hkstore
     from formats.pack import PetRecord
-    from test_store_durability import commit_keys, commit_values
+    from test_store_durability import commit_keys, commit_values, position_table
     store = hkstore.open(sys.argv[1], writable=True)
     start = int(sys.argv[2])
     for i in range(start, start + 1000):
         version = "root" if i % 2 else "dom"
         store.add_segment(version, commit_keys(i), commit_values(i))
         store.put_pet(PetRecord(f"t{{i}}", {{"i": i}}, {{"w": commit_values(i)}}))
+        if i % 3 == 0:
+            store.set_position("dom", position_table(i))
         if i % 5 == 0:
             hkstore.compact(store, version)
         if i % 11 == 0:
@@ -92,6 +98,12 @@ def test_sigkill_during_commits_and_compactions_loses_no_acknowledged_write(tmp_
         assert (got.order == 3).all() and got.version_names[got.version[0]] == version
         np.testing.assert_array_equal(got.values, commit_values(i))
         np.testing.assert_array_equal(store.get_pet(f"t{i}").tensors["w"], commit_values(i))
+    # The newest acknowledged table, or the next one if its commit landed before the kill cut
+    # off its acknowledgement.
+    last = max(i for i in acked if i % 3 == 0)
+    got = store.snapshot().position("dom")
+    assert any(np.array_equal(got, position_table(j)) for j in (last, last + 3))
+    assert store.snapshot().position("root") is None
 
 
 def test_second_writer_is_refused(tmp_path):

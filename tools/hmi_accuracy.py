@@ -20,9 +20,12 @@ tenants on a root built with and without window distillation of the lower layers
 The store: the root PLOT is built from the unlabeled text of every task's sampled train and
 test examples (a stand-in for HMI's general corpus); a domain version is the base lower layers
 further pre-trained (MLM) on its tasks' train text (up to --max-domain-docs documents per task,
-labels unused), plus the top-alpha% n-grams of that text. Everything is subsampled (--max-train/--max-test/--max-len) and epochs are capped (5 for
-the PET / head / upper-layer rows, 3 for full fine-tuning) so the run fits ~45 minutes on
-2 cores. Results go to OUT/results.json (resumable per (task, row): finished rows are
+labels unused), plus the top-alpha% n-grams of that text. Every version's position table is
+fitted (runtime.plot.fit_position). The root-variants rows compare root PLOT + adapter tenants
+on the root as built, on a copy without its position table, and on a root built from
+window-distilled lower layers. Everything is subsampled (--max-train/--max-test/--max-len) and
+epochs are capped (10 for the PET / head / upper-layer rows, 3 for full fine-tuning) so the
+run fits about an hour on 2 cores. Results go to OUT/results.json (resumable per (task, row): finished rows are
 skipped on a rerun) and OUT/results.md.
 """
 
@@ -294,7 +297,7 @@ def ensure_alpha_branch(args, ctx, domain, alpha, results):
     """Version '<domain>-a<alpha>' under the root: the domain's lower layers, another alpha."""
     import hkstore
     from runtime import manager
-    from runtime.plot import build_branch
+    from runtime.plot import build_branch, fit_position
 
     name = domain if alpha == args.alpha else f"{domain}-a{alpha:g}"
     with hkstore.open(ctx["store"], writable=True) as st:
@@ -304,8 +307,27 @@ def ensure_alpha_branch(args, ctx, domain, alpha, results):
             docs = manager.read_corpora([ctx["data"]["corpora"][domain]])
             seqs = manager.tokenize_corpus(enc, docs, args.max_len)
             out = build_branch(st, name, "root", enc, seqs, alpha, {"lower_weights_of": domain})
+            out["position"] = fit_position(st, name, enc, seqs)
             results["construction"][f"branch:{name}"] = out
     return name
+
+
+def nopos_copy(store_path, copy_path) -> str:
+    """The store with the root's position table dropped (the ablation): segments are
+    hard-linked (immutable files), manifests and packs copied (packs are appended to)."""
+    import shutil
+
+    import hkstore
+
+    copy_path = str(copy_path)
+    if not os.path.exists(os.path.join(copy_path, "CURRENT")):
+        shutil.rmtree(copy_path, ignore_errors=True)
+        shutil.copytree(store_path, copy_path, ignore=shutil.ignore_patterns("segments", "LOCK"))
+        shutil.copytree(os.path.join(store_path, "segments"), os.path.join(copy_path, "segments"),
+                        copy_function=os.link)
+        with hkstore.open(copy_path, writable=True) as st:
+            st.set_position("root", None)
+    return copy_path
 
 
 # -- results ----------------------------------------------------------------------------------
@@ -345,16 +367,17 @@ def markdown(results) -> str:
             lines.append(f"| {r['alpha']:g}% | {r['task']} | {100 * r['score']:.1f} | "
                          f"{r.get('ngrams_kept', 0)} / {r.get('ngrams_seen', 0)} | {r['bytes']:,} |")
     if results.get("distill"):
-        lines += ["", "## Window distillation of the root (root PLOT + adapter)", "",
+        lines += ["", "## Root variants (root PLOT + adapter): position table, window distillation", "",
                   "| root | task | score % |", "|---|---|---|"]
         for key, r in sorted(results["distill"].items()):
-            lines.append(f"| {'distilled' if r['distilled'] else 'not distilled'} | {r['task']} | "
-                         f"{100 * r['score']:.1f} |")
+            lines.append(f"| {r['variant']} | {r['task']} | {100 * r['score']:.1f} |")
     c = results.get("construction", {})
     lines += ["", "## Construction", ""]
     for key, r in c.items():
         lines.append(f"- {key}: " + ", ".join(f"{k}={r[k]}" for k in ("keys", "ngrams_kept", "ngrams_seen", "bytes",
-                                                                     "windows_per_s", "seconds") if k in r))
+                                                                     "windows_per_s", "seconds") if k in r)
+                     + ("".join(f", position cosine {p['cosine_before']} -> {p['cosine_after']}"
+                                for p in [r.get("position")] if p)))
     if "wall_s" in results:
         lines += ["", f"Total wall time: {results['wall_s'] / 60:.1f} min; CPU time {results.get('cpu_s', 0) / 60:.1f} min "
                   f"(about {results.get('cpu_s', 0) / 120:.1f} min of wall time on 2 otherwise idle cores)"]
@@ -373,18 +396,18 @@ def main(argv=None):
     p.add_argument("--rows", default=",".join(ROWS))
     p.add_argument("--alpha-tasks", default="citation_intent,sciie",
                    help="tasks of the alpha table ('' = none); the defaults share the cs branches")
-    p.add_argument("--distill-tasks", default="citation_intent", help="tasks of the distillation rows")
+    p.add_argument("--distill-tasks", default="citation_intent,NCBI-disease", help="tasks of the distillation rows")
     p.add_argument("--max-domain-docs", type=int, default=3000,
                    help="train documents per task in a domain corpus (MLM + n-gram counts)")
     p.add_argument("--max-train", type=int, default=600)
     p.add_argument("--max-test", type=int, default=400)
     p.add_argument("--max-len", type=int, default=64)
-    p.add_argument("--epochs", type=int, default=5, help="epochs of every row but dedicated (shared: 3x)")
+    p.add_argument("--epochs", type=int, default=10, help="epochs of every row but dedicated (shared: 3x)")
     p.add_argument("--epochs-full", type=int, default=3, help="epochs of the dedicated row (full fine-tuning)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--alpha", type=float, default=50, help="alpha of the main domain branches")
     p.add_argument("--mlm-steps", type=int, default=40)
-    p.add_argument("--distill-steps", type=int, default=100)
+    p.add_argument("--distill-steps", type=int, default=1000)
     p.add_argument("--lr-full", type=float, default=1e-4)
     p.add_argument("--lr-head", type=float, default=5e-3)
     p.add_argument("--lr-adapter", type=float, default=5e-3)
@@ -497,23 +520,20 @@ def main(argv=None):
             say(f"alpha {alpha:g}% / {name}: {100 * score:.1f}, branch {results['alpha'][key]['bytes']:,} bytes")
 
     if distill_tasks:
-        distilled = str(out / "store-distill")
-        ensure_root(args, ctx, distilled, args.distill_steps, results, "root-distilled")
+        variants = {"plain": ctx["store"], "no-position": nopos_copy(ctx["store"], out / "store-nopos"),
+                    "distilled": str(out / "store-distill")}
+        ensure_root(args, ctx, variants["distilled"], args.distill_steps, results, "root-distilled")
         for name in distill_tasks:
-            for is_distilled, store in ((False, ctx["store"]), (True, distilled)):
-                key = f"{name}@{'distilled' if is_distilled else 'plain'}"
+            for variant, store in variants.items():
+                key = f"{name}@{variant}"
                 if key in results["distill"]:
                     continue
                 t0 = time.time()
-                same = results["alpha"].get(f"{name}@0")  # an empty branch serves exactly the root
-                if not is_distilled and same:
-                    score = same["score"]
-                else:
-                    score, _, _ = row_tenant(args, ctx, task_of(name), store, "root", "adapter", f"{name}-root")
-                results["distill"][key] = {"task": name, "distilled": is_distilled, "score": score,
+                score, _, _ = row_tenant(args, ctx, task_of(name), store, "root", "adapter", f"{name}-root")
+                results["distill"][key] = {"task": name, "variant": variant, "score": score,
                                            "seconds": round(time.time() - t0, 1)}
                 save(args, results)
-                say(f"root PLOT{' (distilled)' if is_distilled else ''} + adapter / {name}: {100 * score:.1f}")
+                say(f"root PLOT ({variant}) + adapter / {name}: {100 * score:.1f}")
 
     save(args, results)
     say(f"done in {(time.time() - T0) / 60:.1f} min (this invocation); results in {out}/results.md")

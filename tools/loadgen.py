@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import inspect
 import json
 import os
 import random
@@ -48,6 +47,9 @@ import tempfile
 import time
 
 import numpy as np
+
+from runtime.stdlib_text import first_lines as docstring_lines
+from runtime.tiny_model import make_tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOOPBACK = "127.0.0.1"
@@ -65,19 +67,6 @@ FULL = dict(model="minilm", tenants="1,10,100,1000", period=4.0, count=8, max_se
 
 
 # -- data and store ---------------------------------------------------------------------------------
-
-
-def docstring_lines(module_name):
-    """First lines of a stdlib module's public docstrings (text every Python has)."""
-    import importlib
-
-    module = importlib.import_module(module_name)
-    out = []
-    for name, f in sorted(inspect.getmembers(module)):
-        doc = inspect.getdoc(f) if callable(f) and not name.startswith("_") else None
-        if doc and len(doc.split()) >= 3:
-            out.append(doc.splitlines()[0].strip())
-    return list(dict.fromkeys(out))
 
 
 def corpus_texts():
@@ -106,10 +95,7 @@ def prepare_store(args, log):
         with open(corpus, "w") as f:
             f.write("\n".join(texts) + "\n")
         model = None
-        if args.model == "tiny":
-            sys.path.insert(0, os.path.join(ROOT, "tests"))
-            from test_manager import make_tiny_model  # the tests' random 6-layer d=32 BERT
-
+        if args.model == "tiny":  # a random 6-layer d=32 BERT
             model = make_tiny_model(os.path.join(data, "tiny-model"), texts)
         elif args.model != "minilm":
             model = args.model
