@@ -492,7 +492,6 @@ class GpuExecutor:
     def _add_position(self, inputs, snapshot, versions, lengths, stream, keep):
         """runtime.plot.add_position on the device: each version's position table is uploaded
         once (cached by file name) and gathered per row, so a batch moves no extra bytes."""
-        cp = self.cp
         tables = [snapshot.versions[v].get("position") for v in range(len(snapshot.versions))]
         files = [None if t is None else t["file"] for t in tables]
         effective = [next((files[a] for a in snapshot.ancestry(v) if files[a]), None)

@@ -3,8 +3,9 @@
 A window is the n ids around position i at offsets -l .. n-1-l (centered: l = (n-1)//2,
 causal: l = n-1); positions outside the sequence hold pad_id. A window's value is the lower
 layers run on the window alone at local positions 0..n-1, pad slots masked out of attention
-and stored as zeros. Token i's input to the upper layers is the "normalized" aggregate: the
-mean, over the c_i in-sequence windows that cover i, of the vector at i's slot.
+and stored as zeros. The "normalized" aggregate of token i is the mean, over the c_i
+in-sequence windows that cover i, of the vector at i's slot; the upper layers' input adds the
+version's position table to it (runtime.plot.retrieve).
 """
 
 from __future__ import annotations

@@ -125,6 +125,21 @@ def test_numpy_stand_in_hot_tier_on_a_real_store(store_setup):
     assert hot["hits"] > 0 and hot["misses"] > 0 and hot["rebuilds"] >= 1 and 0 < hot["rows"] <= 64
 
 
+def test_hot_tier_bench_counts_hits_of_a_repeating_stream(store_setup):
+    """tools/bench_hot_tier's measurement: a stream that repeats one set of texts hits every
+    window once the tier holds them all, and a one-row tier hits at most the commonest key."""
+    from tools.bench_hot_tier import run_tier
+
+    tiny, rt = store_setup
+    items = _store_items(tiny, rt, 8)
+    snap = rt.store.snapshot()
+    batches = [[it.ids for it in items[:4]], [it.ids for it in items[4:]]] * 6
+    rate, seconds, rows = run_tier(rt.encoder, snap, "root", batches, 4096, rebuild_every=2, warmup=2)
+    assert rate == 1.0 and rows > 0 and seconds >= 0
+    rate, _, rows = run_tier(rt.encoder, snap, "root", batches, 1, rebuild_every=2, warmup=2)
+    assert rows == 1 and 0 < rate < 0.5
+
+
 def test_numpy_stand_in_without_hot_tier_through_the_scheduler(store_setup):
     tiny, rt = store_setup
     items = _store_items(tiny, rt, 11)

@@ -76,6 +76,10 @@ def test_build_makes_a_verified_root_with_distilled_weights(env):
         assert info["lower_weights"]["file"] == "models/root.safetensors" and info["distill"]["steps"] == 3
         assert os.path.isfile(os.path.join(env["store"], "models", "root.safetensors"))
         assert info["build"]["complete"]
+        # The root's position table: fitted at build, to the base model's full-context outputs.
+        table = st.snapshot().position("root")
+        assert table.shape == (st.snapshot().versions[0]["position"]["rows"], meta["d"]) and table.any()
+        assert info["position"]["cosine_after"] > info["position"]["cosine_before"]
         # The root's values come from the distilled lower layers, not the base model's.
         enc = manager.version_encoder(st, "root")
         base = manager.base_encoder(st)
@@ -85,6 +89,8 @@ def test_build_makes_a_verified_root_with_distilled_weights(env):
     again = manager.build(env["store"], model_path=env["model"], corpus_paths=[env["corpus"]], max_len=32,
                           distill_steps=3, chunk=200, progress=False)
     assert again["resumed"] and again["keys_computed"] == 0 and again["chunks_skipped"] == again["chunks"]
+    with hkstore.open(env["store"]) as st:  # and fits no new table
+        np.testing.assert_array_equal(st.snapshot().position("root"), table)
 
 
 # -- domains ----------------------------------------------------------------------------------
@@ -103,6 +109,9 @@ def test_domain_create_and_update(env):
         root = manager.version_encoder(st, "root")
         assert not torch.equal(dom.word.weight, root.word.weight)
         assert torch.equal(dom.layers[3].q.weight, root.layers[3].q.weight)
+        # Each domain version fits its own table (through its own lookups), not the root's.
+        assert v["position"]["file"] != snap.versions[0]["position"]["file"]
+        assert not np.array_equal(snap.position("mathdom"), snap.position("root"))
     up = manager.domain_update(env["store"], "mathdom", "mathdom-2", [env["more"]], mlm_steps=2, lr=1e-3,
                                progress=False)
     assert up["parent"] == "root" and up["alpha"] == 50 and up["ngrams_seen"] > out["ngrams_seen"]

@@ -21,8 +21,6 @@ import platform
 import sys
 import time
 
-import numpy as np
-
 
 def read_texts(path):
     if path:

@@ -1,0 +1,337 @@
+"""The infer side of the HTTP server: the dispatcher that batches texts across tenants for the
+runtime, the dedicated-model baseline's weight swaps, and the Prometheus metrics."""
+
+import asyncio
+import collections
+import contextlib
+import logging
+import math
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from hkstore.errors import StoreError
+
+log = logging.getLogger("hkstore.serve")
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+# -- the dispatcher -------------------------------------------------------------------------------
+
+
+class _Entry:
+    __slots__ = ("tenant", "text", "future", "enqueued", "deadline", "state")
+
+    def __init__(self, tenant, text, future, enqueued, deadline):
+        self.tenant, self.text, self.future, self.enqueued, self.deadline = tenant, text, future, enqueued, deadline
+        self.state = "queued"  # queued | taken | dropped
+
+
+class Expired(Exception):
+    """A queued text whose caller's deadline would pass before its batch could finish."""
+
+
+class Dispatcher:
+    """The input queue, batching, the worker threads that run the runtime, the output routing."""
+
+    def __init__(self, rt, metrics, *, max_batch, max_wait_s, queue_limit, mode="shared", dedicated_resident=4):
+        self.rt, self.m = rt, metrics
+        self.max_batch, self.max_wait_s, self.queue_limit = int(max_batch), float(max_wait_s), int(queue_limit)
+        self.mode = mode
+        self.inflight_limit = 1 if mode == "dedicated" else 2  # 2: the runtime pipelines prepare and compute
+        self.pending = collections.deque()
+        self.depth = 0  # texts queued and not yet handed to the runtime
+        self.inflight = 0
+        self._wake = asyncio.Event()
+        self._slots = asyncio.Semaphore(self.inflight_limit)
+        self._pool = ThreadPoolExecutor(self.inflight_limit, thread_name_prefix="hkstore-infer")
+        self._tasks = set()
+        self._task = None
+        self.batches = 0
+        self.batch_seconds = 0.0  # moving average of a batch's time in the runtime
+        if mode == "dedicated":
+            self._dedicated = _DedicatedModels(rt, dedicated_resident)
+
+    def start(self):
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self):
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for e in self.pending:
+            if not e.future.done():
+                e.future.set_exception(RuntimeError("the server is shutting down"))
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def offer(self, tenant, texts, deadline=math.inf):
+        """Queue texts of one request (answer by `deadline`, perf_counter time); None when the
+        queue has no room for them."""
+        if self.depth + len(texts) > self.queue_limit:
+            return None
+        loop = asyncio.get_running_loop()
+        now = time.perf_counter()
+        entries = [_Entry(tenant, t, loop.create_future(), now, deadline) for t in texts]
+        self.pending.extend(entries)
+        self.depth += len(entries)
+        self.m.queue_depth.set(self.depth)
+        self._wake.set()
+        return entries
+
+    def drop(self, entries):
+        """Forget entries whose caller gave up; those not yet started leave the queue."""
+        for e in entries:
+            if e.state == "queued":
+                e.state = "dropped"
+                self.depth -= 1
+            if not e.future.done():
+                e.future.cancel()
+        self.m.queue_depth.set(self.depth)
+
+    async def _run(self):
+        loop = asyncio.get_running_loop()
+        while True:
+            while not self.depth:
+                self._wake.clear()
+                await self._wake.wait()
+            await self._slots.acquire()
+            while True:  # fill the open batch until max_batch or its first text's max wait
+                self._trim()
+                if not self.depth:
+                    break
+                deadline = self.pending[0].enqueued + self.max_wait_s
+                now = time.perf_counter()
+                if self.depth >= self.max_batch or now >= deadline:
+                    break
+                self._wake.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), deadline - now)
+            batch = self._take()
+            if not batch:
+                self._slots.release()
+                continue
+            task = loop.create_task(self._launch(batch))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def _trim(self):
+        while self.pending and self.pending[0].state != "queued":
+            self.pending.popleft()
+
+    def _take(self):
+        batch = []
+        if self.mode == "dedicated":  # one tenant per batch
+            tenant, keep = None, collections.deque()
+            while self.pending:
+                e = self.pending.popleft()
+                if e.state != "queued":
+                    continue
+                if tenant is None:
+                    tenant = e.tenant
+                if e.tenant == tenant and len(batch) < self.max_batch:
+                    batch.append(e)
+                else:
+                    keep.append(e)
+            self.pending = keep
+        else:
+            while self.pending and len(batch) < self.max_batch:
+                e = self.pending.popleft()
+                if e.state == "queued":
+                    batch.append(e)
+        self.depth -= len(batch)
+        # Under overload the oldest texts may not make their deadline any more: answer them now
+        # (504) instead of spending a batch slot on an answer nobody waits for.
+        now, live = time.perf_counter(), []
+        for e in batch:
+            if now + self.batch_seconds > e.deadline:
+                e.state = "dropped"
+                if not e.future.done():
+                    e.future.set_exception(Expired())
+                self.m.rejected.labels("expired").inc()
+            else:
+                e.state = "taken"
+                live.append(e)
+        self.m.queue_depth.set(self.depth)
+        return live
+
+    async def _launch(self, batch):
+        loop = asyncio.get_running_loop()
+        self.inflight += 1
+        self.m.inflight.set(self.inflight)
+        started = time.perf_counter()
+        for e in batch:
+            self.m.queue_wait.observe(started - e.enqueued)
+        try:
+            outs = await loop.run_in_executor(self._pool, self._compute, [(e.tenant, e.text) for e in batch])
+        except Exception as exc:  # noqa: BLE001 - handed to the callers
+            outs = [exc] * len(batch)
+        finally:
+            self.inflight -= 1
+            self.m.inflight.set(self.inflight)
+            self._slots.release()
+        self.batches += 1
+        seconds = time.perf_counter() - started
+        self.batch_seconds += 0.2 * (seconds - self.batch_seconds)  # EWMA: what the next batch will take
+        self.m.batch_size.observe(len(batch))
+        self.m.batch_seconds.observe(seconds)
+        for e, out in zip(batch, outs):
+            if e.future.done():
+                continue
+            if isinstance(out, BaseException):
+                e.future.set_exception(out)
+            else:
+                e.future.set_result(out)
+
+    def _compute(self, requests):
+        """In a worker thread: results (or the exception of each request) of one batch."""
+        if self.mode == "dedicated":
+            if self._dedicated.swap(requests[0][0]):
+                self.m.swaps.inc()
+            self._dedicated.lower([t for _, t in requests])
+        return self._infer(requests)
+
+    def _infer(self, requests):
+        import runtime
+
+        try:
+            return self.rt.infer([{"tenant": t, "text": x} for t, x in requests])
+        except (runtime.BadRequest, StoreError) as e:
+            # infer checks every request before it runs any: one bad request fails the whole
+            # batch. Split it to find the culprits; the others are answered.
+            if len(requests) == 1:
+                return [e]
+            half = len(requests) // 2
+            return self._infer(requests[:half]) + self._infer(requests[half:])
+
+
+class _DedicatedModels:
+    """The dedicated baseline's per-tenant model emulation (see the module doc)."""
+
+    def __init__(self, rt, resident):
+        import torch
+
+        self.rt = rt
+        self.resident = max(1, int(resident))
+        count = sum(p.numel() for p in rt.encoder.parameters())
+        self._host = torch.zeros(count)  # a tenant's full weights as loaded from its checkpoint
+        self._device = torch.empty(count)  # the slot the serving model computes with
+        self._lru = collections.OrderedDict()
+        self.swaps = 0
+
+    def swap(self, tenant) -> bool:
+        if tenant in self._lru:
+            self._lru.move_to_end(tenant)
+            return False
+        self._device.copy_(self._host)
+        self._lru[tenant] = True
+        while len(self._lru) > self.resident:
+            self._lru.popitem(last=False)
+        self.swaps += 1
+        return True
+
+    def lower(self, texts):
+        import torch
+
+        enc = self.rt.encoder
+        seqs = enc.tokenize(texts, max_len=self.rt.max_len)
+        ids, mask = enc.pad(seqs)
+        with torch.no_grad():
+            enc.lower(ids, mask)
+
+
+# -- metrics --------------------------------------------------------------------------------------
+
+
+class Metrics:
+    def __init__(self, service):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.queue_depth = Gauge("hkstore_queue_depth", "Texts waiting in the input queue", registry=r)
+        self.queue_limit = Gauge("hkstore_queue_limit", "Texts the input queue holds at most", registry=r)
+        self.inflight = Gauge("hkstore_inflight_batches", "Batches the runtime is computing", registry=r)
+        self.batch_size = Histogram("hkstore_batch_size", "Texts per batch handed to the runtime",
+                                    buckets=BATCH_BUCKETS, registry=r)
+        self.batch_seconds = Histogram("hkstore_batch_seconds", "Runtime time per batch", buckets=LATENCY_BUCKETS,
+                                       registry=r)
+        self.queue_wait = Histogram("hkstore_queue_wait_seconds", "Time a text waits before its batch starts",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.latency = Histogram("hkstore_request_latency_seconds", "Infer request latency in the server (all outcomes)",
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.requests = Counter("hkstore_infer_requests", "Infer requests by HTTP status", ["code"], registry=r)
+        self.texts = Counter("hkstore_infer_texts", "Texts answered", registry=r)
+        self.rejected = Counter("hkstore_rejected", "Infer requests rejected", ["reason"], registry=r)
+        self.swaps = Counter("hkstore_dedicated_swaps", "Full-model swaps (dedicated mode)", registry=r)
+        r.register(_RuntimeCollector(service))
+
+
+def _flatten(prefix, obj, out):
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            _flatten(f"{prefix}_{k}" if prefix else str(k), v, out)
+    elif isinstance(obj, (int, float)) and not isinstance(obj, bool) and math.isfinite(obj):
+        out[re.sub(r"[^a-zA-Z0-9_]", "_", prefix).lower()] = float(obj)
+    return out
+
+
+class _RuntimeCollector:
+    """Read at scrape time: the runtime's counters, the store's size, the jobs."""
+
+    def __init__(self, service):
+        self.service = service
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        svc = self.service
+        rt = svc.rt
+        if rt is None:
+            return
+        stats = rt.stats()
+        flat = _flatten("", stats, {})
+        info = GaugeMetricFamily("hkstore_runtime_info", "The runtime serving this server", labels=["device", "mode"])
+        info.add_metric([str(stats.get("device", "")), svc.mode], 1.0)
+        yield info
+        caches = {"host": stats.get("host_pet_cache") or {}, "device": stats.get("device_pet_cache") or {}}
+        for key in ("hits", "misses", "evictions"):
+            c = CounterMetricFamily(f"hkstore_pet_cache_{key}", f"PET cache {key} (host: decoded PETs; device: GPU)",
+                                    labels=["cache"])
+            for name, pc in caches.items():
+                if key in pc:
+                    c.add_metric([name], float(pc[key]))
+            yield c
+        for key in ("entries", "bytes"):
+            g = GaugeMetricFamily(f"hkstore_pet_cache_{key}", f"PET cache {key}", labels=["cache"])
+            for name, pc in caches.items():
+                if key in pc:
+                    g.add_metric([name], float(pc[key]))
+            yield g
+        hot = stats.get("hot_tier") or {}  # the GPU executor's PLOT hot tier
+        for key in ("hits", "misses", "rebuilds"):
+            if key in hot:
+                yield CounterMetricFamily(f"hkstore_plot_hot_tier_{key}", f"PLOT hot tier {key} (windows)",
+                                          value=float(hot[key]))
+        for key in ("rows", "capacity", "bytes", "hit_rate"):
+            if key in hot:
+                yield GaugeMetricFamily(f"hkstore_plot_hot_tier_{key}", f"PLOT hot tier {key}", value=float(hot[key]))
+        g = GaugeMetricFamily("hkstore_runtime_stat", "Numeric fields of Runtime.stats()", labels=["name"])
+        for name, value in flat.items():
+            g.add_metric([name], value)
+        yield g
+        snap = rt.store.snapshot()
+        yield GaugeMetricFamily("hkstore_tenants", "Tenants in the served snapshot", value=len(snap.pets))
+        yield GaugeMetricFamily("hkstore_versions", "PLOT versions in the served snapshot", value=len(snap.versions))
+        jobs = GaugeMetricFamily("hkstore_jobs", "Manage jobs not finished, by state", labels=["state"])
+        for state, n in svc.jobs.counts().items():
+            jobs.add_metric([state], n)
+        yield jobs
+        fin = CounterMetricFamily("hkstore_jobs_finished", "Manage jobs finished by this server", labels=["state"])
+        for state in ("done", "failed"):
+            fin.add_metric([state], svc.jobs.finished.get(state, 0))
+        yield fin
+

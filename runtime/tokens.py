@@ -1,0 +1,88 @@
+"""Per-tenant API tokens: ``<tenant>~<secret>``, shown once at creation; STORE/tokens.json keeps
+only a salted SHA-256 of each (runtime/serve.py checks them)."""
+
+import hashlib
+import hmac
+import os
+import secrets
+import threading
+
+from hkstore.store import NAME
+from runtime.files import atomic_write_json, read_json
+
+TOKEN_SEP = "~"
+
+
+def _valid_name(name) -> bool:
+    """check_name's rule, whole string (``$`` alone would let a trailing newline through)."""
+    return isinstance(name, str) and NAME.fullmatch(name) is not None
+
+# -- tokens -------------------------------------------------------------------------------------
+
+
+def new_tenant_token(tenant: str) -> str:
+    return f"{tenant}{TOKEN_SEP}{secrets.token_urlsafe(32)}"
+
+
+def hash_token(token: str, salt: bytes | None = None) -> dict:
+    salt = salt if salt is not None else secrets.token_bytes(16)
+    return {"scheme": "sha256-salted", "salt": salt.hex(),
+            "hash": hashlib.sha256(salt + token.encode()).hexdigest()}
+
+
+def token_matches(token: str, entry: dict) -> bool:
+    try:
+        salt = bytes.fromhex(entry["salt"])
+    except (KeyError, ValueError, TypeError):
+        return False
+    return hmac.compare_digest(hash_token(token, salt)["hash"], str(entry.get("hash", "")))
+
+
+class TokenStore:
+    """STORE/tokens.json: tenant -> salted hash of its API token. Re-read when the file changes."""
+
+    def __init__(self, store_path):
+        self.path = os.path.join(store_path, "tokens.json")
+        self._lock = threading.Lock()
+        self._stamp = None
+        self._tenants = {}
+
+    def _load(self):
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            self._stamp, self._tenants = None, {}
+            return
+        stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+        if stamp != self._stamp:
+            data = read_json(self.path)
+            self._tenants, self._stamp = dict(data.get("tenants", {})), stamp
+
+    def tenants(self) -> dict:
+        with self._lock:
+            self._load()
+            return self._tenants
+
+    def verify(self, token: str):
+        """The tenant whose token this is, or None."""
+        tenant, sep, _ = token.partition(TOKEN_SEP)
+        if not sep or not _valid_name(tenant):
+            return None
+        entry = self.tenants().get(tenant)
+        return tenant if entry and token_matches(token, entry) else None
+
+    def _write(self, change):
+        with self._lock:
+            self._load()
+            tenants = dict(self._tenants)
+            change(tenants)
+            atomic_write_json(self.path, {"format": 1, "tenants": tenants}, mode=0o600)
+            self._stamp = None
+            self._load()
+
+    def set(self, tenant, entry):
+        self._write(lambda t: t.__setitem__(tenant, entry))
+
+    def remove(self, tenant):
+        self._write(lambda t: t.pop(tenant, None))
+
