@@ -10,7 +10,9 @@ and PNGs through tools/plots.py:
 
 * **constant rate** (HMI Fig. 12): every tenant sends one request every --period seconds,
   --count requests each (HMI: 20 s, 100; scaled down by default), for each tenant count in
-  --tenants; tenants start at random phases. Open loop: a request goes out at its time
+  --tenants; tenants start at random phases. Where tenants / period would pass --max-offered
+  requests/s the period grows to keep the offered load there (the full run: 4 s up to 1000
+  tenants, 40 s at 10K, so 10K tenants offer what 1000 do). Open loop: a request goes out at its time
   whether or not earlier ones were answered. Reports end-to-end latency percentiles and
   throughput against the number of tenants (fig12_latency.png, fig12_throughput.png).
 * **burst** (HMI Fig. 13): --burst-threads clients started --burst-stagger s apart, each
@@ -58,10 +60,10 @@ CORPUS_MODULES = ("math", "os.path", "string", "json", "re", "itertools", "funct
                   "statistics", "shutil", "textwrap")
 LABEL_MODULES = ("math", "os.path", "string", "json")
 
-QUICK = dict(model="tiny", tenants="1,10,100", period=0.5, count=5, max_seconds=10, burst_threads=20,
+QUICK = dict(model="tiny", tenants="1,10,100", period=0.5, max_offered=0.0, count=5, max_seconds=10, burst_threads=20,
              burst_stagger=0.05, burst_period=0.3, burst_count=6, poisson_rate=40, poisson_seconds=2.0,
              request_timeout=5.0, max_len=32)
-FULL = dict(model="minilm", tenants="1,10,100,1000", period=4.0, count=8, max_seconds=32, burst_threads=250,
+FULL = dict(model="minilm", tenants="1,10,100,1000,10000", period=4.0, max_offered=250.0, count=8, max_seconds=32, burst_threads=250,
             burst_stagger=0.05, burst_period=1.2, burst_count=50, poisson_rate=60, poisson_seconds=20.0,
             request_timeout=10.0, max_len=64)
 
@@ -369,6 +371,13 @@ def summarize(results, offered_seconds=None) -> dict:
     return out
 
 
+def tenant_period(args, n) -> float:
+    """Seconds between one tenant's requests at n tenants: --period, stretched where n tenants
+    would offer more than --max-offered requests/s in all (one client process on the same
+    cores as the server cannot send much more; past that point the run would measure it)."""
+    return max(args.period, n / args.max_offered) if args.max_offered else args.period
+
+
 async def run_system(args, system, url, token, texts, log):
     rng = np.random.default_rng(args.seed)
     client = Client(url, token, texts, timeout=args.request_timeout + 10)
@@ -390,9 +399,10 @@ async def run_system(args, system, url, token, texts, log):
             f"({time.perf_counter() - t0:.1f} s)")
         for n in args.tenant_counts:
             t0 = time.perf_counter()
-            results = await constant_rate(client, tenant_names(n), args.period, args.count, args.max_seconds, rng)
-            s = summarize(results, offered_seconds=min(args.period * args.count, args.max_seconds))
-            s["tenants"] = n
+            period = tenant_period(args, n)
+            results = await constant_rate(client, tenant_names(n), period, args.count, args.max_seconds, rng)
+            s = summarize(results, offered_seconds=min(period * args.count, args.max_seconds))
+            s["tenants"], s["period_s"] = n, period
             out["constant"].append(s)
             log(f"{system} constant rate, {n} tenants: {s['ok']}/{s['sent']} ok, p50 {s['p50_ms']} ms, "
                 f"p99 {s['p99_ms']} ms, {s['throughput_rps']} req/s ({time.perf_counter() - t0:.1f} s)")
@@ -442,12 +452,15 @@ def report(args, results, plots_made, elapsed) -> str:
                  f"max_batch {args.max_batch}, max_wait {args.max_wait_ms} ms, queue {args.queue_limit}, timeout "
                  f"{args.request_timeout} s; dedicated keeps {args.dedicated_resident} models resident. "
                  f"Client and server share this machine ({os.cpu_count()} cores). Total {elapsed:.0f} s.")
-    lines += ["", f"## Constant rate (HMI Fig. 12): one request every {args.period} s per tenant, {args.count} each",
-              "", "| system | tenants | offered req/s | throughput req/s | p50 ms | p90 ms | p99 ms | mean ms | "
-              "errors |", "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    cap = f" (longer where tenants x rate would pass {args.max_offered:g} req/s)" if args.max_offered else ""
+    lines += ["", f"## Constant rate (HMI Fig. 12): one request every {args.period} s per tenant{cap}, "
+                  f"{args.count} each, at most {args.max_seconds:g} s",
+              "", "| system | tenants | period s | offered req/s | throughput req/s | p50 ms | p90 ms | p99 ms | "
+              "mean ms | errors |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for system, r in results.items():
         for s in r["constant"]:
-            lines.append(f"| {NAMES[system]} | {s['tenants']:,} | {_fmt(s['offered_rps'])} | "
+            lines.append(f"| {NAMES[system]} | {s['tenants']:,} | {s.get('period_s', args.period):g} | "
+                         f"{_fmt(s['offered_rps'])} | "
                          f"{_fmt(s['throughput_rps'])} | {_fmt(s['p50_ms'])} | {_fmt(s['p90_ms'])} | "
                          f"{_fmt(s['p99_ms'])} | {_fmt(s['mean_ms'])} | {_errors(s['codes'])} |")
     if any(r["burst"] for r in results.values()):
@@ -532,6 +545,8 @@ def parse_args(argv=None):
     p.add_argument("--systems", default="hplm,dedicated", help="comma list of hplm, dedicated")
     p.add_argument("--tenants", default=None, help="tenant counts, comma list (HMI: 1 to 10000)")
     p.add_argument("--period", type=float, default=None, help="seconds between a tenant's requests (HMI: 20)")
+    p.add_argument("--max-offered", type=float, default=None,
+                   help="cap on tenants / period in req/s: the period grows past it (0: no cap)")
     p.add_argument("--count", type=int, default=None, help="requests per tenant (HMI: 100)")
     p.add_argument("--max-seconds", type=float, default=None, help="longest time one constant-rate run sends")
     p.add_argument("--burst-threads", type=int, default=None, help="HMI: 250 (0: no burst run)")
@@ -562,8 +577,8 @@ def parse_args(argv=None):
         p.error("--tenants: counts between 1 and 10000")
     if any(s not in NAMES for s in args.systems):
         p.error("--systems: hplm and/or dedicated")
-    if args.period <= 0 or args.count < 1 or args.max_seconds <= 0 or args.burst_threads < 0:
-        p.error("--period, --count and --max-seconds must be positive")
+    if args.period <= 0 or args.count < 1 or args.max_seconds <= 0 or args.burst_threads < 0 or args.max_offered < 0:
+        p.error("--period, --count and --max-seconds must be positive, --max-offered not negative")
     args.max_burst_seconds = args.burst_threads * args.burst_stagger + args.burst_count * args.burst_period + 5
     return args
 
