@@ -13,6 +13,9 @@ Rows (Table 3):
   hplm          PLOT of the domain branch + adapter: a tenant made by runtime.manager.tenant_create
                 and scored by tenant_eval, i.e. through the serving path (runtime.plot.retrieve)
   hplm-lora     the same with LoRA
+  hplm-distilled, hplm-lora-distilled
+                the root PLOT of a store whose lower layers were window-distilled
+                (--distill-steps) + adapter / LoRA: no domain branches
 Table 5: the domain branch at alpha in {0, 30, 50, 100}% (hplm adapter rows; alpha 0 = an
 empty branch: everything from the root) with the branch's bytes; and root-PLOT + adapter
 tenants on a root built with and without window distillation of the lower layers.
@@ -46,7 +49,7 @@ TASKS = {  # name: (task kind, directory under --data, domain)
     "NCBI-disease": ("tagging", "ner/NCBI-disease", "biology"),
     "sciie": ("tagging", "ner/sciie", "cs"),
 }
-ROWS = ("dedicated", "shared", "adapter-only", "plot-only", "hplm", "hplm-lora")
+ROWS = ("dedicated", "shared", "adapter-only", "plot-only", "hplm", "hplm-lora", "hplm-distilled", "hplm-lora-distilled")
 ROW_TITLES = {
     "dedicated": "dedicated (full fine-tuning)",
     "shared": "shared (frozen encoder, head only)",
@@ -54,6 +57,8 @@ ROW_TITLES = {
     "plot-only": "PLOT-only (domain PLOT + upper fine-tuning)",
     "hplm": "hPLM (domain PLOT + adapter)",
     "hplm-lora": "hPLM with LoRA",
+    "hplm-distilled": "hPLM, window-distilled root PLOT + adapter",
+    "hplm-lora-distilled": "hPLM, window-distilled root PLOT + LoRA",
 }
 ALPHAS = (0, 30, 50, 100)
 T0 = time.time()
@@ -486,6 +491,11 @@ def main(argv=None):
                 score, log = row_adapter_only(args, ctx, task)
             elif row == "plot-only":
                 score, log = row_plot_only(args, ctx, task, info["domain"])
+            elif row.endswith("-distilled"):
+                store = str(out / "store-distill")
+                ensure_root(args, ctx, store, args.distill_steps, results, "root-distilled")
+                pet_type = "adapter" if row == "hplm-distilled" else "lora"
+                score, log, extra = row_tenant(args, ctx, task, store, "root", pet_type, f"{name}-{row}")
             else:
                 pet_type = "adapter" if row == "hplm" else "lora"
                 score, log, extra = row_tenant(args, ctx, task, ctx["store"], info["domain"], pet_type,
