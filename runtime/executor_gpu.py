@@ -172,6 +172,8 @@ class HotTier:
         self.table = None  # (table_keys, table_rows, max_probe) on the device
         self.values = None  # (rows, n, d) float16 on the device
         self.row_version = self.row_order = None  # host, per row: served version, order
+        self.row_of: dict = {}  # host: key bytes -> row, for the rows on the device
+        self.looked_up = 0  # keys looked up on the host by rebuilds
         self.generation = None
         self.counts: dict = {}
         self.batches_since = 0
@@ -185,7 +187,7 @@ class HotTier:
     def stats(self) -> dict:
         total = self.hits + self.misses
         return {"rows": self.rows, "capacity": self.capacity, "hits": self.hits, "misses": self.misses,
-                "hit_rate": self.hits / total if total else 0.0, "rebuilds": self.rebuilds,
+                "hit_rate": self.hits / total if total else 0.0, "rebuilds": self.rebuilds, "rebuild_lookups": self.looked_up,
                 "bytes": 0 if self.values is None else int(self.values.nbytes)}
 
     def _check_generation(self, snapshot):
@@ -229,7 +231,9 @@ class HotTier:
         return self.capacity > 0 and (self.table is None and self.counts or self.batches_since >= self.rebuild_every)
 
     def rebuild(self, snapshot, stream, keep):
-        """Put the most frequent observed keys (values from the host lookup) on the device."""
+        """Put the most frequent observed keys on the device. Keys already resident keep their
+        values (copied on the device: the store has not changed since, or _check_generation
+        would have dropped them); only new keys cost a host lookup and an upload."""
         ex = self.ex
         self._check_generation(snapshot)
         self.batches_since = 0
@@ -238,11 +242,30 @@ class HotTier:
         width = len(next(iter(self.counts)))
         top = sorted(self.counts.items(), key=lambda kv: -kv[1])[: self.capacity]
         keys = np.frombuffer(b"".join(k for k, _ in top), dtype=np.uint32).reshape(len(top), width // 4)
-        values, version, order = self.lookup(snapshot, keys[:, :-1], keys[:, -1])
+        resident = self.row_of if self.values is not None else {}
+        old_row = np.array([resident.get(k, -1) for k, _ in top], dtype=np.int64)
+        new, kept = np.flatnonzero(old_row < 0), np.flatnonzero(old_row >= 0)
+        values, version, order = self.lookup(snapshot, keys[new, :-1], keys[new, -1])
+        n, d = snapshot.meta["n"], snapshot.meta["d"]
+        with stream:
+            rows = ex.cp.empty((len(top), n, d), dtype=np.float16)
+        if len(kept):
+            rows[ex.upload(kept, stream, keep)] = self.values[ex.upload(old_row[kept], stream, keep)]
+        if len(new):
+            rows[ex.upload(new, stream, keep)] = ex.upload(values, stream, keep)
+        row_version = np.empty(len(top), dtype=np.int16)
+        row_order = np.empty(len(top), dtype=np.int8)
+        row_version[new], row_order[new] = version, order
+        if len(kept):
+            row_version[kept], row_order[kept] = self.row_version[old_row[kept]], self.row_order[old_row[kept]]
         tk, tr, max_probe = ex.ops.build_hot_table(keys)
+        if self.values is not None:
+            keep.append(self.values)  # the old rows are read on `stream`: hold them until it passes
         self.table = (tk, tr, max_probe)
-        self.values = ex.upload(values, stream, keep)
-        self.row_version, self.row_order = version, order
+        self.values = rows
+        self.row_version, self.row_order = row_version, row_order
+        self.row_of = {k: i for i, (k, _) in enumerate(top)}
+        self.looked_up += len(new)
         self.rebuilds += 1
 
     @staticmethod
@@ -250,6 +273,11 @@ class HotTier:
         """Host lookup of windows, each at its own version: (values fp16, versions, orders)."""
         m = len(windows)
         n, d = snapshot.meta["n"], snapshot.meta["d"]
+        versions = np.unique(version_index)
+        if len(versions) == 1:  # the common case: no scatter, no second copy
+            res = snapshot.lookup(int(versions[0]), windows)
+            return (res.values.astype(np.float16, copy=False), res.version.astype(np.int16, copy=False),
+                    res.order.astype(np.int8, copy=False))
         values = np.zeros((m, n, d), dtype=np.float16)
         version = np.full(m, -1, dtype=np.int16)
         order = np.zeros(m, dtype=np.int8)
