@@ -9,7 +9,7 @@ import json
 import os
 
 from formats.errors import CorruptError, FormatError
-from formats.segment import fsync_dir
+from formats.durable import write_durably
 from formats.xxh64 import checksum
 
 FORMAT_VERSION = 1
@@ -41,22 +41,11 @@ def decode(data, name="manifest"):
     return manifest
 
 
-def _write_durably(path, data):
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def commit(directory, manifest):
     """Make `manifest` the live one. It is durable and visible once this returns."""
     name = manifest_name(manifest["generation"])
-    _write_durably(os.path.join(directory, name), encode(manifest))
-    fsync_dir(directory)
-    _write_durably(os.path.join(directory, CURRENT), name.encode() + b"\n")
-    fsync_dir(directory)
+    write_durably(os.path.join(directory, name), encode(manifest))
+    write_durably(os.path.join(directory, CURRENT), name.encode() + b"\n")
 
 
 def current_name(directory):

@@ -17,6 +17,7 @@ import numpy as np
 import xxhash
 import zstandard
 
+from formats.durable import fsync_dir
 from formats.errors import CorruptError, FormatError
 
 PAGE = 4096
@@ -278,14 +279,6 @@ def record_tensor_views(buf, offset: int, length: int) -> dict[str, np.ndarray]:
     raise error  # outside the handler, as in decode_record
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def append_record(path, record: PetRecord) -> tuple[int, int]:
     """Append the record durably and return its (offset, length) in the file.
 
@@ -304,7 +297,7 @@ def append_record(path, record: PetRecord) -> tuple[int, int]:
         os.fsync(f.fileno())
     if created:
         # The new file's directory entry must be durable before a manifest names the file.
-        _fsync_dir(os.path.dirname(os.path.abspath(path)))
+        fsync_dir(os.path.dirname(os.path.abspath(path)))
     return offset, len(data)
 
 

@@ -8,7 +8,7 @@ import os
 import numpy as np
 
 from formats.errors import CorruptError
-from formats.segment import fsync_dir
+from formats.durable import write_durably
 from formats.xxh64 import checksum
 
 DTYPE = np.dtype("<f4")
@@ -20,13 +20,7 @@ def write_position(path, table):
     if table.ndim != 2 or not np.isfinite(table).all():
         raise ValueError("a position table must be a finite (rows, d) array")
     data = table.tobytes()
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
+    write_durably(path, data)
     return {"rows": int(table.shape[0]), "xxh64": f"{checksum(data):016x}"}
 
 

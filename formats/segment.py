@@ -14,6 +14,7 @@ import numpy as np
 import xxhash
 
 from formats import accel
+from formats.durable import fsync_dir
 from formats.errors import CorruptError, FormatError
 from formats.xxh64 import checksum, hash_keys, xxh64_rows
 
@@ -137,14 +138,6 @@ def write_segment(path, keys, values, *, tombstone=None, dtype="fp16"):
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(os.path.dirname(os.path.abspath(path)))
-
-
-def fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Segment:

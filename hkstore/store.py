@@ -17,7 +17,8 @@ from formats import manifest as mf
 from formats import pack
 from formats.errors import CorruptError, FormatError
 from formats.position import read_position, write_position
-from formats.segment import DTYPES, Segment, fsync_dir, write_segment
+from formats.durable import fsync_dir
+from formats.segment import DTYPES, Segment, write_segment
 from hkstore import lookup as lk
 from hkstore.errors import StoreError, StoreLocked, UnknownTenant, UnknownVersion
 

@@ -319,6 +319,7 @@ class GpuExecutor:
             self._alloc_buffers(max_batch * max_len)
         self.pet_cache = DevicePetCache(self, pet_cache_bytes)
         self.hot = HotTier(self, hot_tier_rows, hot_rebuild_every) if hot_tier_rows > 0 else None
+        self._positions_dev = self._positions_generation = None  # see _add_position
         self.transfer_seconds = 0.0
 
     # -- device plumbing -------------------------------------------------------------------
@@ -518,23 +519,22 @@ class GpuExecutor:
         return staged, served, {"retrieval": retrieval, "transfer": transfer}
 
     def _add_position(self, inputs, snapshot, versions, lengths, stream, keep):
-        """runtime.plot.add_position on the device: each version's position table is uploaded
-        once (cached by file name) and gathered per row, so a batch moves no extra bytes."""
-        tables = [snapshot.versions[v].get("position") for v in range(len(snapshot.versions))]
-        files = [None if t is None else t["file"] for t in tables]
-        effective = [next((files[a] for a in snapshot.ancestry(v) if files[a]), None)
-                     for v in range(len(files))]
-        if not any(effective):
+        """runtime.plot.add_position on the device: the versions' tables are uploaded once per
+        manifest generation and gathered per row, so a batch moves no table bytes."""
+        generation = snapshot.manifest.get("generation")
+        if generation != self._positions_generation:
+            tables = [snapshot.position(v) for v in range(len(snapshot.versions))]
+            rows = max((len(t) for t in tables if t is not None), default=0)
+            self._positions_dev = None
+            if rows:
+                host = np.zeros((len(tables), rows, inputs.shape[2]), dtype=np.float32)
+                for v, table in enumerate(tables):
+                    if table is not None:
+                        host[v, :len(table)] = table
+                self._positions_dev = self.upload(host, stream, keep)
+            self._positions_generation = generation
+        if self._positions_dev is None:
             return
-        if getattr(self, "_positions_key", None) != effective:
-            rows = max(len(snapshot.position(v)) for v in range(len(files)) if effective[v])
-            host = np.zeros((len(files), rows, inputs.shape[2]), dtype=np.float32)
-            for v in range(len(files)):
-                if effective[v]:
-                    table = snapshot.position(v)
-                    host[v, :len(table)] = table
-            self._positions_dev = self.upload(host, stream, keep)
-            self._positions_key = effective
         B, L, _ = inputs.shape
         rows = min(L, self._positions_dev.shape[1])
         vidx = self.upload(np.array([snapshot.version_index(v) for v in versions], dtype=np.int64), stream, keep)

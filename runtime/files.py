@@ -6,7 +6,7 @@ import json
 import os
 import threading
 
-from formats.segment import fsync_dir
+from formats.durable import fsync_dir
 
 def atomic_write(path, data: bytes, mode: int = 0o644):
     """Write a file so that readers see the old or the new bytes, never a mix: a temporary

@@ -7,7 +7,8 @@
 
 `retrieve` is what training (runtime/manager.py) and serving call alike, so a PET is trained
 on exactly the inputs it will be served with: the windows of every sequence, one batched
-lookup for the whole batch, then the normalized aggregation of runtime.window, plus the version's position table.
+lookup for the whole batch, then the normalized aggregation of runtime.window plus the
+version's position table.
 """
 
 from __future__ import annotations
@@ -325,11 +326,13 @@ def fit_position(store, version, reference, seqs, *, max_seqs: int = 4096, batch
     Row i becomes the table in force now (own or inherited) plus the mean, over the corpus
     sequences that reach position i, of reference.lower's full-context output at i minus what
     retrieve() serves there now: the least-squares per-position correction. Rows seen fewer
-    than min(min_count, sequences) times repeat the last row seen enough. At most max_seqs sequences (a seeded
-    sample) are used. Returns {rows, sequences, cosine_before, cosine_after}: the mean
+    than min(min_count, sequences) times repeat the last row seen enough. At most max_seqs
+    sequences (a seeded sample) are used. Returns {rows, sequences, cosine_before, cosine_after}: the mean
     per-token cosine of served inputs to full-context outputs, on up to 512 of them.
     """
     seqs = [s for s in seqs if 0 < len(s) <= reference.config.max_len]
+    if not seqs:
+        raise ValueError(f"empty corpus: no token sequences to fit the position table of {version!r}")
     if len(seqs) > max_seqs:
         pick = np.random.default_rng(seed).choice(len(seqs), size=max_seqs, replace=False)
         seqs = [seqs[i] for i in sorted(pick.tolist())]
@@ -342,8 +345,6 @@ def fit_position(store, version, reference, seqs, *, max_seqs: int = 4096, batch
             residual = (reference.lower(*reference.pad(batch)) - served) * mask[..., None]
             total[:served.shape[1]] += residual.sum(0).double()
             count[:served.shape[1]] += mask.sum(0).double()
-    if not seqs:
-        raise ValueError(f"empty corpus: no token sequences to fit the position table of {version!r}")
     seen = count >= min(min_count, len(seqs))
     mean = (total / count.clamp(min=1)[:, None]).float()
     last_seen = torch.cummax(torch.where(seen, torch.arange(rows), 0), 0).values

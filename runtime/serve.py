@@ -77,7 +77,7 @@ from hkstore.store import NAME, check_name
 from runtime.dispatcher import Dispatcher, Expired, Metrics
 from runtime.files import atomic_write
 from runtime.jobs import Jobs, JobsUnavailable
-from runtime.tokens import TokenStore, _valid_name, hash_token, new_tenant_token
+from runtime.tokens import TokenStore, hash_token, new_tenant_token, valid_name
 
 log = logging.getLogger("hkstore.serve")
 
@@ -430,7 +430,7 @@ def _name(kind, name):
         check_name(kind, name)
     except StoreError as e:
         raise HTTPError(422, str(e)) from None
-    if not _valid_name(name):
+    if not valid_name(name):
         raise HTTPError(422, f"invalid {kind} name {name!r}")
     return name
 

@@ -13,7 +13,7 @@ from runtime.files import atomic_write_json, read_json
 TOKEN_SEP = "~"
 
 
-def _valid_name(name) -> bool:
+def valid_name(name) -> bool:
     """check_name's rule, whole string (``$`` alone would let a trailing newline through)."""
     return isinstance(name, str) and NAME.fullmatch(name) is not None
 
@@ -66,7 +66,7 @@ class TokenStore:
     def verify(self, token: str):
         """The tenant whose token this is, or None."""
         tenant, sep, _ = token.partition(TOKEN_SEP)
-        if not sep or not _valid_name(tenant):
+        if not sep or not valid_name(tenant):
             return None
         entry = self.tenants().get(tenant)
         return tenant if entry and token_matches(token, entry) else None

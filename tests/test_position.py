@@ -1,7 +1,6 @@
 """Position tables (FORMAT.md section 4): the store's side (commit, inheritance, integrity,
 gc) and the runtime's (retrieve adds the table in force; fit_position's least-squares rows)."""
 
-import json
 import os
 
 import numpy as np
@@ -12,10 +11,8 @@ from hypothesis import strategies as st
 
 import hkstore
 from runtime import plot
-from runtime.model import load_encoder
 from runtime.window import windowed_lower
-from runtime.stdlib_text import first_lines as docstring_lines
-from runtime.tiny_model import make_tiny_model
+from test_plot import tiny  # noqa: F401  (the fixture: a tiny random BERT and its corpus)
 
 D, V = 8, 30
 
@@ -122,14 +119,6 @@ def test_retrieve_adds_the_table_in_force_at_real_positions(tmp_path_factory, se
     torch.testing.assert_close(got, expected)
     assert not got[~mask].any()
     store.close()
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    texts = docstring_lines(json) + docstring_lines(os.path)
-    path = make_tiny_model(str(tmp_path_factory.mktemp("model")), texts)
-    enc = load_encoder(path, 3)
-    return path, enc, enc.tokenize(texts, 32)
 
 
 def test_fit_position_is_the_mean_residual_and_brings_inputs_closer(tmp_path, tiny):
