@@ -154,7 +154,8 @@ class Segment:
         header = self._mm[:HEADER_SIZE]
         magic, fmt, self.n, self.d, dtype, self.count, self.capacity, self.max_probe = _HEAD.unpack_from(header)
         if magic != MAGIC:
-            raise FormatError(f"segment {name}: not an hkstore segment (bad magic)")
+            # A file the manifest names as a segment: a wrong magic is damage, like a bad checksum.
+            raise CorruptError(f"segment {name}: not an hkstore segment (bad magic)")
         if struct.unpack_from("<Q", header, HEADER_SIZE - 8)[0] != checksum(header[:HEADER_SIZE - 8]):
             raise CorruptError(f"segment {name}: header checksum mismatch")
         if fmt != FORMAT_VERSION:
