@@ -13,16 +13,12 @@ import hkstore
 from runtime import plot
 from runtime.window import windowed_lower
 from test_plot import tiny  # noqa: F401  (the fixture: a tiny random BERT and its corpus)
-
-D, V = 8, 30
+from test_store_durability import D, V, make_store
 
 
 def small_store(path):
-    store = hkstore.create(path, d=D, vocab_size=V)
-    uni = np.zeros((V, 3), dtype=np.uint32)
-    uni[:, 1] = np.arange(V)
-    store.add_segment("root", uni, np.random.default_rng(0).standard_normal((V, 3, D)))
-    store.create_version("dom", "root")
+    """A root with every uni-gram, "dom" under it and "sub" under "dom"."""
+    store = make_store(path)
     store.create_version("sub", "dom")
     return store
 
