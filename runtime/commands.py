@@ -1,8 +1,8 @@
 """Construction commands of the hkstore CLI (mounted lazily: importing this pulls in torch).
 
     hkstore build STORE --corpus FILE [--corpus FILE ...] [--distill-steps N]
-    hkstore domain create STORE NAME --corpus FILE [--parent root] [--alpha 50] [--mlm-steps N]
-    hkstore domain update STORE NAME NEW_NAME --corpus FILE
+    hkstore domain create STORE NAME --corpus FILE [--parent root] [--alpha 50] [--mlm-steps N] [--distill-steps N]
+    hkstore domain update STORE NAME NEW_NAME --corpus FILE [--distill-steps N]
     hkstore tenant create STORE TENANT --version V --train FILE [--task tagging] [--pet lora]
     hkstore tenant update STORE TENANT [--train FILE] [--version V]
     hkstore tenant eval STORE TENANT --test FILE
@@ -107,11 +107,13 @@ def _domain_training_options(f):
 @click.option("--max-len", type=int, default=128, show_default=True)
 @_quiet_option
 @_json_option
+@click.option("--distill-steps", type=int, default=0, show_default=True,
+              help="Then window-distill the layers toward their full-context outputs for this many steps (0: off).")
 def domain_create(store, name, corpus_paths, mlm_steps, lr, batch_size, corpus_format, seed, parent, alpha, max_len,
-                  quiet, as_json):
+                  distill_steps, quiet, as_json):
     """Further pre-train the lower layers on a domain corpus and branch NAME off PARENT."""
     _run(manager.domain_create, store, name, list(corpus_paths), parent=parent, alpha=alpha, mlm_steps=mlm_steps,
-         lr=lr, batch_size=batch_size, max_len=max_len, corpus_format=corpus_format, seed=seed, progress=not quiet,
+         lr=lr, distill_steps=distill_steps, batch_size=batch_size, max_len=max_len, corpus_format=corpus_format, seed=seed, progress=not quiet,
          as_json=as_json)
 
 
@@ -126,11 +128,12 @@ def domain_create(store, name, corpus_paths, mlm_steps, lr, batch_size, corpus_f
               help="Count NAME's corpora along with the new one when choosing n-grams.")
 @_quiet_option
 @_json_option
+@click.option("--distill-steps", type=int, default=None, help="Window distillation steps. Default: NAME's.")
 def domain_update(store, name, new_name, corpus_paths, mlm_steps, lr, batch_size, corpus_format, seed, alpha,
-                  max_len, include_old, quiet, as_json):
+                  max_len, include_old, distill_steps, quiet, as_json):
     """Continue NAME's pre-training on more data into a new sibling version NEW_NAME."""
     _run(manager.domain_update, store, name, new_name, list(corpus_paths), alpha=alpha, mlm_steps=mlm_steps, lr=lr,
-         batch_size=batch_size, max_len=max_len, include_old=include_old, corpus_format=corpus_format, seed=seed,
+         distill_steps=distill_steps, batch_size=batch_size, max_len=max_len, include_old=include_old, corpus_format=corpus_format, seed=seed,
          progress=not quiet, as_json=as_json)
 
 

@@ -8,7 +8,7 @@ the tenants' edits follow through runtime.ops_cpu on the batch plan's segments
   batch is its own tenant (``bgmv``), with the stacked (rank-padded) A and B;
 * BitFit: ``bias_gather`` of the stacked bias deltas;
 * diff pruning (and mask PETs, as diffs): ``sparse_add`` of the concatenated COO deltas;
-* adapters: ``segmented_adapter`` after the attention output projection;
+* adapters: ``segmented_adapter`` on the output of the projection they wrap (o, ffn_out);
 * heads: one small GEMM per tenant (classification reads [CLS], tagging every token).
 
 With ``prefetch=True`` the stacked weights of layer i+1 are built on a helper thread while
@@ -123,11 +123,7 @@ class CpuExecutor:
         scores = (q @ k.transpose(-2, -1)) / (dh ** 0.5)
         scores = scores.masked_fill(~m[:, None, None, :], torch.finfo(scores.dtype).min)
         ctx = (scores.softmax(-1) @ v).transpose(1, 2).reshape(B * L, d)
-        a = proj("o", ctx, blk.o)
-        if ("adapter", None) in groups:
-            g, w = groups[("adapter", None)]
-            a = ops_cpu.segmented_adapter(a, w["down"], w["down_bias"], w["up"], w["up_bias"], seg_rows, g.seg_ids, out=a)
-        h = F.layer_norm(x + a, (d,), blk.ln_attn.weight, blk.ln_attn.bias, blk.ln_attn.eps)
+        h = F.layer_norm(x + proj("o", ctx, blk.o), (d,), blk.ln_attn.weight, blk.ln_attn.bias, blk.ln_attn.eps)
         f = F.gelu(proj("ffn_in", h, blk.ffn_in))
         return F.layer_norm(h + proj("ffn_out", f, blk.ffn_out), (d,), blk.ln_ffn.weight, blk.ln_ffn.bias, blk.ln_ffn.eps)
 
@@ -146,6 +142,9 @@ class CpuExecutor:
                 ops_cpu.bgmv(y, x, w["A"], w["B"], np.repeat(g.request_ids, L), w["scales"])
             else:
                 ops_cpu.sgmv(y, x, w["A"], w["B"], seg_rows, g.seg_ids, w["scales"])
+        if ("adapter", target) in groups:  # last: it wraps the edited output
+            g, w = groups[("adapter", target)]
+            ops_cpu.segmented_adapter(y, w["down"], w["down_bias"], w["up"], w["up_bias"], seg_rows, g.seg_ids, out=y)
         return y
 
     def heads(self, h, m, plan: BatchPlan) -> list:

@@ -691,6 +691,10 @@ class GpuExecutor:
         if gelu:
             return self.ops.bias_gelu(y, w[target + ".b"], out=y)
         y += w[target + ".b"]
+        if ("adapter", target) in groups:  # on the biased output, as runtime.pet.linear
+            g, aw = groups[("adapter", target)]
+            self.ops.segmented_adapter(y, aw["down"], aw["down_bias"], aw["up"], aw["up_bias"], aw["seg_starts"],
+                                       aw["seg_ids"], out=y)
         return y
 
     def _layer(self, i, x, mask, B, L, groups, seg_rows):
@@ -707,10 +711,6 @@ class GpuExecutor:
         ctx = cp.matmul(probs.astype(self.dtype), v)  # (B, H, L, dh)
         ctx = cp.ascontiguousarray(ctx.transpose(0, 2, 1, 3)).reshape(B * L, d)
         a = self._proj(w, "o", ctx, groups)
-        if ("adapter", None) in groups:
-            g, aw = groups[("adapter", None)]
-            ops.segmented_adapter(a, aw["down"], aw["down_bias"], aw["up"], aw["up_bias"], aw["seg_starts"],
-                                  aw["seg_ids"], out=a)
         h = ops.residual_layernorm(a, x, w["ln_attn.g"], w["ln_attn.b"], w["ln_attn.eps"])
         f = self._proj(w, "ffn_in", h, groups, gelu=True)
         out = self._proj(w, "ffn_out", f, groups)

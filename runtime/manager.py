@@ -13,7 +13,10 @@ Every function returns a JSON-able dict describing what it did. Bad input raises
 Weights. The runtime needs only the base model's upper layers (the store's meta["model_path"])
 plus PLOT values; the lower-layer weights that produced a version's values (distilled root,
 MLM-trained domains) are kept in STORE/models/<version>.safetensors, named with their XXH64 in
-the version's info["lower_weights"], for construction (domain updates) and explanation.
+the version's info["lower_weights"], for construction (domain updates) and explanation. A
+window-distilled domain also keeps the full-context layers its values stand for (the MLM
+result: the target of its distillation and position table, and what a domain update
+continues pre-training) in STORE/models/<version>.context.safetensors, info["context_weights"].
 """
 
 from __future__ import annotations
@@ -65,12 +68,12 @@ def lower_state(encoder) -> dict:
             if k.startswith(keep) or k.startswith(lower)}
 
 
-def save_lower(store_path, version: str, encoder) -> dict:
-    """Write the encoder's lower weights to STORE/models/<version>.safetensors (atomically);
-    returns the info entry naming them."""
+def save_lower(store_path, version: str, encoder, role: str = "") -> dict:
+    """Write the encoder's lower weights to STORE/models/<version>[.<role>].safetensors
+    (atomically); returns the info entry naming them."""
     from safetensors.torch import save_file
 
-    rel = f"{MODELS_DIR}/{version}.safetensors"
+    rel = f"{MODELS_DIR}/{version}{'.' + role if role else ''}.safetensors"
     path = os.path.join(store_path, rel)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp"
@@ -123,6 +126,32 @@ def version_encoder(store, version, base=None):
         if entry:
             return load_lower(store.path, entry, base)
     return base
+
+
+def context_encoder(store, version, base=None):
+    """The full-context encoder `version`'s values stand for (what the upper layers should
+    see): on its ancestry, the nearest version that saved context weights, or saved undistilled
+    lower weights (they are their own context); else the base model (a distilled root's
+    target is the base model)."""
+    snap = store.snapshot()
+    base = base if base is not None else base_encoder(store)
+    for v in snap.ancestry(version):
+        info = snap.versions[v]["info"]
+        if info.get("context_weights"):
+            return load_lower(store.path, info["context_weights"], base)
+        if info.get("lower_weights") and not info.get("distill"):
+            return load_lower(store.path, info["lower_weights"], base)
+    return base
+
+
+def is_distilled(store, version) -> bool:
+    """Whether the values `version` serves come from window-distilled lower layers."""
+    snap = store.snapshot()
+    for v in snap.ancestry(version):
+        info = snap.versions[v]["info"]
+        if info.get("lower_weights"):
+            return bool(info.get("distill"))
+    return False
 
 
 # -- data -----------------------------------------------------------------------------------
@@ -291,15 +320,47 @@ def _mlm(encoder, seqs, mlm_steps, lr, batch_size, seed, progress):
     return trained, {"steps": len(log), "lr": lr, "loss_first": log[0], "loss_last": log[-1]}
 
 
-def _branch_from(store, name, parent, encoder, count_seqs, alpha, info):
-    """The branch, then its position table: the domain model's full-context outputs are the
-    target, through the branch's own lookups (a second commit; until it lands the branch
-    serves with its parent's table)."""
+def _distill(teacher, start, seqs, n, kind, steps, lr, batch_size, seed, progress):
+    """Window-distill `start` (default the teacher itself) toward the teacher's full-context
+    outputs on seqs; (student, info) or (None, None) when steps is 0."""
+    from runtime.train import TrainConfig, distill_windows
+
+    if not steps:
+        return None, None
+    if steps < 0:
+        raise ValueError(f"distill_steps must be >= 0, got {steps}")
+    seqs = [s for s in seqs if len(s) <= teacher.config.max_len]
+    cfg = TrainConfig(lr=lr, epochs=max(1, -(-steps * batch_size // len(seqs))), max_steps=steps,
+                      batch_size=batch_size, seed=seed, progress=progress)
+    student, log = distill_windows(teacher, seqs, n, kind, cfg, student=start)
+    return student, {"steps": len(log), "lr": lr, "loss_first": log[0], "loss_last": log[-1]}
+
+
+def _domain_encoders(store, source, seqs, mlm_steps, lr, distill_steps, distill_lr, batch_size, seed, progress):
+    """(teacher, student, info): the source version's full-context layers further pre-trained
+    (MLM) on the domain, then - with distill_steps - window-distilled toward that teacher,
+    starting from the source's own window-distilled layers if it has them (they are already
+    used to windows, so a few hundred steps suffice). student is None without distillation:
+    the teacher values the branch itself."""
+    teacher, mlm = _mlm(context_encoder(store, source), seqs, mlm_steps, lr, batch_size, seed, progress)
+    start = version_encoder(store, source) if is_distilled(store, source) else None
+    student, distill = _distill(teacher, start, seqs, store.meta["n"], store.meta["window"], distill_steps, distill_lr,
+                                batch_size, seed, progress)
+    return teacher, student, {"mlm": mlm, "distill": distill}
+
+
+def _branch_from(store, name, parent, teacher, student, count_seqs, alpha, info):
+    """The branch valued by the student (the teacher if not distilled), then its position
+    table: the teacher's full-context outputs are the target, through the branch's own lookups
+    (a second commit; until it lands the branch serves with its parent's table)."""
     from runtime.plot import build_branch, fit_position
 
+    encoder = student if student is not None else teacher
     info = dict(info, lower_weights=save_lower(store.path, name, encoder))
+    if student is not None:
+        info["context_weights"] = save_lower(store.path, name, teacher, "context")
     out = build_branch(store, name, parent, encoder, count_seqs, alpha, info)
-    out["position"] = fit_position(store, name, encoder, count_seqs)
+    out["position"] = fit_position(store, name, teacher, count_seqs)
     store.set_version_info(name, position=out["position"])
     return out
 
@@ -315,10 +376,11 @@ def _new_version_checks(store, name, parent):
 
 
 def domain_create(store_path, name, corpus_paths, *, parent: str = "root", alpha: float = 50, mlm_steps: int = 100,
-                  lr: float = 5e-5, batch_size: int = 16, max_len: int = 128, corpus_format=None, seed: int = 0,
-                  progress: bool = True) -> dict:
-    """A domain version under `parent`: the parent's lower layers further pre-trained (MLM)
-    on the domain corpus, then a branch of the corpus's top-alpha% n-grams valued by them."""
+                  lr: float = 5e-5, distill_steps: int = 0, distill_lr: float = 1e-4, batch_size: int = 16,
+                  max_len: int = 128, corpus_format=None, seed: int = 0, progress: bool = True) -> dict:
+    """A domain version under `parent`: the parent's full-context lower layers further
+    pre-trained (MLM) on the domain corpus, optionally window-distilled toward themselves
+    (distill_steps), then a branch of the corpus's top-alpha% n-grams valued by them."""
     t0 = time.perf_counter()
     if not 0 <= alpha <= 100:
         raise ValueError(f"alpha must be a percentage between 0 and 100, got {alpha}")
@@ -326,23 +388,25 @@ def domain_create(store_path, name, corpus_paths, *, parent: str = "root", alpha
     with hkstore.open(store_path) as store:
         _new_version_checks(store, name, parent)
         docs = read_corpora(corpus_paths, corpus_format)
-        encoder = version_encoder(store, parent)
-        seqs = tokenize_corpus(encoder, docs, max_len)
-        trained, mlm = _mlm(encoder, seqs, mlm_steps, lr, batch_size, seed, progress)
+        seqs = tokenize_corpus(base_encoder(store), docs, max_len)
+        teacher, student, trained = _domain_encoders(store, parent, seqs, mlm_steps, lr, distill_steps, distill_lr,
+                                                     batch_size, seed, progress)
     info = {"corpus": [os.path.abspath(p) for p in _as_list(corpus_paths)], "documents": len(docs),
-            "max_len": max_len, "mlm": mlm, "trained_from": parent}
+            "max_len": max_len, **trained, "trained_from": parent}
     with _open_writable(store_path) as store:
         _new_version_checks(store, name, parent)
-        out = _branch_from(store, name, parent, trained, seqs, alpha, info)
+        out = _branch_from(store, name, parent, teacher, student, seqs, alpha, info)
         return {"store": os.fspath(store_path), "version": name, "parent": parent, **out,
                 "seconds": round(time.perf_counter() - t0, 3)}
 
 
 def domain_update(store_path, name, new_name, corpus_paths, *, alpha: float | None = None, mlm_steps: int = 100,
-                  lr: float = 5e-5, batch_size: int = 16, max_len: int | None = None, include_old: bool = True,
-                  corpus_format=None, seed: int = 0, progress: bool = True) -> dict:
-    """A new version `new_name` (a sibling: child of `name`'s parent) from `name`'s saved lower
-    weights further pre-trained on the new corpus; its n-grams are the top-alpha% (default:
+                  lr: float = 5e-5, distill_steps: int | None = None, distill_lr: float = 1e-4, batch_size: int = 16,
+                  max_len: int | None = None, include_old: bool = True, corpus_format=None, seed: int = 0,
+                  progress: bool = True) -> dict:
+    """A new version `new_name` (a sibling: child of `name`'s parent) from `name`'s saved
+    full-context lower weights further pre-trained on the new corpus and, like `name` unless
+    distill_steps says otherwise, window-distilled; its n-grams are the top-alpha% (default:
     `name`'s alpha) of the old corpus (include_old) plus the new one."""
     t0 = time.perf_counter()
     with hkstore.open(store_path) as store:
@@ -363,16 +427,19 @@ def domain_update(store_path, name, new_name, corpus_paths, *, alpha: float | No
         for p in old_paths:
             if not os.path.isfile(p):
                 raise ManagerError(f"{p}: corpus of version {name!r} is gone; pass it again or use include_old=False")
-        encoder = load_lower(store.path, old["info"]["lower_weights"], base_encoder(store))
-        seqs = tokenize_corpus(encoder, docs, max_len)
-        old_seqs = tokenize_corpus(encoder, read_corpora(old_paths, corpus_format), max_len) if old_paths else []
-        trained, mlm = _mlm(encoder, seqs, mlm_steps, lr, batch_size, seed, progress)
+        if distill_steps is None:
+            distill_steps = (old["info"].get("distill") or {}).get("steps", 0)
+        base = base_encoder(store)
+        seqs = tokenize_corpus(base, docs, max_len)
+        old_seqs = tokenize_corpus(base, read_corpora(old_paths, corpus_format), max_len) if old_paths else []
+        teacher, student, trained = _domain_encoders(store, name, seqs, mlm_steps, lr, distill_steps, distill_lr,
+                                                     batch_size, seed, progress)
     new_paths = [os.path.abspath(p) for p in _as_list(corpus_paths)]
     info = {"corpus": old_paths + [p for p in new_paths if p not in old_paths], "documents": len(docs),
-            "max_len": max_len, "mlm": mlm, "trained_from": name, "updates": name}
+            "max_len": max_len, **trained, "trained_from": name, "updates": name}
     with _open_writable(store_path) as store:
         _new_version_checks(store, new_name, parent)
-        out = _branch_from(store, new_name, parent, trained, old_seqs + seqs, alpha, info)
+        out = _branch_from(store, new_name, parent, teacher, student, old_seqs + seqs, alpha, info)
         return {"store": os.fspath(store_path), "version": new_name, "parent": parent, "from": name, **out,
                 "seconds": round(time.perf_counter() - t0, 3)}
 

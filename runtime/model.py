@@ -120,8 +120,7 @@ class Encoder(nn.Module):
         # finfo.min rather than -inf: a row with every key masked stays finite (uniform).
         scores = scores.masked_fill(~mask[:, None, None, :], torch.finfo(scores.dtype).min)
         ctx = (scores.softmax(-1) @ v).transpose(1, 2).reshape(B, L, d)
-        a = petlib.adapter(pet, i, petlib.linear(pet, i, "o", ctx, blk.o))
-        h = blk.ln_attn(h + a)
+        h = blk.ln_attn(h + petlib.linear(pet, i, "o", ctx, blk.o))
         f = F.gelu(petlib.linear(pet, i, "ffn_in", h, blk.ffn_in))
         return blk.ln_ffn(h + petlib.linear(pet, i, "ffn_out", f, blk.ffn_out))
 

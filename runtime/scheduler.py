@@ -56,7 +56,7 @@ class ServingPet:
     * ``("lora", i, t)``: (A (r, d_in), B (d_out, r)), scaled by ``scale``
     * ``("bias", i, t)``: (delta (d_out),)
     * ``("diff", i, t)``: (flat index int32 (k) nondecreasing, value (k))
-    * ``("adapter", i, None)``: (down (b, d), down_bias (b), up (d, b), up_bias (d))
+    * ``("adapter", i, target)``: (down (b, d), down_bias (b), up (d, b), up_bias (d))
     """
 
     key: object  # what identifies the tenant in a batch (tenant name, or any hashable)
@@ -106,9 +106,9 @@ def prepare_pet(encoder, pet: petlib.Pet, key=None, token=None) -> ServingPet:
             weight = getattr(encoder.layers[i], target).weight.detach().float().flatten()
             index = torch.unique(torch.as_tensor(value).long())  # sorted, no repeats
             parts[("diff", i, target)] = (index.to(torch.int32).contiguous(), (-weight[index]).contiguous())
-        elif kind == "adapter" and bits[3] == "down" and bits[4] == "weight":
-            p = f"layers.{i}.adapter."
-            parts[("adapter", i, None)] = tuple(
+        elif kind == "adapter" and bits[4:] == ["down", "weight"]:
+            p = f"layers.{i}.adapter.{bits[3]}."
+            parts[("adapter", i, bits[3])] = tuple(
                 _f32(t[p + n]) for n in ("down.weight", "down.bias", "up.weight", "up.bias"))
     if "head.weight" not in t:
         raise ValueError("PET has no head (head.weight)")

@@ -154,10 +154,12 @@ def train_upper(encoder: Encoder, head: petlib.Pet, inputs: list[torch.Tensor], 
 # -- (e) window distillation ------------------------------------------------------------------
 
 
-def distill_windows(encoder: Encoder, docs: list[list[int]], n: int, kind: str, cfg: TrainConfig):
+def distill_windows(encoder: Encoder, docs: list[list[int]], n: int, kind: str, cfg: TrainConfig,
+                    student: Encoder | None = None):
     """Train the lower layers so that aggregate(window_values(windows)) + a position table
-    matches the starting encoder's full-context lower output (MSE over tokens); returns
-    (encoder copy, losses).
+    matches encoder's full-context lower output (MSE over tokens); returns (a copy of student,
+    default encoder, trained; losses). A student that is already window-distilled (a distilled
+    parent's layers, for a domain whose MLM moved the target a little) needs far fewer steps.
 
     The target is fixed at the start: the upper layers were trained on the original
     full-context features, so the windowed features should move toward those, not chase a
@@ -168,13 +170,13 @@ def distill_windows(encoder: Encoder, docs: list[list[int]], n: int, kind: str, 
     """
     with torch.no_grad():
         targets = [encoder.lower(*encoder.pad([doc]))[0] for doc in docs]
+        student = copy.deepcopy(student if student is not None else encoder)
         position = torch.zeros(encoder.config.max_len, encoder.config.d)
         count = torch.zeros(encoder.config.max_len, 1)
-        for doc, target, x in zip(docs[:512], targets, windowed_lower(encoder, docs[:512], n, kind)):
+        for doc, target, x in zip(docs[:512], targets, windowed_lower(student, docs[:512], n, kind)):
             position[:len(doc)] += target - x
             count[:len(doc)] += 1
         position = (position / count.clamp(min=1)).requires_grad_(True)
-    student = copy.deepcopy(encoder)
 
     def loss_of(batch):
         predicted = torch.cat([x + position[:len(x)] for x in windowed_lower(student, [docs[j] for j in batch], n, kind)])

@@ -52,10 +52,10 @@ def test_cli_end_to_end(cli, env):
     assert out["version"] == "root" and out["keys"] > 0 and not out["resumed"]
     assert hkstore.verify(s)["ok"]
 
-    r = run(cli, "domain", "create", s, "bio", "--corpus", env["domain"], "--mlm-steps", 2, "--alpha", 30, "-q",
-            "--json")
+    r = run(cli, "domain", "create", s, "bio", "--corpus", env["domain"], "--mlm-steps", 2, "--alpha", 30,
+            "--distill-steps", 2, "-q", "--json")
     assert r.exit_code == 0, r.output
-    assert json.loads(r.output)["alpha"] == 30
+    assert json.loads(r.output)["alpha"] == 30 and json.loads(r.output)["distill"]["steps"] == 2
 
     r = run(cli, "domain", "update", s, "bio", "bio-2", "--corpus", env["more"], "--mlm-steps", 1, "-q")
     assert r.exit_code == 0, r.output

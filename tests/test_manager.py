@@ -122,6 +122,49 @@ def test_domain_create_and_update(env):
     assert hkstore.verify(env["store"])["ok"]
 
 
+def _distance(a, b):
+    return sum(float((p - q).norm()) for p, q in zip(manager.lower_state(a).values(), manager.lower_state(b).values()))
+
+
+def test_distilled_domain_keeps_teacher_and_student(env):
+    from runtime.plot import corpus_windows
+    from runtime.window import window_values
+
+    out = manager.domain_create(env["store"], "mathdist", [env["domain"]], mlm_steps=3, lr=1e-3, distill_steps=4,
+                                distill_lr=1e-3, max_len=32, progress=False)
+    assert out["distill"]["steps"] == 4 and out["mlm"]["steps"] == 3
+    with hkstore.open(env["store"]) as st:
+        snap = st.snapshot()
+        info = snap.versions[snap.version_index("mathdist")]["info"]
+        assert info["context_weights"]["file"] == "models/mathdist.context.safetensors"
+        assert manager.is_distilled(st, "mathdist") and manager.is_distilled(st, "root")
+        base, root = manager.base_encoder(st), manager.version_encoder(st, "root")
+        teacher, student = manager.context_encoder(st, "mathdist"), manager.version_encoder(st, "mathdist")
+        # The teacher is the base model (the distilled root's context) after MLM; the student
+        # starts from the root's window-distilled layers, not from the teacher.
+        assert 0 < _distance(teacher, base) and 0 < _distance(student, root)
+        assert _distance(student, root) < _distance(student, teacher)
+        # The branch's own values are the student's windows.
+        wins, _ = corpus_windows(base.tokenize([open(env["domain"]).readline()], 32), 3, "centered", 0)
+        hit = snap.lookup("mathdist", wins)
+        own = hit.version == snap.version_index("mathdist")
+        assert own.any()
+        with torch.no_grad():
+            expected = window_values(student, wins[own]).numpy()
+            teachers = window_values(teacher, wins[own]).numpy()
+        np.testing.assert_allclose(hit.values[own].astype(np.float32), expected, atol=1e-2)
+        assert not np.allclose(hit.values[own].astype(np.float32), teachers, atol=1e-2)
+    # An update continues from the teacher (mlm_steps=0: the same full-context layers) and
+    # distills again by default.
+    up = manager.domain_update(env["store"], "mathdist", "mathdist-2", [env["more"]], mlm_steps=0, distill_lr=1e-3,
+                               progress=False)
+    assert up["distill"]["steps"] == 4
+    with hkstore.open(env["store"]) as st:
+        assert _distance(manager.context_encoder(st, "mathdist-2"), teacher) == 0
+        assert _distance(manager.version_encoder(st, "mathdist-2"), student) > 0
+    assert hkstore.verify(env["store"])["ok"]
+
+
 def test_domain_errors(env):
     with pytest.raises(hkstore.UnknownVersion, match="nope"):
         manager.domain_create(env["store"], "x1", [env["domain"]], parent="nope", mlm_steps=0, progress=False)
@@ -155,7 +198,7 @@ def test_tenant_create_classification(env, pet_type):
         assert rec.meta["layers"] == [3, 4, 5] and rec.meta["pet_type"] == pet_type
         assert rec.meta["base_model"] == "tiny-bert" and rec.meta["version"] == "root"
         assert "head.weight" in rec.tensors
-        assert (pet_type == "adapter") == ("layers.3.adapter.down.weight" in rec.tensors)
+        assert (pet_type == "adapter") == ("layers.3.adapter.o.down.weight" in rec.tensors)
     score = manager.tenant_eval(env["store"], tenant, env["cls"])
     assert score["metric"] == "accuracy" and 0 <= score["score"] <= 1
 

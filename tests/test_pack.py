@@ -56,8 +56,8 @@ def sample_record(tenant="acme", compressible=False):
     rng = np.random.default_rng(0)
     weight = np.zeros((64, 384), np.float32) if compressible else rng.normal(0, 0.02, (64, 384))
     return PetRecord(tenant, {"tenant": tenant, "pet_type": "adapter", "labels": ["a", "b"]}, {
-        "layers.3.adapter.down.weight": weight.astype(np.float32),
-        "layers.3.adapter.down.bias": np.zeros(64, np.float16),
+        "layers.3.adapter.o.down.weight": weight.astype(np.float32),
+        "layers.3.adapter.o.down.bias": np.zeros(64, np.float16),
         "layers.3.diff.q.index": np.arange(0, 1000, 7, dtype=np.int32),
     })
 

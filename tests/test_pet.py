@@ -84,11 +84,15 @@ def test_adapter_equals_naive_layer(encoder, inputs):
         B, L, d = h.shape
         q, k, v = (getattr(blk, n)(h).view(B, L, 12, 32).transpose(1, 2) for n in "qkv")
         att = (q @ k.transpose(-1, -2) / math.sqrt(32)).masked_fill(~mask[:, None, None], -1e30).softmax(-1)
-        a = blk.o((att @ v).transpose(1, 2).reshape(B, L, d))
-        a = a + torch.relu(a @ t["layers.3.adapter.down.weight"].T + t["layers.3.adapter.down.bias"]) @ t[
-            "layers.3.adapter.up.weight"].T + t["layers.3.adapter.up.bias"]
+
+        def houlsby(y, target):
+            p = f"layers.3.adapter.{target}."
+            return y + torch.relu(y @ t[p + "down.weight"].T + t[p + "down.bias"]) @ t[p + "up.weight"].T + t[
+                p + "up.bias"]
+
+        a = houlsby(blk.o((att @ v).transpose(1, 2).reshape(B, L, d)), "o")
         h1 = blk.ln_attn(h + a)
-        expected = blk.ln_ffn(h1 + blk.ffn_out(F.gelu(blk.ffn_in(h1))))
+        expected = blk.ln_ffn(h1 + houlsby(blk.ffn_out(F.gelu(blk.ffn_in(h1))), "ffn_out"))
         got = encoder.layer(3, h, mask, pet)
     assert torch.allclose(got, expected, atol=1e-4)
 
@@ -168,5 +172,7 @@ def test_create_rejects_bad_requests(encoder):
         create_pet(encoder, "lora", "regression", LABELS)
     with pytest.raises(ValueError, match="not all upper layers"):
         create_pet(encoder, "bitfit", "classification", LABELS, layers=[0])
-    with pytest.raises(ValueError, match="unknown targets"):
+    with pytest.raises(ValueError, match="unknown lora targets"):
         create_pet(encoder, "lora", "classification", LABELS, targets=["query"])
+    with pytest.raises(ValueError, match="unknown adapter targets"):  # only outputs that join the residual
+        create_pet(encoder, "adapter", "classification", LABELS, targets=["q"])

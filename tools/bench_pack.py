@@ -33,12 +33,14 @@ LEVELS = (1, 3, 9)
 def adapter(rng, dtype):
     tensors = {}
     for i in UPPER:
-        tensors |= {
-            f"layers.{i}.adapter.down.weight": rng.normal(0, 0.02, (64, D)),
-            f"layers.{i}.adapter.down.bias": rng.normal(0, 0.01, 64),
-            f"layers.{i}.adapter.up.weight": rng.normal(0, 0.02, (D, 64)),
-            f"layers.{i}.adapter.up.bias": rng.normal(0, 0.01, D),
-        }
+        for target in ("o", "ffn_out"):
+            p = f"layers.{i}.adapter.{target}."
+            tensors |= {
+                p + "down.weight": rng.normal(0, 0.02, (64, D)),
+                p + "down.bias": rng.normal(0, 0.01, 64),
+                p + "up.weight": rng.normal(0, 0.02, (D, 64)),
+                p + "up.bias": rng.normal(0, 0.01, D),
+            }
     return {name: t.astype(dtype) for name, t in tensors.items()}
 
 

@@ -10,23 +10,24 @@ Rows (Table 3):
   shared        the frozen encoder, a head only
   adapter-only  lower layers computed in full context, adapter + head above
   plot-only     PLOT inputs of the task's domain branch, the upper layers fully fine-tuned + head
-  hplm          PLOT of the domain branch + adapter: a tenant made by runtime.manager.tenant_create
-                and scored by tenant_eval, i.e. through the serving path (runtime.plot.retrieve)
+  hplm          PLOT of the domain branch + adapter (Houlsby: after attention and after the FFN,
+                bottleneck 64): a tenant made by runtime.manager.tenant_create and scored by
+                tenant_eval, i.e. through the serving path (runtime.plot.retrieve)
   hplm-lora     the same with LoRA
-  hplm-distilled, hplm-lora-distilled
-                the root PLOT of a store whose lower layers were window-distilled
-                (--distill-steps) + adapter / LoRA: no domain branches
 Table 5: the domain branch at alpha in {0, 30, 50, 100}% (hplm adapter rows; alpha 0 = an
-empty branch: everything from the root) with the branch's bytes; and root-PLOT + adapter
-tenants on a root built with and without window distillation of the lower layers.
+empty branch: everything from the root) with the branch's bytes. Ablation of window
+distillation (HMI builds on the pretrained layers; SkipBERT distills them): root PLOT + adapter
+tenants on a root without distillation (with and without its position table) and on the
+distilled root, and domain PLOT + adapter tenants on a domain branch without distillation.
 
 The store: the root PLOT is built from the unlabeled text of every task's sampled train and
-test examples (a stand-in for HMI's general corpus); a domain version is the base lower layers
-further pre-trained (MLM) on its tasks' train text (up to --max-domain-docs documents per task,
-labels unused), plus the top-alpha% n-grams of that text. Every version's position table is
-fitted (runtime.plot.fit_position). The root-variants rows compare root PLOT + adapter tenants
-on the root as built, on a copy without its position table, and on a root built from
-window-distilled lower layers. Everything is subsampled (--max-train/--max-test/--max-len) and
+test examples (a stand-in for HMI's general corpus) by the base lower layers window-distilled
+for --distill-steps (`hkstore build --distill-steps`); a domain version is the base lower
+layers further pre-trained (MLM) on its tasks' train text (up to --max-domain-docs documents per
+task, labels unused), then window-distilled toward themselves for --domain-distill-steps
+starting from the root's distilled layers (`hkstore domain create --distill-steps`), plus the
+top-alpha% n-grams of that text. Every version's position table is fitted
+(runtime.plot.fit_position). Everything is subsampled (--max-train/--max-test/--max-len) and
 epochs are capped (10 for the PET / head / upper-layer rows, 3 for full fine-tuning) so the
 run fits about an hour on 2 cores. Results go to OUT/results.json (resumable per (task, row): finished rows are
 skipped on a rerun) and OUT/results.md.
@@ -49,7 +50,7 @@ TASKS = {  # name: (task kind, directory under --data, domain)
     "NCBI-disease": ("tagging", "ner/NCBI-disease", "biology"),
     "sciie": ("tagging", "ner/sciie", "cs"),
 }
-ROWS = ("dedicated", "shared", "adapter-only", "plot-only", "hplm", "hplm-lora", "hplm-distilled", "hplm-lora-distilled")
+ROWS = ("dedicated", "shared", "adapter-only", "plot-only", "hplm", "hplm-lora")
 ROW_TITLES = {
     "dedicated": "dedicated (full fine-tuning)",
     "shared": "shared (frozen encoder, head only)",
@@ -57,8 +58,13 @@ ROW_TITLES = {
     "plot-only": "PLOT-only (domain PLOT + upper fine-tuning)",
     "hplm": "hPLM (domain PLOT + adapter)",
     "hplm-lora": "hPLM with LoRA",
-    "hplm-distilled": "hPLM, window-distilled root PLOT + adapter",
-    "hplm-lora-distilled": "hPLM, window-distilled root PLOT + LoRA",
+}
+VARIANTS = {  # ablation rows: (title, store, version): the store "plain" has an undistilled root
+    "root-plain-nopos": "root PLOT, no distillation, no position table",
+    "root-plain": "root PLOT, no distillation",
+    "root": "root PLOT, distilled",
+    "domain-mlm": "domain PLOT, MLM only (no distillation)",
+    "domain": "domain PLOT, MLM + distillation (the hPLM row)",
 }
 ALPHAS = (0, 30, 50, 100)
 T0 = time.time()
@@ -276,26 +282,30 @@ def ensure_root(args, ctx, store, distill_steps, results, key):
     save(args, results)
 
 
-def ensure_domain(args, ctx, domain, results):
+def ensure_domain(args, ctx, domain, results, distill=True) -> str:
+    """The domain's version (distilled), or '<domain>-mlm' (MLM only, for the ablation)."""
     import hkstore
     from runtime import manager
 
+    name = domain if distill else f"{domain}-mlm"
     with hkstore.open(ctx["store"]) as st:
         snap = st.snapshot()
-        if domain in snap.version_names:
-            v = snap.versions[snap.version_index(domain)]
+        if name in snap.version_names:
+            v = snap.versions[snap.version_index(name)]
             if v["segments"] or not v["info"].get("ngrams_kept"):
-                return
-            raise SystemExit(f"version {domain!r} of {ctx['store']} was left half-built; delete the store and rerun")
-    say(f"domain {domain}: MLM {args.mlm_steps} steps + branch alpha={args.alpha}")
-    out = manager.domain_create(ctx["store"], domain, [ctx["data"]["corpora"][domain]], alpha=args.alpha,
-                                mlm_steps=args.mlm_steps, lr=args.lr_mlm, max_len=args.max_len,
-                                progress=args.progress)
-    out["bytes"] = branch_bytes(ctx["store"], domain)
-    results["construction"][f"domain:{domain}"] = out
-    say(f"domain {domain}: kept {out['ngrams_kept']}/{out['ngrams_seen']} n-grams, {out['bytes']} bytes, "
+                return name
+            raise SystemExit(f"version {name!r} of {ctx['store']} was left half-built; delete the store and rerun")
+    steps = args.domain_distill_steps if distill else 0
+    say(f"domain {name}: MLM {args.mlm_steps} steps + distillation {steps} steps + branch alpha={args.alpha}")
+    out = manager.domain_create(ctx["store"], name, [ctx["data"]["corpora"][domain]], alpha=args.alpha,
+                                mlm_steps=args.mlm_steps, lr=args.lr_mlm, distill_steps=steps,
+                                distill_lr=args.lr_distill, max_len=args.max_len, progress=args.progress)
+    out["bytes"] = branch_bytes(ctx["store"], name)
+    results["construction"][f"domain:{name}"] = out
+    say(f"domain {name}: kept {out['ngrams_kept']}/{out['ngrams_seen']} n-grams, {out['bytes']} bytes, "
         f"{out['seconds']:.0f}s")
     save(args, results)
+    return name
 
 
 def ensure_alpha_branch(args, ctx, domain, alpha, results):
@@ -308,11 +318,11 @@ def ensure_alpha_branch(args, ctx, domain, alpha, results):
     with hkstore.open(ctx["store"], writable=True) as st:
         if name not in st.snapshot().version_names:
             say(f"branch {name}")
-            enc = manager.version_encoder(st, domain)
+            enc, target = manager.version_encoder(st, domain), manager.context_encoder(st, domain)
             docs = manager.read_corpora([ctx["data"]["corpora"][domain]])
             seqs = manager.tokenize_corpus(enc, docs, args.max_len)
             out = build_branch(st, name, "root", enc, seqs, alpha, {"lower_weights_of": domain})
-            out["position"] = fit_position(st, name, enc, seqs)
+            out["position"] = fit_position(st, name, target, seqs)
             results["construction"][f"branch:{name}"] = out
     return name
 
@@ -372,10 +382,10 @@ def markdown(results) -> str:
             lines.append(f"| {r['alpha']:g}% | {r['task']} | {100 * r['score']:.1f} | "
                          f"{r.get('ngrams_kept', 0)} / {r.get('ngrams_seen', 0)} | {r['bytes']:,} |")
     if results.get("distill"):
-        lines += ["", "## Root variants (root PLOT + adapter): position table, window distillation", "",
-                  "| root | task | score % |", "|---|---|---|"]
-        for key, r in sorted(results["distill"].items()):
-            lines.append(f"| {r['variant']} | {r['task']} | {100 * r['score']:.1f} |")
+        lines += ["", "## Ablation (PLOT + adapter): position table, window distillation", "",
+                  "| PLOT | task | score % |", "|---|---|---|"]
+        for key, r in sorted(results["distill"].items(), key=lambda kv: (kv[1]["task"], list(VARIANTS).index(kv[1]["variant"]))):
+            lines.append(f"| {VARIANTS[r['variant']]} | {r['task']} | {100 * r['score']:.1f} |")
     c = results.get("construction", {})
     lines += ["", "## Construction", ""]
     for key, r in c.items():
@@ -401,7 +411,7 @@ def main(argv=None):
     p.add_argument("--rows", default=",".join(ROWS))
     p.add_argument("--alpha-tasks", default="citation_intent,sciie",
                    help="tasks of the alpha table ('' = none); the defaults share the cs branches")
-    p.add_argument("--distill-tasks", default="citation_intent,NCBI-disease", help="tasks of the distillation rows")
+    p.add_argument("--distill-tasks", default="citation_intent,NCBI-disease", help="tasks of the ablation rows")
     p.add_argument("--max-domain-docs", type=int, default=3000,
                    help="train documents per task in a domain corpus (MLM + n-gram counts)")
     p.add_argument("--max-train", type=int, default=600)
@@ -412,7 +422,9 @@ def main(argv=None):
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--alpha", type=float, default=50, help="alpha of the main domain branches")
     p.add_argument("--mlm-steps", type=int, default=40)
-    p.add_argument("--distill-steps", type=int, default=1000)
+    p.add_argument("--distill-steps", type=int, default=1000, help="window distillation of the root")
+    p.add_argument("--domain-distill-steps", type=int, default=300,
+                   help="window distillation of each domain (from the distilled root's layers)")
     p.add_argument("--lr-full", type=float, default=1e-4)
     p.add_argument("--lr-head", type=float, default=5e-3)
     p.add_argument("--lr-adapter", type=float, default=5e-3)
@@ -462,7 +474,7 @@ def main(argv=None):
     data = prepare_data(args, out)
     ctx = {"data": data, "store": str(out / "store"), "base": load_encoder(args.model, 3),
            "whole": load_encoder(args.model, 6)}
-    ensure_root(args, ctx, ctx["store"], 0, results, "root")
+    ensure_root(args, ctx, ctx["store"], args.distill_steps, results, "root")
     for domain in dict.fromkeys(TASKS[t][2] for t in args.tasks):
         ensure_domain(args, ctx, domain, results)
 
@@ -491,11 +503,6 @@ def main(argv=None):
                 score, log = row_adapter_only(args, ctx, task)
             elif row == "plot-only":
                 score, log = row_plot_only(args, ctx, task, info["domain"])
-            elif row.endswith("-distilled"):
-                store = str(out / "store-distill")
-                ensure_root(args, ctx, store, args.distill_steps, results, "root-distilled")
-                pet_type = "adapter" if row == "hplm-distilled" else "lora"
-                score, log, extra = row_tenant(args, ctx, task, store, "root", pet_type, f"{name}-{row}")
             else:
                 pet_type = "adapter" if row == "hplm" else "lora"
                 score, log, extra = row_tenant(args, ctx, task, ctx["store"], info["domain"], pet_type,
@@ -530,20 +537,33 @@ def main(argv=None):
             say(f"alpha {alpha:g}% / {name}: {100 * score:.1f}, branch {results['alpha'][key]['bytes']:,} bytes")
 
     if distill_tasks:
-        variants = {"plain": ctx["store"], "no-position": nopos_copy(ctx["store"], out / "store-nopos"),
-                    "distilled": str(out / "store-distill")}
-        ensure_root(args, ctx, variants["distilled"], args.distill_steps, results, "root-distilled")
+        plain = str(out / "store-plain")
+        ensure_root(args, ctx, plain, 0, results, "root-plain")
         for name in distill_tasks:
-            for variant, store in variants.items():
+            domain = TASKS[name][2]
+            for variant in VARIANTS:
                 key = f"{name}@{variant}"
                 if key in results["distill"]:
                     continue
+                if variant == "domain" and "hplm" in results["rows"].get(name, {}):
+                    results["distill"][key] = {"task": name, "variant": variant,
+                                               "score": results["rows"][name]["hplm"]["score"]}
+                    continue
+                store, version = ctx["store"], "root"
+                if variant == "root-plain-nopos":
+                    store = nopos_copy(plain, out / "store-plain-nopos")
+                elif variant == "root-plain":
+                    store = plain
+                elif variant == "domain-mlm":
+                    version = ensure_domain(args, ctx, domain, results, distill=False)
+                elif variant == "domain":
+                    version = domain
                 t0 = time.time()
-                score, _, _ = row_tenant(args, ctx, task_of(name), store, "root", "adapter", f"{name}-root")
+                score, _, _ = row_tenant(args, ctx, task_of(name), store, version, "adapter", f"{name}-{variant}")
                 results["distill"][key] = {"task": name, "variant": variant, "score": score,
                                            "seconds": round(time.time() - t0, 1)}
                 save(args, results)
-                say(f"root PLOT ({variant}) + adapter / {name}: {100 * score:.1f}")
+                say(f"{VARIANTS[variant]} + adapter / {name}: {100 * score:.1f}")
 
     save(args, results)
     say(f"done in {(time.time() - T0) / 60:.1f} min (this invocation); results in {out}/results.md")
