@@ -82,6 +82,7 @@ def hand(tmp_path_factory):
                    np.stack([value_of([1, 2, 3, 4])[0], value_of([1, 1, 1, 1])[0], value_of(ROTATED[0.4])[0]]))
     st.delete("bio", np.array([[CLS, A, B]], dtype=np.uint32))
     st.create_version("bio2", "bio")
+    st.set_position("bio", np.arange(6 * D, dtype=np.float32).reshape(6, D))
     st.add_segment("bio2", np.array([[G, G, G], [F, G, 2]], dtype=np.uint32),
                    np.stack([value_of([-1, -1, -1, -1])[0], value_of(ROTATED[2.0])[0]]))
     st.put_pet(PetRecord("acme", {"pet_type": "adapter", "task": "classification", "version": "bio",
@@ -117,6 +118,9 @@ def test_versions_and_branch_overlap_and_distances(hand):
     assert v["bio2"]["depth"] == 2 and v["bio2"]["bytes"] == os.path.getsize(
         os.path.join(hand["store"], "segments", hkstore.open(hand["store"]).versions[2]["segments"][0]))
     assert r["totals"]["versions"] == 3 and r["totals"]["tenants"] == 2
+    # bio has its own position table, bio2 inherits it, the root has none
+    assert [(v[n]["position_rows"], v[n]["position_from"]) for n in ("root", "bio", "bio2")] == [
+        (0, None), (6, "bio"), (0, "bio")]
 
     b = {row["name"]: row for row in r["branches"]}
     assert set(b) == {"bio", "bio2"}
@@ -288,7 +292,7 @@ def test_write_report_files_and_no_network_references(hand, tmp_path):
     assert not re.search(r"https?://|@import|url\(", page)
     saved = json.load(open(out / "report.json"))
     assert saved["branches"][0]["shared"] == 8 and len(saved["figures"]) == 8
-    for text in ("f g e", "bio2", "acme", "(missing)", "α curve", "data-status"):
+    for text in ("f g e", "bio2", "acme", "(missing)", "α curve", "data-status", "own, 6 rows", "from bio"):
         assert text in page, text
 
 

@@ -224,11 +224,15 @@ def _version_rows(snap):
     rows = []
     for vi, v in enumerate(snap.versions):
         keys, _, _, tomb = own_entries(snap, vi)
+        # The position table in force (FORMAT.md section 4): the nearest one on the ancestry.
+        holder = next((a for a in snap.ancestry(vi) if snap.versions[a].get("position")), None)
         rows.append({
             "index": vi, "name": v["name"], "parent": v["parent"], "depth": len(snap.ancestry(vi)) - 1,
             "children": children.get(v["name"], []), "entries": int((~tomb).sum()), "tombstones": int(tomb.sum()),
             "segments": len(v["segments"]),
             "bytes": int(sum(os.path.getsize(s.path) for s in snap.version_segments(vi))),
+            "position_rows": (v.get("position") or {}).get("rows", 0),
+            "position_from": None if holder is None else snap.version_names[holder],
             "created": v.get("created"), "created_iso": _iso(v.get("created")), "info": v.get("info") or {},
         })
     return rows
@@ -596,6 +600,12 @@ def _img(figs, key, alt):
     return f'<img src="{_e(figs[key])}" alt="{_e(alt)}">' if key in figs else ""
 
 
+def _position_cell(v):
+    if v["position_rows"]:
+        return f"own, {v['position_rows']:,} rows"
+    return f"from {_e(v['position_from'])}" if v["position_from"] else "none"
+
+
 def render_html(report, figs):
     """The page (a string): inline CSS and script, images by relative file name only."""
     meta, totals = report["meta"], report["totals"]
@@ -624,10 +634,10 @@ def render_html(report, figs):
         corpus = v["info"].get("corpus")
         corpus = ", ".join(os.path.basename(str(c)) for c in corpus) if isinstance(corpus, list) else corpus
         rows.append([_e(v["name"]), _e(v["parent"] or "—"), _num(v["entries"]), _num(v["tombstones"]),
-                     _num(v["segments"]), _num(v["bytes"]), _e(v["created_iso"] or ""), _e(corpus or ""),
-                     f"<details><summary>info</summary><pre>{_e(info)}</pre></details>"])
-    parts.append(_table(["version", "parent", "entries", "tombstones", "segments", "bytes", "created", "corpus",
-                         "info"], rows, numeric=(2, 3, 4, 5)))
+                     _num(v["segments"]), _num(v["bytes"]), _position_cell(v), _e(v["created_iso"] or ""),
+                     _e(corpus or ""), f"<details><summary>info</summary><pre>{_e(info)}</pre></details>"])
+    parts.append(_table(["version", "parent", "entries", "tombstones", "segments", "bytes", "position table",
+                         "created", "corpus", "info"], rows, numeric=(2, 3, 4, 5)))
 
     parts.append("<h2>Branches: what they override and by how much</h2>")
     if not report["branches"]:
