@@ -1,7 +1,8 @@
 """The manager (HMI §3.4, §5): construction of PLOT versions and tenant PETs over a store path.
 
     build(store, corpus_paths=[...])                              root PLOT (+ window distillation)
-    domain_create(store, "biology", [...], alpha=50)              MLM the lower layers, top-alpha% branch
+    domain_create(store, "biology", [...], alpha=50)              MLM the lower layers (+ window distillation),
+                                                                  top-alpha% branch
     domain_update(store, "biology", "biology-2", [...])           continue MLM, a new sibling version
     tenant_create(store, "t1", version="biology", train_path=...)  PET + head on retrieve() inputs
     tenant_update(store, "t1", train_path=...)                    continue from the stored PET
