@@ -372,7 +372,10 @@ class Scheduler:
         # OpenMP thread counts are per thread and new threads start from the default: the
         # compute thread takes the caller's setting (e.g. a server's torch.set_num_threads).
         self.torch_threads = torch.get_num_threads()
+        # One inbox entry per submit (a list of items), so the items of one call cannot be
+        # split across batches by a worker that wakes up between two of them.
         self._inbox: queue.Queue = queue.Queue()
+        self._carry: list = []  # entries of a submit that did not fit the previous batch
         self._ready: queue.Queue = queue.Queue(maxsize=1)
         self._closed = False
         self._lock = threading.Lock()
@@ -391,10 +394,13 @@ class Scheduler:
             if self._closed:
                 raise RuntimeError("the runtime is closed")
             now = time.perf_counter()
+            entries = []
             for item in items:
                 f: Future = Future()
                 futures.append(f)
-                self._inbox.put((item, f, now))
+                entries.append((item, f, now))
+            if entries:
+                self._inbox.put(entries)
         return futures
 
     def run(self, items: list) -> list:
@@ -414,10 +420,11 @@ class Scheduler:
     # -- worker loops --------------------------------------------------------------------
 
     def _next_batch(self):
-        first = self._inbox.get()
-        if first is _STOP:
-            return None
-        batch = [first]
+        batch, self._carry = self._carry, []
+        if not batch:
+            batch = self._inbox.get()
+            if batch is _STOP:
+                return None
         while len(batch) < self.max_batch:
             try:
                 nxt = self._inbox.get_nowait()
@@ -426,7 +433,8 @@ class Scheduler:
             if nxt is _STOP:
                 self._inbox.put(_STOP)  # seen again after this batch
                 break
-            batch.append(nxt)
+            batch = batch + nxt
+        batch, self._carry = batch[: self.max_batch], batch[self.max_batch:]
         return batch
 
     def _prepare(self, batch):

@@ -14,10 +14,12 @@ import functools
 import inspect
 import json
 import pathlib
+import queue
 import re
 import shutil
 import tempfile
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -271,3 +273,42 @@ def test_pipeline_off_and_small_batches_agree(tiny, rt):
         for e, r in zip(expected, got):
             np.testing.assert_allclose(r.logits, e, rtol=1e-4, atol=1e-5)
         assert other.stats()["host_pet_cache"]["entries"] == len({q["tenant"] for q in reqs})
+
+
+class _EchoExecutor:
+    """The layer below the scheduler, faked: logits = the item's position in its batch."""
+
+    def prepare(self, snapshot, items):
+        from runtime.scheduler import Prepared
+
+        return Prepared(items=items)
+
+    def compute(self, prepared):
+        return [np.array([float(j), float(item)]) for j, item in enumerate(prepared.items)]
+
+
+class _SlowQueue(queue.Queue):
+    """A queue whose put yields for a while afterwards, so a waiting worker wakes in between."""
+
+    def put(self, item, block=True, timeout=None):
+        super().put(item, block, timeout)
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("max_batch, count", [(64, 18), (4, 10), (1, 3)])
+def test_one_submit_is_never_split_across_batches(monkeypatch, max_batch, count):
+    """A worker already waiting when a call submits must still see all of its items (a
+    per-item put let it wake after the first one: a flaky 1 + 17 split)."""
+    from runtime import scheduler
+
+    monkeypatch.setattr(scheduler.queue, "Queue", _SlowQueue)
+    sched = scheduler.Scheduler(_EchoExecutor(), lambda: None, max_batch=max_batch)
+    try:
+        time.sleep(0.05)  # the worker is waiting on the inbox
+        outs = sched.run(list(range(count)))
+    finally:
+        sched.close()
+    # Items go in order, in batches as full as max_batch allows.
+    sizes = [min(max_batch, count - start) for start in range(0, count, max_batch)]
+    assert [o.batch_size for o in outs] == [size for size in sizes for _ in range(size)]
+    assert [int(o.logits[1]) for o in outs] == list(range(count))
