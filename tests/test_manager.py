@@ -287,3 +287,17 @@ def test_build_errors(tmp_path, env):
     with pytest.raises(hkstore.StoreError, match="other settings"):
         manager.build(env["store"], model_path=env["model"], corpus_paths=[env["corpus"]], n=5, progress=False)
     assert not os.path.exists(tmp_path / "s2" / "CURRENT")
+
+
+def test_pet_sweep_scores_each_grid_point(env):
+    from tools.pet_sweep import main, sweep
+
+    rows = sweep(env["store"], "root", env["cls"], env["cls"], "classification", targets=[("o",), None],
+                 epochs=[1, 3], lrs=[1e-2], max_len=32)
+    assert [(r["targets"], r["epochs"]) for r in rows] == [
+        (["o"], 1), (["o"], 3), (["o", "ffn_out"], 1), (["o", "ffn_out"], 3)]
+    assert all(0 <= r["score"] <= 1 for r in rows)
+    # more epochs fit the training set better (same seed, same inputs)
+    assert rows[1]["loss_last"] < rows[0]["loss_last"] and rows[3]["loss_last"] < rows[2]["loss_last"]
+    assert main(["--store", env["store"], "--train", "/no/such.jsonl", "--test", env["cls"],
+                 "--task", "classification"]) == 1

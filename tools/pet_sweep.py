@@ -1,0 +1,84 @@
+"""Score one task's PET over a grid of settings, on the inputs a store version serves.
+
+    python -m tools.pet_sweep --store /tmp/hmi4/store --version root \
+        --train /tmp/hmi4/data/NCBI-disease.train.conll --test /tmp/hmi4/data/NCBI-disease.test.conll \
+        --task tagging --targets o --targets ffn_out --targets o,ffn_out --epochs 5,10 --lr 0.005
+
+The inputs are computed once (runtime.plot.retrieve_list: the serving path); every grid point
+trains a fresh PET + head on them (runtime.train.train_pet, same seed) and scores the test set
+as tools/hmi_accuracy does (accuracy, or entity-level F1 for tagging). This is how the adapter
+design in BENCHMARKS.md (Houlsby's two adapters a layer) was chosen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+
+
+def sweep(store_path, version, train_path, test_path, task, *, pet_type="adapter", targets=(None,),
+          epochs=(10,), lrs=(5e-3,), batch_size=16, max_len=64, seed=0) -> list[dict]:
+    """One row per (targets, epochs, lr): the score and the last training-batch loss."""
+    import hkstore
+    from runtime.manager import base_encoder
+    from runtime.pet import create_pet, head
+    from runtime.plot import retrieve_list
+    from runtime.train import TrainConfig, train_pet
+    from tools.hmi_accuracy import Task, padded, predict
+
+    with hkstore.open(store_path) as st:
+        encoder = base_encoder(st)  # the store's model, checked against its tokenizer
+        t = Task(task, {"kind": task, "train": train_path, "test": test_path}, encoder, max_len)
+        train_x = retrieve_list(st.snapshot(), version, t.train_ids)
+        test_x = retrieve_list(st.snapshot(), version, t.test_ids)
+    rows = []
+    for target, n_epochs, lr in itertools.product(targets, epochs, lrs):
+        t0 = time.perf_counter()
+        pet = create_pet(encoder, pet_type, task, t.labels, targets=target, seed=seed)
+        cfg = TrainConfig(lr=lr, epochs=n_epochs, batch_size=batch_size, seed=seed, progress=False)
+        trained, log = train_pet(encoder, pet, train_x, t.train_y, cfg)
+        score = t.score(predict(lambda b: head(trained, encoder.upper(*padded(b), trained)), test_x))
+        rows.append({"pet_type": pet_type, "targets": list(trained.meta.get("targets", [])), "epochs": n_epochs,
+                     "lr": lr, "score": score, "loss_last": log[-1], "seconds": round(time.perf_counter() - t0, 1)})
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--store", required=True)
+    p.add_argument("--version", default="root")
+    p.add_argument("--train", required=True)
+    p.add_argument("--test", required=True)
+    p.add_argument("--task", choices=["classification", "tagging"], required=True)
+    p.add_argument("--pet", default="adapter")
+    p.add_argument("--targets", action="append", help="comma-separated targets; repeat for a grid (default: the type's)")
+    p.add_argument("--epochs", default="10", help="comma-separated")
+    p.add_argument("--lr", default="0.005", help="comma-separated")
+    p.add_argument("--max-len", type=int, default=64)
+    p.add_argument("--json", action="store_true", help="print JSON rows instead of a markdown table")
+    args = p.parse_args(argv)
+    from hkstore.errors import StoreError
+
+    targets = [tuple(t.split(",")) for t in args.targets] if args.targets else [None]
+    try:
+        rows = sweep(args.store, args.version, args.train, args.test, args.task, pet_type=args.pet, targets=targets,
+                     epochs=[int(e) for e in args.epochs.split(",")], lrs=[float(x) for x in args.lr.split(",")],
+                     max_len=args.max_len)
+    except (StoreError, ValueError, OSError) as e:  # one line, as the hkstore CLI
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(rows))
+    else:
+        print("| pet | targets | epochs | lr | score % | last loss | s |\n| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+        for r in rows:
+            print(f"| {r['pet_type']} | {','.join(r['targets'])} | {r['epochs']} | {r['lr']:g} | {100 * r['score']:.1f} "
+                  f"| {r['loss_last']:.4f} | {r['seconds']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
