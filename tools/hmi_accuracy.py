@@ -29,7 +29,7 @@ starting from the root's distilled layers (`hkstore domain create --distill-step
 top-alpha% n-grams of that text. Every version's position table is fitted
 (runtime.plot.fit_position). Everything is subsampled (--max-train/--max-test/--max-len) and
 epochs are capped (10 for the PET / head / upper-layer rows, 3 for full fine-tuning) so the
-run fits about an hour on 2 cores. Results go to OUT/results.json (resumable per (task, row): finished rows are
+run fits about 80 minutes on 2 idle cores. Results go to OUT/results.json (resumable per (task, row): finished rows are
 skipped on a rerun) and OUT/results.md.
 """
 
