@@ -113,8 +113,8 @@ def domain_create(store, name, corpus_paths, mlm_steps, lr, batch_size, corpus_f
                   distill_steps, quiet, as_json):
     """Further pre-train the lower layers on a domain corpus and branch NAME off PARENT."""
     _run(manager.domain_create, store, name, list(corpus_paths), parent=parent, alpha=alpha, mlm_steps=mlm_steps,
-         lr=lr, distill_steps=distill_steps, batch_size=batch_size, max_len=max_len, corpus_format=corpus_format, seed=seed, progress=not quiet,
-         as_json=as_json)
+         lr=lr, distill_steps=distill_steps, batch_size=batch_size, max_len=max_len, corpus_format=corpus_format,
+         seed=seed, progress=not quiet, as_json=as_json)
 
 
 @domain.command("update")
@@ -133,8 +133,8 @@ def domain_update(store, name, new_name, corpus_paths, mlm_steps, lr, batch_size
                   max_len, include_old, distill_steps, quiet, as_json):
     """Continue NAME's pre-training on more data into a new sibling version NEW_NAME."""
     _run(manager.domain_update, store, name, new_name, list(corpus_paths), alpha=alpha, mlm_steps=mlm_steps, lr=lr,
-         distill_steps=distill_steps, batch_size=batch_size, max_len=max_len, include_old=include_old, corpus_format=corpus_format, seed=seed,
-         progress=not quiet, as_json=as_json)
+         distill_steps=distill_steps, batch_size=batch_size, max_len=max_len, include_old=include_old,
+         corpus_format=corpus_format, seed=seed, progress=not quiet, as_json=as_json)
 
 
 @click.group("tenant")

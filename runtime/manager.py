@@ -243,7 +243,6 @@ def build(store_path, *, model_path=None, corpus_paths, n: int = 3, kind: str = 
     root's position table is fitted (runtime.plot.fit_position).
     """
     from runtime import plot
-    from runtime.train import TrainConfig, distill_windows
 
     t0 = time.perf_counter()
     model_path = os.path.abspath(model_path or default_model_path())
@@ -280,11 +279,8 @@ def build(store_path, *, model_path=None, corpus_paths, n: int = 3, kind: str = 
                 encoder = load_lower(store.path, info["lower_weights"], encoder)
                 distill = previous
             else:
-                cfg = TrainConfig(lr=distill_lr, epochs=max(1, -(-distill_steps * distill_batch // len(seqs))),
-                                  max_steps=distill_steps, batch_size=distill_batch, seed=seed, progress=progress)
-                encoder, log = distill_windows(encoder, [s for s in seqs if len(s) <= encoder.config.max_len],
-                                               n, kind, cfg)
-                distill = {"steps": len(log), "lr": distill_lr, "loss_first": log[0], "loss_last": log[-1]}
+                encoder, distill = _distill(encoder, None, seqs, n, kind, distill_steps, distill_lr, distill_batch,
+                                            seed, progress)
                 store.set_version_info(root, lower_weights=save_lower(store.path, root, encoder), distill=distill)
         corpus = {"corpus": [os.path.abspath(p) for p in _as_list(corpus_paths)], "documents": len(docs),
                   "sequences": len(seqs), "max_len": max_len}

@@ -59,7 +59,7 @@ ROW_TITLES = {
     "hplm": "hPLM (domain PLOT + adapter)",
     "hplm-lora": "hPLM with LoRA",
 }
-VARIANTS = {  # ablation rows: (title, store, version): the store "plain" has an undistilled root
+VARIANTS = {  # ablation rows -> title; "root-plain*" read OUT/store-plain, whose root is not distilled
     "root-plain-nopos": "root PLOT, no distillation, no position table",
     "root-plain": "root PLOT, no distillation",
     "root": "root PLOT, distilled",
