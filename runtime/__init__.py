@@ -200,7 +200,7 @@ class Runtime:
         return pet
 
     def _load_pet(self, snap, tenant, token):
-        from runtime.pet import TYPE_META, load_pet
+        from runtime.pet import load_pet, pet_meta
 
         record = snap.read_pet(tenant)
         meta = record.meta
@@ -212,9 +212,8 @@ class Runtime:
         if version not in snap.version_names:
             raise IncompatiblePet(f"tenant {tenant!r} was trained on PLOT version {version!r}, "
                                   "which this store does not hold")
-        keep = ("pet_type", "task", "labels", "layers", *TYPE_META.get(meta.get("pet_type"), ()))
         try:
-            pet = load_pet(self.encoder, record.tensors, {k: meta[k] for k in keep if k in meta})
+            pet = load_pet(self.encoder, record.tensors, pet_meta(meta))
         except ValueError as e:
             raise IncompatiblePet(f"tenant {tenant!r}'s PET does not fit the model: {e}") from None
         pet.meta.update(version=version, tenant=tenant)

@@ -9,12 +9,13 @@ the tenants' edits follow through runtime.ops_cpu on the batch plan's segments
 * BitFit: ``bias_gather`` of the stacked bias deltas;
 * diff pruning (and mask PETs, as diffs): ``sparse_add`` of the concatenated COO deltas;
 * adapters: ``segmented_adapter`` on the output of the projection they wrap (o, ffn_out);
+* LayerNorm deltas: ``segmented_layernorm`` (each segment's gain and shift);
 * heads: one small GEMM per tenant (classification reads [CLS], tagging every token).
 
 With ``prefetch=True`` the stacked weights of layer i+1 are built on a helper thread while
 layer i computes (the CPU counterpart of the GPU executor's layer-wise prefetch).
 
-Attention, LayerNorms and GELU are shared. The result for a request equals
+Attention and GELU are shared, and the LayerNorms of a batch whose PETs carry no deltas. The result for a request equals
 ``runtime.model.Encoder.upper`` + ``runtime.pet.head`` run on that request alone, whatever
 else is in its batch (tests/test_executor_cpu.py), up to float rounding.
 """
@@ -123,9 +124,18 @@ class CpuExecutor:
         scores = (q @ k.transpose(-2, -1)) / (dh ** 0.5)
         scores = scores.masked_fill(~m[:, None, None, :], torch.finfo(scores.dtype).min)
         ctx = (scores.softmax(-1) @ v).transpose(1, 2).reshape(B * L, d)
-        h = F.layer_norm(x + proj("o", ctx, blk.o), (d,), blk.ln_attn.weight, blk.ln_attn.bias, blk.ln_attn.eps)
+        h = self.norm(proj("o", ctx, blk.o), x, "ln_attn", blk.ln_attn, groups, seg_rows)
         f = F.gelu(proj("ffn_in", h, blk.ffn_in))
-        return F.layer_norm(h + proj("ffn_out", f, blk.ffn_out), (d,), blk.ln_ffn.weight, blk.ln_ffn.bias, blk.ln_ffn.eps)
+        return self.norm(proj("ffn_out", f, blk.ffn_out), h, "ln_ffn", blk.ln_ffn, groups, seg_rows)
+
+    @staticmethod
+    def norm(y, residual, name, ln, groups, seg_rows):
+        """LayerNorm(y + residual) with ln's gain and shift, plus the tenants' deltas."""
+        if ("norm", name) not in groups:
+            return F.layer_norm(y + residual, ln.normalized_shape, ln.weight, ln.bias, ln.eps)
+        g, w = groups[("norm", name)]
+        return ops_cpu.segmented_layernorm(y, residual, ln.weight, ln.bias, w["weight"], w["bias"], seg_rows,
+                                           g.seg_ids, ln.eps, out=y)
 
     @staticmethod
     def edit(y, x, target, groups, seg_rows, L):

@@ -646,6 +646,9 @@ class GpuExecutor:
             out["down_bias"] = self._stack_padded([a[1] for a in arrays], 0)
             out["up"] = self._stack_padded([a[2] for a in arrays], 1)
             out["up_bias"] = cp.stack([a[3] for a in arrays])
+        elif g.kind == "norm":
+            out["weight"] = cp.stack([a[0] for a in arrays])
+            out["bias"] = cp.stack([a[1] for a in arrays])
         out["seg_starts"] = cp.asarray((plan.seg_starts * L).astype(np.int32))
         out["seg_ids"] = cp.asarray(g.seg_ids.astype(np.int32))
         if g.bgmv:
@@ -711,10 +714,19 @@ class GpuExecutor:
         ctx = cp.matmul(probs.astype(self.dtype), v)  # (B, H, L, dh)
         ctx = cp.ascontiguousarray(ctx.transpose(0, 2, 1, 3)).reshape(B * L, d)
         a = self._proj(w, "o", ctx, groups)
-        h = ops.residual_layernorm(a, x, w["ln_attn.g"], w["ln_attn.b"], w["ln_attn.eps"])
+        h = self._norm(w, "ln_attn", a, x, groups, out=None)
         f = self._proj(w, "ffn_in", h, groups, gelu=True)
         out = self._proj(w, "ffn_out", f, groups)
-        return ops.residual_layernorm(out, h, w["ln_ffn.g"], w["ln_ffn.b"], w["ln_ffn.eps"], out=out)
+        return self._norm(w, "ln_ffn", out, h, groups, out=out)
+
+    def _norm(self, w, name, y, residual, groups, out):
+        """LayerNorm(y + residual), segmented when a tenant of the batch edits its gain/shift."""
+        g, b, eps = w[name + ".g"], w[name + ".b"], w[name + ".eps"]
+        if ("norm", name) not in groups:
+            return self.ops.residual_layernorm(y, residual, g, b, eps, out=out)
+        _, nw = groups[("norm", name)]
+        return self.ops.segmented_layernorm(y, residual, g, b, nw["weight"], nw["bias"], nw["seg_starts"],
+                                            nw["seg_ids"], eps, out=out)
 
     def _heads(self, h, plan, keep) -> list:
         """fp32 head GEMMs per tenant: (requests of the tenant, labels) or (.., L, labels)."""

@@ -479,9 +479,11 @@ def _summary(tenant, version, record, log, n_examples, t0):
 def tenant_create(store_path, tenant, *, version, train_path, task: str = "classification", pet_type: str = "adapter",
                   epochs: int = 3, max_examples: int | None = None, lr: float | None = None, batch_size: int = 16,
                   max_len: int = 128, bottleneck: int = 64, rank: int = 8, density: float = 0.005,
-                  seed: int = 0, replace: bool = False, progress: bool = True) -> dict:
+                  norms: tuple[str, ...] | None = None, seed: int = 0, replace: bool = False,
+                  progress: bool = True) -> dict:
     """Fine-tune a PET + head on the upper layers with inputs served by PLOT `version`
-    (runtime.plot.retrieve, the serving path) and store it as `tenant`'s PET."""
+    (runtime.plot.retrieve, the serving path) and store it as `tenant`'s PET. norms: the
+    LayerNorms it tunes (runtime.pet.create_pet's default: both for an adapter)."""
     from runtime import pet as petlib
 
     t0 = time.perf_counter()
@@ -497,7 +499,7 @@ def tenant_create(store_path, tenant, *, version, train_path, task: str = "class
         pick = _subsample(len(data[0]), max_examples, seed)
         ids, targets = encode_task(encoder, data, task, labels, max_len, pick)
         pet = petlib.create_pet(encoder, pet_type, task, labels, bottleneck=bottleneck, rank=rank, density=density,
-                                seed=seed)
+                                norms=norms, seed=seed)
         cfg = _train_cfg(pet_type, lr, epochs, batch_size, seed, progress)
         exported, log = _fit_pet(store, encoder, pet, version, ids, targets, cfg)
         extra = {"train": {"path": os.path.abspath(train_path), "examples": len(ids), "epochs": epochs, "lr": cfg.lr,
@@ -545,20 +547,13 @@ def trainable(encoder, pet):
 
 def load_tenant(store, tenant, encoder):
     """(stored meta, runtime.pet.Pet) of a tenant's live PET, checked against the encoder."""
-    from runtime.pet import load_pet
+    from runtime.pet import load_pet, pet_meta
 
     record = store.get_pet(tenant)
     try:
-        return record.meta, load_pet(encoder, record.tensors, _pet_meta(record.meta))
+        return record.meta, load_pet(encoder, record.tensors, pet_meta(record.meta))
     except ValueError as e:
         raise ManagerError(f"tenant {tenant!r}: stored PET does not fit the model ({e})") from None
-
-
-def _pet_meta(meta):
-    from runtime.pet import TYPE_META
-
-    keep = ("pet_type", "task", "labels", "layers", *TYPE_META.get(meta.get("pet_type"), ()))
-    return {k: meta[k] for k in keep if k in meta}
 
 
 def tenant_update(store_path, tenant, *, train_path=None, version=None, epochs: int = 1,

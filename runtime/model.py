@@ -120,9 +120,9 @@ class Encoder(nn.Module):
         # finfo.min rather than -inf: a row with every key masked stays finite (uniform).
         scores = scores.masked_fill(~mask[:, None, None, :], torch.finfo(scores.dtype).min)
         ctx = (scores.softmax(-1) @ v).transpose(1, 2).reshape(B, L, d)
-        h = blk.ln_attn(h + petlib.linear(pet, i, "o", ctx, blk.o))
+        h = petlib.layer_norm(pet, i, "ln_attn", h + petlib.linear(pet, i, "o", ctx, blk.o), blk.ln_attn)
         f = F.gelu(petlib.linear(pet, i, "ffn_in", h, blk.ffn_in))
-        return blk.ln_ffn(h + petlib.linear(pet, i, "ffn_out", f, blk.ffn_out))
+        return petlib.layer_norm(pet, i, "ln_ffn", h + petlib.linear(pet, i, "ffn_out", f, blk.ffn_out), blk.ln_ffn)
 
     def lower(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Embeddings + layers [0, lower_layers): what a PLOT table stores."""

@@ -41,6 +41,7 @@ __all__ = [
     "hot_probe",
     "residual_layernorm",
     "segmented_adapter",
+    "segmented_layernorm",
     "sgmv",
     "sgmv_expand",
     "sgmv_shrink",
@@ -469,4 +470,29 @@ def residual_layernorm(x, residual, gamma, beta, eps: float = 1e-12, out=None) -
     mean = v.mean(dim=-1, keepdim=True)
     var = ((v - mean) ** 2).mean(dim=-1, keepdim=True)
     y.copy_(((v - mean) * torch.rsqrt(var + eps) * gamma.float() + beta.float()).to(x.dtype))
+    return y
+
+
+def segmented_layernorm(x, residual, gamma, beta, gamma_delta, beta_delta, seg_starts, seg_ids,
+                        eps: float = 1e-12, out=None) -> torch.Tensor:
+    """residual_layernorm with per-tenant gain and shift deltas (PET LayerNorm edits): the rows
+    of segment s use gamma + gamma_delta[t], beta + beta_delta[t], t = seg_ids[s]; x (rows, d),
+    gamma_delta and beta_delta (T, d). Rows of no segment, or of t = -1, use gamma and beta.
+    out may be x or residual."""
+    _float_dtype(x, residual, gamma, beta, gamma_delta, beta_delta)
+    rows, d = x.shape
+    T = gamma_delta.shape[0]
+    for name, t, shape in (("residual", residual, (rows, d)), ("gamma", gamma, (d,)), ("beta", beta, (d,)),
+                           ("gamma_delta", gamma_delta, (T, d)), ("beta_delta", beta_delta, (T, d))):
+        _shape(t, shape, name)
+    g = gamma.float().expand(rows, d).clone()
+    b = beta.float().expand(rows, d).clone()
+    for start, end, t in _segments(seg_starts, seg_ids, rows, T):
+        g[start:end] += gamma_delta[t].float()
+        b[start:end] += beta_delta[t].float()
+    v = x.float() + residual.float()
+    mean = v.mean(dim=-1, keepdim=True)
+    var = ((v - mean) ** 2).mean(dim=-1, keepdim=True)
+    y = _out(out, (rows, d), x.dtype)
+    y.copy_(((v - mean) * torch.rsqrt(var + eps) * g + b).to(x.dtype))
     return y

@@ -438,3 +438,23 @@ def residual_layernorm(x, residual, gamma, beta, eps: float = 1e-12, out=None):
     _launch("fused", f"hk_residual_layernorm_{sfx}", (rows, 1, 1), (_threads(d), 1, 1),
             (y, x, residual, gamma, beta, _i32(rows), _i32(d), np.float32(eps)))
     return y
+
+
+def segmented_layernorm(x, residual, gamma, beta, gamma_delta, beta_delta, seg_starts, seg_ids,
+                        eps: float = 1e-12, out=None):
+    x, residual, gamma, beta, gd, bd = (_arr(a) for a in (x, residual, gamma, beta, gamma_delta, beta_delta))
+    sfx = _suffix(x, residual, gamma, beta, gd, bd)
+    rows, d = x.shape
+    T = gd.shape[0]
+    _shape(residual, (rows, d), "residual")
+    _shape(gamma, (d,), "gamma")
+    _shape(beta, (d,), "beta")
+    _shape(gd, (T, d), "gamma_delta")
+    _shape(bd, (T, d), "beta_delta")
+    starts, ids = _segments(seg_starts, seg_ids)
+    y = _out(out, (rows, d), x.dtype)
+    if rows:
+        _launch("fused", f"hk_segmented_layernorm_{sfx}", (rows, 1, 1), (_threads(d), 1, 1),
+                (y, x, residual, gamma, beta, gd, bd, starts, ids, _i32(ids.size), _i32(T), _i32(rows), _i32(d),
+                 np.float32(eps)))
+    return y

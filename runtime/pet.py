@@ -9,11 +9,14 @@ upper layers of a 6-layer model split 3/3). Exported names:
     layers.{i}.bias.{target} (d_out)                         bitfit bias delta
     layers.{i}.diff.{target}.index int32  .value             W' = W + delta at flat indices
     layers.{i}.mask.{target}.index int32                     W' = W with those entries zeroed
+    layers.{i}.norm.{ln}.weight (d)  .bias (d)               LayerNorm gain/shift deltas
     head.weight (labels, d)  head.bias (labels)
 
 Flat indices run over the row-major (d_out, d_in) weight. Targets are the six projections
 q, k, v, o, ffn_in, ffn_out; an adapter wraps the output of o or ffn_out (Houlsby: both), the
-projections whose output joins the residual stream. While training, diff and mask hold dense
+projections whose output joins the residual stream. Any PET may also carry LayerNorm deltas
+(meta `norms`: ln_attn, ln_ffn): Houlsby et al. train the LayerNorms with their adapters, so
+an adapter PET has both by default (+3.2 points on chemprot, see BENCHMARKS.md). While training, diff and mask hold dense
 tensors instead (`.delta`: the weight delta, `.score`: keep-scores); `export` turns them into
 index form.
 Every PET carries a task head: classification reads the first token ([CLS]), tagging every
@@ -36,6 +39,7 @@ TARGETS = ("q", "k", "v", "o", "ffn_in", "ffn_out")
 PET_TYPES = ("adapter", "lora", "bitfit", "diff", "mask", "head")
 TASKS = ("classification", "tagging")
 ADAPTER_TARGETS = ("o", "ffn_out")
+NORMS = ("ln_attn", "ln_ffn")
 # Default targets per type: LoRA's paper setting (q, v); Houlsby's two adapters a layer (after
 # attention and after the FFN: +5.6 F1 over the attention one alone on NCBI-disease, see
 # BENCHMARKS.md); the rest edit every projection.
@@ -81,6 +85,14 @@ def linear(pet: Pet | None, i: int, target: str, x: torch.Tensor, lin: torch.nn.
     return y
 
 
+def layer_norm(pet: Pet | None, i: int, name: str, x: torch.Tensor, ln: torch.nn.LayerNorm) -> torch.Tensor:
+    """LayerNorm `name` of layer i on x, its gain and shift plus pet's deltas."""
+    w, b = ln.weight, ln.bias
+    if pet is not None and (k := f"layers.{i}.norm.{name}.") + "weight" in pet.tensors:
+        w, b = w + pet.tensors[k + "weight"], b + pet.tensors[k + "bias"]
+    return F.layer_norm(x, ln.normalized_shape, w, b, ln.eps)
+
+
 def head(pet: Pet, h: torch.Tensor) -> torch.Tensor:
     """Logits from the upper-layer output h (B, L, d): (B, labels) or (B, L, labels)."""
     if pet.meta["task"] == "classification":
@@ -107,6 +119,13 @@ TYPE_META = {
 }
 
 
+def pet_meta(meta: dict) -> dict:
+    """The fields of a stored record's meta that describe its PET (FORMAT.md section 5),
+    without the record's own (version, tenant, training log)."""
+    keep = ("pet_type", "task", "labels", "layers", "norms", *TYPE_META.get(meta.get("pet_type"), ()))
+    return {k: meta[k] for k in keep if k in meta}
+
+
 def create_pet(
     encoder: Encoder,
     pet_type: str,
@@ -119,11 +138,13 @@ def create_pet(
     scale: float = 2.0,
     bottleneck: int = 64,
     density: float = 0.005,
+    norms: tuple[str, ...] | None = None,
     seed: int = 0,
 ) -> Pet:
     """A trainable PET (tensors require grad) that leaves the upper layers unchanged:
-    adapter up = 0, LoRA B = 0, bias/diff deltas = 0, mask scores > 0; only the head is random.
-    layers default to the encoder's upper layers; scale is LoRA's alpha / rank."""
+    adapter up = 0, LoRA B = 0, bias/diff/norm deltas = 0, mask scores > 0; only the head is
+    random. layers default to the encoder's upper layers; scale is LoRA's alpha / rank; norms
+    default to both LayerNorms for an adapter, none otherwise."""
     if pet_type not in PET_TYPES:
         raise ValueError(f"unknown PET type {pet_type!r}; expected one of {', '.join(PET_TYPES)}")
     options = {"bottleneck": bottleneck, "rank": rank, "scale": scale, "density": density,
@@ -131,6 +152,8 @@ def create_pet(
     layers = range(encoder.lower_layers, encoder.config.num_layers) if layers is None else layers
     meta = {"pet_type": pet_type, "task": task, "labels": list(labels), "layers": list(layers)}
     meta |= {k: options[k] for k in TYPE_META[pet_type]}
+    if norms := list(NORMS if norms is None and pet_type == "adapter" else norms or ()):
+        meta["norms"] = norms
     _check_meta(meta, encoder)
     g = torch.Generator().manual_seed(seed)
     tensors = {name: _init(name, shape, g) for name, shape in _layout(meta, encoder.config).items()}
@@ -156,6 +179,8 @@ def _layout(meta: dict, c) -> dict[str, tuple[int, ...]]:
     kind = meta["pet_type"]
     for i in meta["layers"]:
         p = f"layers.{i}."
+        for ln in meta.get("norms", ()):
+            shapes |= {f"{p}norm.{ln}.weight": (c.d,), f"{p}norm.{ln}.bias": (c.d,)}
         for target in meta.get("targets", ()):
             d_out, d_in = _shape(c, target)
             b, a = meta.get("bottleneck"), f"{p}adapter.{target}."
@@ -261,6 +286,9 @@ def _check_meta(meta: dict, encoder: Encoder) -> None:
     allowed = ADAPTER_TARGETS if kind == "adapter" else TARGETS
     if unknown := set(meta.get("targets", ())) - set(allowed):
         raise ValueError(f"unknown {kind} targets {sorted(unknown)}; expected some of {', '.join(allowed)}")
+    norms = meta.get("norms", [])
+    if not isinstance(norms, list) or set(norms) - set(NORMS) or len(set(norms)) != len(norms):
+        raise ValueError(f"PET meta norms must be a list of distinct names from {', '.join(NORMS)}, got {norms!r}")
 
 
 def _shape(c, target: str) -> tuple[int, int]:

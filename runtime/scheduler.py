@@ -43,7 +43,7 @@ import torch
 
 from runtime import pet as petlib
 
-KINDS = ("lora", "bias", "diff", "adapter")
+KINDS = ("lora", "bias", "diff", "adapter", "norm")
 
 
 # -- serving PETs -----------------------------------------------------------------------------
@@ -57,6 +57,7 @@ class ServingPet:
     * ``("bias", i, t)``: (delta (d_out),)
     * ``("diff", i, t)``: (flat index int32 (k) nondecreasing, value (k))
     * ``("adapter", i, target)``: (down (b, d), down_bias (b), up (d, b), up_bias (d))
+    * ``("norm", i, ln)``: (gain delta (d), shift delta (d)) of LayerNorm ln (ln_attn, ln_ffn)
     """
 
     key: object  # what identifies the tenant in a batch (tenant name, or any hashable)
@@ -110,6 +111,8 @@ def prepare_pet(encoder, pet: petlib.Pet, key=None, token=None) -> ServingPet:
             p = f"layers.{i}.adapter.{bits[3]}."
             parts[("adapter", i, bits[3])] = tuple(
                 _f32(t[p + n]) for n in ("down.weight", "down.bias", "up.weight", "up.bias"))
+        elif kind == "norm" and bits[4] == "weight":
+            parts[("norm", i, bits[3])] = (_f32(value), _f32(t[f"layers.{i}.norm.{bits[3]}.bias"]))
     if "head.weight" not in t:
         raise ValueError("PET has no head (head.weight)")
     return ServingPet(key=key, meta=dict(meta), parts=parts, head_weight=_f32(t["head.weight"]),
@@ -272,6 +275,9 @@ def stack_group(plan: BatchPlan, group: Group, dtype=torch.float32) -> dict:
                 "down_bias": torch.stack([_pad_to(a[1], 0, b) for a in arrays]).to(dtype),
                 "up": torch.stack([_pad_to(a[2], 1, b) for a in arrays]).to(dtype),
                 "up_bias": torch.stack([a[3] for a in arrays]).to(dtype)}
+    if group.kind == "norm":
+        return {"weight": torch.stack([a[0] for a in arrays]).to(dtype),
+                "bias": torch.stack([a[1] for a in arrays]).to(dtype)}
     raise ValueError(f"unknown part kind {group.kind!r}")
 
 

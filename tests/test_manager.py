@@ -199,6 +199,10 @@ def test_tenant_create_classification(env, pet_type):
         assert rec.meta["base_model"] == "tiny-bert" and rec.meta["version"] == "root"
         assert "head.weight" in rec.tensors
         assert (pet_type == "adapter") == ("layers.3.adapter.o.down.weight" in rec.tensors)
+        # Adapters tune both LayerNorms (Houlsby); the deltas were trained, not left at zero.
+        assert rec.meta.get("norms", []) == (["ln_attn", "ln_ffn"] if pet_type == "adapter" else [])
+        if pet_type == "adapter":
+            assert np.abs(rec.tensors["layers.5.norm.ln_ffn.weight"]).max() > 0
     score = manager.tenant_eval(env["store"], tenant, env["cls"])
     assert score["metric"] == "accuracy" and 0 <= score["score"] <= 1
 

@@ -365,6 +365,32 @@ def test_residual_layernorm(rows, d, dtype, seed):
     close(ops_cpu.residual_layernorm(t(x), t(res), t(gamma), t(beta), eps), ref, dtype)
 
 
+@SETTINGS
+@given(rows=dims, d=dims, T=st.integers(1, 4), dtype=dtypes, seed=seeds)
+def test_segmented_layernorm(rows, d, T, dtype, seed):
+    g = np.random.default_rng(seed)
+    x, res = randn(g, (rows, d), dtype), randn(g, (rows, d), dtype)
+    gamma, beta = randn(g, (d,), dtype), randn(g, (d,), dtype)
+    gamma_delta, beta_delta = randn(g, (T, d), dtype), randn(g, (T, d), dtype)
+    starts, ids = segment_table(g, rows, T)
+    eps = 1e-5
+    tenant = dict(naive_segments(starts, ids))  # rows of no tenant keep the shared gain and shift
+    ref = np.zeros((rows, d))
+    for i in range(rows):
+        v = f64(x[i]) + f64(res[i])
+        mean = v.sum() / d
+        var = ((v - mean) ** 2).sum() / d
+        gain, shift = f64(gamma), f64(beta)
+        if i in tenant:
+            gain, shift = gain + f64(gamma_delta[tenant[i]]), shift + f64(beta_delta[tenant[i]])
+        ref[i] = (v - mean) / math.sqrt(var + eps) * gain + shift
+    args = [t(a) for a in (x, res, gamma, beta, gamma_delta, beta_delta, starts, ids)]
+    close(ops_cpu.segmented_layernorm(*args, eps), ref, dtype)
+    x_t = args[0]
+    assert ops_cpu.segmented_layernorm(*args, eps, out=x_t) is x_t  # in place, as the executor calls it
+    close(x_t, ref, dtype)
+
+
 def test_fused_out_in_place():
     x = torch.randn(3, 5)
     ref = ops_cpu.bias_gelu(x, torch.zeros(5))

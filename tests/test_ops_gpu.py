@@ -325,3 +325,21 @@ def test_residual_layernorm(dtype, shape):
     got = ops_gpu.residual_layernorm(cp.asarray(x), cp.asarray(res), cp.asarray(gamma), cp.asarray(beta),
                                      1e-5, out=poison(shape, dtype))
     check(got, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,d", [(1, 1), (17, 33), (64, 384), (100, 1000)])
+def test_segmented_layernorm(dtype, rows, d):
+    g = rng()
+    T = 3
+    x, res = randn(g, (rows, d), dtype), randn(g, (rows, d), dtype)
+    gamma, beta = randn(g, (d,), dtype), randn(g, (d,), dtype)
+    gamma_delta, beta_delta = randn(g, (T, d), dtype), randn(g, (T, d), dtype)
+    starts, ids = segment_table(g, rows, T)
+    ref = ops_cpu.segmented_layernorm(*(t(a) for a in (x, res, gamma, beta, gamma_delta, beta_delta, starts, ids)), 1e-5)
+    args = [cp.asarray(a) for a in (x, res, gamma, beta, gamma_delta, beta_delta, starts, ids)]
+    check(ops_gpu.segmented_layernorm(*args, 1e-5, out=poison((rows, d), dtype)), ref, dtype)
+    x_dev = args[0]
+    got = ops_gpu.segmented_layernorm(*args, 1e-5, out=x_dev)  # in place
+    assert got is x_dev
+    check(got, ref, dtype)

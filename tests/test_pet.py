@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from safetensors.torch import load, save
 
 from runtime.model import load_encoder
-from runtime.pet import PET_TYPES, TARGETS, create_pet, export, head, load_pet
+from runtime.pet import NORMS, PET_TYPES, TARGETS, create_pet, export, head, load_pet
 
 LABELS = ["neg", "pos", "other"]
 
@@ -58,6 +58,10 @@ def merged(encoder, pet):
                     lin.weight += t[f"{p}diff.{target}.delta"]
                 if f"{p}mask.{target}.score" in t:
                     lin.weight *= t[f"{p}mask.{target}.score"] > 0
+            for name in pet.meta.get("norms", ()):
+                ln = getattr(ref.layers[i], name)
+                ln.weight += t[f"layers.{i}.norm.{name}.weight"]
+                ln.bias += t[f"layers.{i}.norm.{name}.bias"]
     return ref
 
 
@@ -70,9 +74,12 @@ def test_fresh_pet_is_a_no_op(encoder, inputs, pet_type):
 
 
 @pytest.mark.parametrize("pet_type", ["lora", "bitfit", "diff", "mask"])
-def test_pet_equals_merged_dense_weights(encoder, inputs, pet_type):
+@pytest.mark.parametrize("norms", [(), ("ln_ffn",), NORMS])
+def test_pet_equals_merged_dense_weights(encoder, inputs, pet_type, norms):
     targets = TARGETS if pet_type == "lora" else None
-    pet = perturbed(create_pet(encoder, pet_type, "classification", LABELS, targets=targets))
+    pet = perturbed(create_pet(encoder, pet_type, "classification", LABELS, targets=targets, norms=norms))
+    assert sorted(k for k in pet.tensors if ".norm." in k) == sorted(
+        f"layers.{i}.norm.{n}.{w}" for i in (3, 4, 5) for n in norms for w in ("weight", "bias"))
     assert torch.allclose(upper(encoder, inputs, pet), upper(merged(encoder, pet), inputs), atol=1e-4)
 
 
@@ -90,9 +97,13 @@ def test_adapter_equals_naive_layer(encoder, inputs):
             return y + torch.relu(y @ t[p + "down.weight"].T + t[p + "down.bias"]) @ t[p + "up.weight"].T + t[
                 p + "up.bias"]
 
+        def norm(x, name):  # the PET's LayerNorm deltas ride on the shared gain and shift
+            ln, p = getattr(blk, name), f"layers.3.norm.{name}."
+            return F.layer_norm(x, (d,), ln.weight + t[p + "weight"], ln.bias + t[p + "bias"], ln.eps)
+
         a = houlsby(blk.o((att @ v).transpose(1, 2).reshape(B, L, d)), "o")
-        h1 = blk.ln_attn(h + a)
-        expected = blk.ln_ffn(h1 + houlsby(blk.ffn_out(F.gelu(blk.ffn_in(h1))), "ffn_out"))
+        h1 = norm(h + a, "ln_attn")
+        expected = norm(h1 + houlsby(blk.ffn_out(F.gelu(blk.ffn_in(h1))), "ffn_out"), "ln_ffn")
         got = encoder.layer(3, h, mask, pet)
     assert torch.allclose(got, expected, atol=1e-4)
 
@@ -176,3 +187,16 @@ def test_create_rejects_bad_requests(encoder):
         create_pet(encoder, "lora", "classification", LABELS, targets=["query"])
     with pytest.raises(ValueError, match="unknown adapter targets"):  # only outputs that join the residual
         create_pet(encoder, "adapter", "classification", LABELS, targets=["q"])
+    with pytest.raises(ValueError, match="norms must be"):
+        create_pet(encoder, "adapter", "classification", LABELS, norms=["ln_emb"])  # a lower-layer norm
+
+
+def test_adapter_carries_both_layer_norms_and_old_packs_without_them_load(encoder, inputs):
+    pet = export(perturbed(create_pet(encoder, "adapter", "classification", LABELS)))
+    assert pet.meta["norms"] == list(NORMS)
+    plain = {k: v for k, v in pet.tensors.items() if ".norm." not in k}
+    meta = {k: v for k, v in pet.meta.items() if k != "norms"}  # a pack written before norms existed
+    with pytest.raises(ValueError, match="lacks tensor layers.3.norm"):
+        load_pet(encoder, plain, pet.meta)
+    no_norms = load_pet(encoder, plain, meta)
+    assert not torch.allclose(upper(encoder, inputs, no_norms), upper(encoder, inputs, pet), atol=1e-3)

@@ -41,6 +41,9 @@ def adapter(rng, dtype):
                 p + "up.weight": rng.normal(0, 0.02, (D, 64)),
                 p + "up.bias": rng.normal(0, 0.01, D),
             }
+        for ln in ("ln_attn", "ln_ffn"):  # the LayerNorm gain/shift deltas adapters carry
+            tensors |= {f"layers.{i}.norm.{ln}.weight": rng.normal(0, 0.01, D),
+                        f"layers.{i}.norm.{ln}.bias": rng.normal(0, 0.01, D)}
     return {name: t.astype(dtype) for name, t in tensors.items()}
 
 

@@ -11,14 +11,15 @@ Rows (Table 3):
   adapter-only  lower layers computed in full context, adapter + head above
   plot-only     PLOT inputs of the task's domain branch, the upper layers fully fine-tuned + head
   hplm          PLOT of the domain branch + adapter (Houlsby: after attention and after the FFN,
-                bottleneck 64): a tenant made by runtime.manager.tenant_create and scored by
+                bottleneck 64, plus LayerNorm deltas): a tenant made by runtime.manager.tenant_create and scored by
                 tenant_eval, i.e. through the serving path (runtime.plot.retrieve)
   hplm-lora     the same with LoRA
 Table 5: the domain branch at alpha in {0, 30, 50, 100}% (hplm adapter rows; alpha 0 = an
 empty branch: everything from the root) with the branch's bytes. Ablation of window
 distillation (HMI builds on the pretrained layers; SkipBERT distills them): root PLOT + adapter
 tenants on a root without distillation (with and without its position table) and on the
-distilled root, and domain PLOT + adapter tenants on a domain branch without distillation.
+distilled root, and domain PLOT + adapter tenants on a domain branch without distillation;
+and the hPLM tenant without the adapter's LayerNorm deltas.
 
 The store: the root PLOT is built from the unlabeled text of every task's sampled train and
 test examples (a stand-in for HMI's general corpus) by the base lower layers window-distilled
@@ -65,6 +66,7 @@ VARIANTS = {  # ablation rows -> title; "root-plain*" read OUT/store-plain, whos
     "root": "root PLOT, distilled",
     "domain-mlm": "domain PLOT, MLM only (no distillation)",
     "domain": "domain PLOT, MLM + distillation (the hPLM row)",
+    "domain-nonorm": "domain PLOT, MLM + distillation; adapter without its LayerNorm deltas",
 }
 ALPHAS = (0, 30, 50, 100)
 T0 = time.time()
@@ -241,14 +243,14 @@ def row_plot_only(args, ctx, t: Task, version):
     return t.score(predict(lambda b: head(hd, student.upper(*padded(b), hd)), test_x)), log
 
 
-def row_tenant(args, ctx, t: Task, store, version, pet_type, tenant):
+def row_tenant(args, ctx, t: Task, store, version, pet_type, tenant, norms=None):
     """A real tenant: manager.tenant_create (inputs by retrieve) + tenant_eval (serving path)."""
     from runtime import manager
 
     lr = args.lr_adapter if pet_type == "adapter" else args.lr_lora
     out = manager.tenant_create(store, tenant, version=version, train_path=ctx["data"]["tasks"][t.name]["train"],
                                 task=t.kind, pet_type=pet_type, epochs=args.epochs, lr=lr,
-                                batch_size=args.batch_size, max_len=args.max_len, seed=args.seed, replace=True,
+                                batch_size=args.batch_size, max_len=args.max_len, norms=norms, seed=args.seed, replace=True,
                                 progress=args.progress)
     score = manager.tenant_eval(store, tenant, ctx["data"]["tasks"][t.name]["test"], max_len=args.max_len)
     return score["score"], [out["loss_first"], out["loss_last"]], {"pet_bytes": out["pet_bytes"]}
@@ -382,7 +384,7 @@ def markdown(results) -> str:
             lines.append(f"| {r['alpha']:g}% | {r['task']} | {100 * r['score']:.1f} | "
                          f"{r.get('ngrams_kept', 0)} / {r.get('ngrams_seen', 0)} | {r['bytes']:,} |")
     if results.get("distill"):
-        lines += ["", "## Ablation (PLOT + adapter): position table, window distillation", "",
+        lines += ["", "## Ablation (PLOT + adapter): position table, window distillation, adapter LayerNorms", "",
                   "| PLOT | task | score % |", "|---|---|---|"]
         for key, r in sorted(results["distill"].items(), key=lambda kv: (kv[1]["task"], list(VARIANTS).index(kv[1]["variant"]))):
             lines.append(f"| {VARIANTS[r['variant']]} | {r['task']} | {100 * r['score']:.1f} |")
@@ -556,10 +558,11 @@ def main(argv=None):
                     store = plain
                 elif variant == "domain-mlm":
                     version = ensure_domain(args, ctx, domain, results, distill=False)
-                elif variant == "domain":
+                elif variant in ("domain", "domain-nonorm"):
                     version = domain
                 t0 = time.time()
-                score, _, _ = row_tenant(args, ctx, task_of(name), store, version, "adapter", f"{name}-{variant}")
+                score, _, _ = row_tenant(args, ctx, task_of(name), store, version, "adapter", f"{name}-{variant}",
+                                         norms=() if variant == "domain-nonorm" else None)
                 results["distill"][key] = {"task": name, "variant": variant, "score": score,
                                            "seconds": round(time.time() - t0, 1)}
                 save(args, results)

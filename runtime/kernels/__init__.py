@@ -43,6 +43,8 @@ ENTRY_POINTS: dict[str, tuple[str, ...]] = {
         "hk_bias_gelu_f16",
         "hk_residual_layernorm_f32",
         "hk_residual_layernorm_f16",
+        "hk_segmented_layernorm_f32",
+        "hk_segmented_layernorm_f16",
     ),
     "hot_tier": ("hk_xxh64_keys", "hk_hot_probe", "hk_hot_gather_f16", "hk_hot_gather_f32"),
     "sgmv": ("hk_sgmv_shrink_f32", "hk_sgmv_shrink_f16", "hk_sgmv_expand_f32", "hk_sgmv_expand_f16"),
