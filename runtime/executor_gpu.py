@@ -701,7 +701,7 @@ class GpuExecutor:
         return y
 
     def _layer(self, i, x, mask, B, L, groups, seg_rows):
-        cp, ops, c = self.cp, self.ops, self.config
+        cp, c = self.cp, self.config
         w = self.weights[i]
         d, H = c.d, c.heads
         dh = d // H
