@@ -15,9 +15,10 @@ the tenants' edits follow through runtime.ops_cpu on the batch plan's segments
 With ``prefetch=True`` the stacked weights of layer i+1 are built on a helper thread while
 layer i computes (the CPU counterpart of the GPU executor's layer-wise prefetch).
 
-Attention and GELU are shared, and the LayerNorms of a batch whose PETs carry no deltas. The result for a request equals
-``runtime.model.Encoder.upper`` + ``runtime.pet.head`` run on that request alone, whatever
-else is in its batch (tests/test_executor_cpu.py), up to float rounding.
+Attention and GELU are shared, and so are the LayerNorms unless a PET of the batch edits them.
+The result for a request equals ``runtime.model.Encoder.upper`` + ``runtime.pet.head`` run on
+that request alone, whatever else is in its batch (tests/test_executor_cpu.py), up to float
+rounding.
 """
 
 from __future__ import annotations

@@ -19,7 +19,9 @@ empty branch: everything from the root) with the branch's bytes. Ablation of win
 distillation (HMI builds on the pretrained layers; SkipBERT distills them): root PLOT + adapter
 tenants on a root without distillation (with and without its position table) and on the
 distilled root, and domain PLOT + adapter tenants on a domain branch without distillation;
-and the hPLM tenant without the adapter's LayerNorm deltas.
+and the hPLM tenant without the adapter's LayerNorm deltas. --extra-seeds repeats the
+dedicated and hPLM rows under other training seeds (same data and store), so the gap between
+them is reported with its seed noise.
 
 The store: the root PLOT is built from the unlabeled text of every task's sampled train and
 test examples (a stand-in for HMI's general corpus) by the base lower layers window-distilled
@@ -69,6 +71,7 @@ VARIANTS = {  # ablation rows -> title; "root-plain*" read OUT/store-plain, whos
     "domain-nonorm": "domain PLOT, MLM + distillation; adapter without its LayerNorm deltas",
 }
 ALPHAS = (0, 30, 50, 100)
+SEED_ROWS = ("dedicated", "hplm")  # the rows the goal compares, repeated under --extra-seeds
 T0 = time.time()
 
 
@@ -243,6 +246,25 @@ def row_plot_only(args, ctx, t: Task, version):
     return t.score(predict(lambda b: head(hd, student.upper(*padded(b), hd)), test_x)), log
 
 
+def run_row(args, ctx, task: Task, row, suffix=""):
+    """One Table 3 cell: its score, time, first/last training loss (+ tenant extras)."""
+    t0 = time.time()
+    extra = {}
+    if row == "dedicated":
+        score, log = row_dedicated(args, ctx, task)
+    elif row == "shared":
+        score, log = row_shared(args, ctx, task)
+    elif row == "adapter-only":
+        score, log = row_adapter_only(args, ctx, task)
+    elif row == "plot-only":
+        score, log = row_plot_only(args, ctx, task, TASKS[task.name][2])
+    else:
+        score, log, extra = row_tenant(args, ctx, task, ctx["store"], TASKS[task.name][2],
+                                       "adapter" if row == "hplm" else "lora", f"{task.name}-{row}{suffix}")
+    return {"score": score, "metric": "accuracy" if task.kind == "classification" else "entity_f1",
+            "seconds": round(time.time() - t0, 1), "loss_first": log[0], "loss_last": log[-1], **extra}
+
+
 def row_tenant(args, ctx, t: Task, store, version, pet_type, tenant, norms=None):
     """A real tenant: manager.tenant_create (inputs by retrieve) + tenant_eval (serving path)."""
     from runtime import manager
@@ -362,6 +384,35 @@ def save(args, results):
     (Path(args.out) / "results.md").write_text(markdown(results))
 
 
+def seed_spread(results, tasks) -> list[str]:
+    """Markdown lines: the dedicated and hPLM rows per training seed, and their gap."""
+    by = {}  # (row, seed) -> {task: score}
+    for r in results.get("seeds", {}).values():
+        by.setdefault((r["row"], r["seed"]), {})[r["task"]] = r["score"]
+    base_seed = results.get("config", {}).get("seed", 0)
+    for row in SEED_ROWS:
+        if by and all(row in results["rows"].get(t, {}) for t in tasks):
+            by[(row, base_seed)] = {t: results["rows"][t][row]["score"] for t in tasks}
+    seeds = sorted({seed for (_, seed), v in by.items() if len(v) == len(tasks)
+                    and all(len(by.get((row, seed), {})) == len(tasks) for row in SEED_ROWS)})
+    if len(seeds) < 2:
+        return []
+    lines = ["", "## Training seeds: dedicated vs hPLM (same data, store and settings)", "",
+             "| row | seed | " + " | ".join(tasks) + " | mean |", "|---|---|" + "---|" * (len(tasks) + 1)]
+    means = {}
+    for row in SEED_ROWS:
+        for seed in seeds:
+            v = by[(row, seed)]
+            means[(row, seed)] = sum(v.values()) / len(v)
+            lines.append(f"| {ROW_TITLES[row]} | {seed} | " + " | ".join(f"{100 * v[t]:.1f}" for t in tasks)
+                         + f" | {100 * means[(row, seed)]:.1f} |")
+    gaps = [100 * (means[("dedicated", seed)] - means[("hplm", seed)]) for seed in seeds]
+    avg = {row: 100 * sum(means[(row, seed)] for seed in seeds) / len(seeds) for row in SEED_ROWS}
+    lines += ["", f"Mean over {len(seeds)} seeds: dedicated {avg['dedicated']:.1f}, hPLM {avg['hplm']:.1f}, "
+              f"gap {avg['dedicated'] - avg['hplm']:.1f} points (per seed: " + ", ".join(f"{g:.1f}" for g in gaps) + ")"]
+    return lines
+
+
 def markdown(results) -> str:
     tasks = [t for t in TASKS if t in results.get("config", {}).get("tasks", TASKS)]
     metric = {t: "acc" if TASKS[t][0] == "classification" else "F1" for t in tasks}
@@ -377,6 +428,7 @@ def markdown(results) -> str:
                 vals.append(r["score"])
         mean = f"{100 * sum(vals) / len(vals):.1f}" if len(vals) == len(tasks) else "-"
         lines.append(f"| {ROW_TITLES[row]} | " + " | ".join(cells) + f" | {mean} |")
+    lines += seed_spread(results, tasks)
     if results.get("alpha"):
         lines += ["", "## Table 5 analogue: domain branch size alpha (hPLM adapter rows)", "",
                   "| alpha | task | score % | branch n-grams kept / seen | branch bytes |", "|---|---|---|---|---|"]
@@ -433,7 +485,9 @@ def main(argv=None):
     p.add_argument("--lr-lora", type=float, default=5e-3)
     p.add_argument("--lr-mlm", type=float, default=1e-4)
     p.add_argument("--lr-distill", type=float, default=1e-4)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="data sampling and training seed")
+    p.add_argument("--extra-seeds", default="",
+                   help="comma-separated training seeds to repeat the dedicated and hPLM rows under")
     p.add_argument("--progress", action="store_true", help="tqdm bars for every loop")
     args = p.parse_args(argv)
     args.tasks = [t for t in args.tasks.split(",") if t]
@@ -446,6 +500,11 @@ def main(argv=None):
             p.error(f"unknown row {r!r}; expected some of {', '.join(ROWS)}")
     alpha_tasks = [t for t in args.alpha_tasks.split(",") if t in args.tasks]
     distill_tasks = [t for t in args.distill_tasks.split(",") if t in args.tasks]
+    try:
+        seeds = [int(x) for x in args.extra_seeds.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--extra-seeds must be comma-separated integers, got {args.extra_seeds!r}")
+    seeds = [x for x in dict.fromkeys(seeds) if x != args.seed]
 
     import torch
 
@@ -459,7 +518,7 @@ def main(argv=None):
     results = json.loads(path.read_text()) if path.exists() else {}
     config = {k: v for k, v in vars(args).items() if k not in ("out", "progress")}
     # A resumed run may pick other tasks or rows, but nothing that changes a finished row's meaning.
-    fixed = [k for k in config if k not in ("tasks", "rows", "alpha_tasks", "distill_tasks")]
+    fixed = [k for k in config if k not in ("tasks", "rows", "alpha_tasks", "distill_tasks", "extra_seeds")]
     if results.get("config"):
         differs = [k for k in fixed if results["config"].get(k) != config[k]]
         if differs:
@@ -467,6 +526,7 @@ def main(argv=None):
     results.setdefault("rows", {})
     results.setdefault("alpha", {})
     results.setdefault("distill", {})
+    results.setdefault("seeds", {})
     results.setdefault("construction", {})
     results["config"] = config
     results["_elapsed_before"] = results.get("wall_s", 0.0)
@@ -489,31 +549,29 @@ def main(argv=None):
         return cache[name]
 
     for name in args.tasks:
-        info = data["tasks"][name]
         for row in rows:
             if row in results["rows"].get(name, {}):
                 continue
             task = task_of(name)
             say(f"{name} / {row}: {len(task.train_ids)} train, {len(task.test_ids)} test examples")
-            t0 = time.time()
-            extra = {}
-            if row == "dedicated":
-                score, log = row_dedicated(args, ctx, task)
-            elif row == "shared":
-                score, log = row_shared(args, ctx, task)
-            elif row == "adapter-only":
-                score, log = row_adapter_only(args, ctx, task)
-            elif row == "plot-only":
-                score, log = row_plot_only(args, ctx, task, info["domain"])
-            else:
-                pet_type = "adapter" if row == "hplm" else "lora"
-                score, log, extra = row_tenant(args, ctx, task, ctx["store"], info["domain"], pet_type,
-                                               f"{name}-{row}")
-            results["rows"].setdefault(name, {})[row] = {
-                "score": score, "metric": "accuracy" if task.kind == "classification" else "entity_f1",
-                "seconds": round(time.time() - t0, 1), "loss_first": log[0], "loss_last": log[-1], **extra}
+            results["rows"].setdefault(name, {})[row] = run_row(args, ctx, task, row)
             save(args, results)
-            say(f"{name} / {row}: {100 * score:.1f} ({time.time() - t0:.0f}s)")
+            say(f"{name} / {row}: {100 * results['rows'][name][row]['score']:.1f} "
+                f"({results['rows'][name][row]['seconds']:.0f}s)")
+
+    # The goal's two rows again under other training seeds (same data, store and settings):
+    # how much of a difference between them is seed noise.
+    for seed in seeds:
+        targs = argparse.Namespace(**{**vars(args), "seed": seed})
+        for name in args.tasks:
+            for row in SEED_ROWS:
+                key = f"{name}@{row}@{seed}"
+                if key in results["seeds"]:
+                    continue
+                r = run_row(targs, ctx, task_of(name), row, suffix=f"-s{seed}")
+                results["seeds"][key] = {"task": name, "row": row, "seed": seed, **r}
+                save(args, results)
+                say(f"seed {seed}: {name} / {row}: {100 * r['score']:.1f} ({r['seconds']:.0f}s)")
 
     for name in alpha_tasks:
         domain = TASKS[name][2]
