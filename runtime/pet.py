@@ -15,10 +15,10 @@ upper layers of a 6-layer model split 3/3). Exported names:
 Flat indices run over the row-major (d_out, d_in) weight. Targets are the six projections
 q, k, v, o, ffn_in, ffn_out; an adapter wraps the output of o or ffn_out (Houlsby: both), the
 projections whose output joins the residual stream. Any PET may also carry LayerNorm deltas
-(meta `norms`: ln_attn, ln_ffn): Houlsby et al. train the LayerNorms with their adapters, so
-an adapter PET has both by default (+3.2 points on chemprot, see BENCHMARKS.md). While training, diff and mask hold dense
-tensors instead (`.delta`: the weight delta, `.score`: keep-scores); `export` turns them into
-index form.
+(meta `norms`: ln_attn, ln_ffn): Houlsby et al. train the LayerNorms with their adapters, so an
+adapter PET has both by default (BENCHMARKS.md: hPLM +1.1 points on average). While training,
+diff and mask hold dense tensors instead (`.delta`: the weight delta, `.score`: keep-scores);
+`export` turns them into index form.
 Every PET carries a task head: classification reads the first token ([CLS]), tagging every
 token. A "head" PET is a head alone (the head-only baseline).
 """
