@@ -2,7 +2,7 @@
 
     python -m tools.pet_sweep --store /tmp/hmi4/store --version root \
         --train /tmp/hmi4/data/NCBI-disease.train.conll --test /tmp/hmi4/data/NCBI-disease.test.conll \
-        --task tagging --targets o --targets ffn_out --targets o,ffn_out --epochs 5,10 --lr 0.005
+        --task tagging --targets o --targets ffn_out --targets o,ffn_out --epochs 5,10 --lr 0.002,0.005
 
 The inputs are computed once (runtime.plot.retrieve_list: the serving path); every grid point
 trains a fresh PET + head on them (runtime.train.train_pet, same seed) and scores the test set
@@ -20,7 +20,7 @@ import time
 
 
 def sweep(store_path, version, train_path, test_path, task, *, pet_type="adapter", targets=(None,),
-          epochs=(10,), lrs=(5e-3,), batch_size=16, max_len=64, seed=0) -> list[dict]:
+          epochs=(10,), lrs=(2e-3,), batch_size=16, max_len=64, seed=0) -> list[dict]:
     """One row per (targets, epochs, lr): the score and the last training-batch loss."""
     import hkstore
     from runtime.manager import base_encoder
@@ -56,7 +56,7 @@ def main(argv=None):
     p.add_argument("--pet", default="adapter")
     p.add_argument("--targets", action="append", help="comma-separated targets; repeat for a grid (default: the type's)")
     p.add_argument("--epochs", default="10", help="comma-separated")
-    p.add_argument("--lr", default="0.005", help="comma-separated")
+    p.add_argument("--lr", default="0.002", help="comma-separated")
     p.add_argument("--max-len", type=int, default=64)
     p.add_argument("--json", action="store_true", help="print JSON rows instead of a markdown table")
     args = p.parse_args(argv)
