@@ -303,5 +303,9 @@ def test_pet_sweep_scores_each_grid_point(env):
     assert all(0 <= r["score"] <= 1 for r in rows)
     # more epochs fit the training set better (same seed, same inputs)
     assert rows[1]["loss_last"] < rows[0]["loss_last"] and rows[3]["loss_last"] < rows[2]["loss_last"]
+    by_seed = sweep(env["store"], "root", env["cls"], env["cls"], "classification", epochs=[1], lrs=[1e-2],
+                    max_len=32, seeds=[0, 1])
+    assert [r["seed"] for r in by_seed] == [0, 1] and by_seed[0]["loss_last"] != by_seed[1]["loss_last"]
+    assert by_seed[0]["loss_last"] == rows[2]["loss_last"]  # seed 0 is the default: the same run
     assert main(["--store", env["store"], "--train", "/no/such.jsonl", "--test", env["cls"],
                  "--task", "classification"]) == 1
