@@ -273,8 +273,7 @@ def row_tenant(args, ctx, t: Task, store, version, pet_type, tenant, norms=None)
     out = manager.tenant_create(store, tenant, version=version, train_path=ctx["data"]["tasks"][t.name]["train"],
                                 task=t.kind, pet_type=pet_type, epochs=args.epochs, lr=lr,
                                 batch_size=args.batch_size, max_len=args.max_len, norms=norms, seed=args.seed,
-                                replace=True,
-                                progress=args.progress)
+                                replace=True, progress=args.progress)
     score = manager.tenant_eval(store, tenant, ctx["data"]["tasks"][t.name]["test"], max_len=args.max_len)
     return score["score"], [out["loss_first"], out["loss_last"]], {"pet_bytes": out["pet_bytes"]}
 
