@@ -565,7 +565,7 @@ def main(argv=None):
     for seed in seeds:
         targs = argparse.Namespace(**{**vars(args), "seed": seed})
         for name in args.tasks:
-            for row in SEED_ROWS:
+            for row in [r for r in SEED_ROWS if r in rows]:
                 key = f"{name}@{row}@{seed}"
                 if key in results["seeds"]:
                     continue
