@@ -16,7 +16,7 @@ Flat indices run over the row-major (d_out, d_in) weight. Targets are the six pr
 q, k, v, o, ffn_in, ffn_out; an adapter wraps the output of o or ffn_out (Houlsby: both), the
 projections whose output joins the residual stream. Any PET may also carry LayerNorm deltas
 (meta `norms`: ln_attn, ln_ffn): Houlsby et al. train the LayerNorms with their adapters, so an
-adapter PET has both by default (BENCHMARKS.md: hPLM +1.1 points on average). While training,
+adapter PET has both by default (BENCHMARKS.md, accuracy: the LayerNorm ablation). While training,
 diff and mask hold dense tensors instead (`.delta`: the weight delta, `.score`: keep-scores);
 `export` turns them into index form.
 Every PET carries a task head: classification reads the first token ([CLS]), tagging every
