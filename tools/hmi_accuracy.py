@@ -20,8 +20,8 @@ distillation (HMI builds on the pretrained layers; SkipBERT distills them): root
 tenants on a root without distillation (with and without its position table) and on the
 distilled root, and domain PLOT + adapter tenants on a domain branch without distillation;
 and the hPLM tenant without the adapter's LayerNorm deltas. --extra-seeds repeats the
-dedicated and hPLM rows under other training seeds (same data and store), so the gap between
-them is reported with its seed noise.
+dedicated and hPLM rows (those of them in --rows) under other training seeds (same data and
+store), so the gap between them is reported with its seed noise.
 
 The store: the root PLOT is built from the unlabeled text of every task's sampled train and
 test examples (a stand-in for HMI's general corpus) by the base lower layers window-distilled
