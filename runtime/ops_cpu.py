@@ -458,6 +458,13 @@ def bias_gelu(x, bias, out=None) -> torch.Tensor:
     return y
 
 
+def _normalized(x, residual, eps: float) -> torch.Tensor:
+    """v = x + residual normalized over the last dim (biased variance), in fp32."""
+    v = x.float() + residual.float()
+    centered = v - v.mean(dim=-1, keepdim=True)
+    return centered * torch.rsqrt((centered ** 2).mean(dim=-1, keepdim=True) + eps)
+
+
 def residual_layernorm(x, residual, gamma, beta, eps: float = 1e-12, out=None) -> torch.Tensor:
     """LayerNorm(x + residual) * gamma + beta over the last dim, fp32 accumulate (biased var)."""
     _float_dtype(x, residual, gamma, beta)
@@ -466,10 +473,7 @@ def residual_layernorm(x, residual, gamma, beta, eps: float = 1e-12, out=None) -
     _shape(gamma, (d,), "gamma")
     _shape(beta, (d,), "beta")
     y = _out(out, tuple(x.shape), x.dtype)
-    v = x.float() + residual.float()
-    mean = v.mean(dim=-1, keepdim=True)
-    var = ((v - mean) ** 2).mean(dim=-1, keepdim=True)
-    y.copy_(((v - mean) * torch.rsqrt(var + eps) * gamma.float() + beta.float()).to(x.dtype))
+    y.copy_((_normalized(x, residual, eps) * gamma.float() + beta.float()).to(x.dtype))
     return y
 
 
@@ -485,14 +489,10 @@ def segmented_layernorm(x, residual, gamma, beta, gamma_delta, beta_delta, seg_s
     for name, t, shape in (("residual", residual, (rows, d)), ("gamma", gamma, (d,)), ("beta", beta, (d,)),
                            ("gamma_delta", gamma_delta, (T, d)), ("beta_delta", beta_delta, (T, d))):
         _shape(t, shape, name)
-    g = gamma.float().expand(rows, d).clone()
-    b = beta.float().expand(rows, d).clone()
+    n = _normalized(x, residual, eps)
+    z = n * gamma.float() + beta.float()
     for start, end, t in _segments(seg_starts, seg_ids, rows, T):
-        g[start:end] += gamma_delta[t].float()
-        b[start:end] += beta_delta[t].float()
-    v = x.float() + residual.float()
-    mean = v.mean(dim=-1, keepdim=True)
-    var = ((v - mean) ** 2).mean(dim=-1, keepdim=True)
+        z[start:end] += n[start:end] * gamma_delta[t].float() + beta_delta[t].float()
     y = _out(out, (rows, d), x.dtype)
-    y.copy_(((v - mean) * torch.rsqrt(var + eps) * g + b).to(x.dtype))
+    y.copy_(z.to(x.dtype))
     return y

@@ -11,8 +11,9 @@ Rows (Table 3):
   adapter-only  lower layers computed in full context, adapter + head above
   plot-only     PLOT inputs of the task's domain branch, the upper layers fully fine-tuned + head
   hplm          PLOT of the domain branch + adapter (Houlsby: after attention and after the FFN,
-                bottleneck 64, plus LayerNorm deltas): a tenant made by runtime.manager.tenant_create and scored by
-                tenant_eval, i.e. through the serving path (runtime.plot.retrieve)
+                bottleneck 64, plus LayerNorm deltas): a tenant made by
+                runtime.manager.tenant_create and scored by tenant_eval, i.e. through the
+                serving path (runtime.plot.retrieve)
   hplm-lora     the same with LoRA
 Table 5: the domain branch at alpha in {0, 30, 50, 100}% (hplm adapter rows; alpha 0 = an
 empty branch: everything from the root) with the branch's bytes. Ablation of window
