@@ -307,5 +307,8 @@ def test_pet_sweep_scores_each_grid_point(env):
                     max_len=32, seeds=[0, 1])
     assert [r["seed"] for r in by_seed] == [0, 1] and by_seed[0]["loss_last"] != by_seed[1]["loss_last"]
     assert by_seed[0]["loss_last"] == rows[2]["loss_last"]  # seed 0 is the default: the same run
+    wide = sweep(env["store"], "root", env["cls"], env["cls"], "classification", epochs=[1], lrs=[1e-2],
+                 max_len=32, bottlenecks=[4, 64])
+    assert [r["bottleneck"] for r in wide] == [4, 64] and wide[1]["loss_last"] == rows[2]["loss_last"]
     assert main(["--store", env["store"], "--train", "/no/such.jsonl", "--test", env["cls"],
                  "--task", "classification"]) == 1

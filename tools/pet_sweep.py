@@ -20,8 +20,8 @@ import time
 
 
 def sweep(store_path, version, train_path, test_path, task, *, pet_type="adapter", targets=(None,),
-          epochs=(10,), lrs=(2e-3,), batch_size=16, max_len=64, seeds=(0,)) -> list[dict]:
-    """One row per (targets, epochs, lr, seed): the score and the last training-batch loss
+          epochs=(10,), lrs=(2e-3,), batch_size=16, max_len=64, seeds=(0,), bottlenecks=(64,)) -> list[dict]:
+    """One row per (targets, bottleneck, epochs, lr, seed): the score and the last training-batch loss
     (a last loss near the first one is a run that did not converge: try a lower lr)."""
     import hkstore
     from runtime.manager import base_encoder
@@ -36,13 +36,14 @@ def sweep(store_path, version, train_path, test_path, task, *, pet_type="adapter
         train_x = retrieve_list(st.snapshot(), version, t.train_ids)
         test_x = retrieve_list(st.snapshot(), version, t.test_ids)
     rows = []
-    for target, n_epochs, lr, seed in itertools.product(targets, epochs, lrs, seeds):
+    for target, bottleneck, n_epochs, lr, seed in itertools.product(targets, bottlenecks, epochs, lrs, seeds):
         t0 = time.perf_counter()
-        pet = create_pet(encoder, pet_type, task, t.labels, targets=target, seed=seed)
+        pet = create_pet(encoder, pet_type, task, t.labels, targets=target, bottleneck=bottleneck, seed=seed)
         cfg = TrainConfig(lr=lr, epochs=n_epochs, batch_size=batch_size, seed=seed, progress=False)
         trained, log = train_pet(encoder, pet, train_x, t.train_y, cfg)
         score = t.score(predict(lambda b: head(trained, encoder.upper(*padded(b), trained)), test_x))
-        rows.append({"pet_type": pet_type, "targets": list(trained.meta.get("targets", [])), "epochs": n_epochs,
+        rows.append({"pet_type": pet_type, "targets": list(trained.meta.get("targets", [])),
+                     "bottleneck": trained.meta.get("bottleneck"), "epochs": n_epochs,
                      "lr": lr, "seed": seed, "score": score, "loss_last": log[-1],
                      "seconds": round(time.perf_counter() - t0, 1)})
     return rows
@@ -57,6 +58,7 @@ def main(argv=None):
     p.add_argument("--task", choices=["classification", "tagging"], required=True)
     p.add_argument("--pet", default="adapter")
     p.add_argument("--targets", action="append", help="comma-separated targets; repeat for a grid (default: the type's)")
+    p.add_argument("--bottleneck", default="64", help="comma-separated adapter bottlenecks")
     p.add_argument("--epochs", default="10", help="comma-separated")
     p.add_argument("--lr", default="0.002", help="comma-separated")
     p.add_argument("--seed", default="0", help="comma-separated training seeds")
@@ -69,17 +71,18 @@ def main(argv=None):
     try:
         rows = sweep(args.store, args.version, args.train, args.test, args.task, pet_type=args.pet, targets=targets,
                      epochs=[int(e) for e in args.epochs.split(",")], lrs=[float(x) for x in args.lr.split(",")],
-                     max_len=args.max_len, seeds=[int(x) for x in args.seed.split(",")])
+                     max_len=args.max_len, seeds=[int(x) for x in args.seed.split(",")],
+                     bottlenecks=[int(b) for b in args.bottleneck.split(",")])
     except (StoreError, ValueError, OSError) as e:  # one line, as the hkstore CLI
         print(f"error: {e}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(rows))
     else:
-        print("| pet | targets | epochs | lr | seed | score % | last loss | s |\n"
-              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        print("| pet | targets | bottleneck | epochs | lr | seed | score % | last loss | s |\n"
+              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for r in rows:
-            print(f"| {r['pet_type']} | {','.join(r['targets'])} | {r['epochs']} | {r['lr']:g} | {r['seed']} "
+            print(f"| {r['pet_type']} | {','.join(r['targets'])} | {r['bottleneck'] or ''} | {r['epochs']} | {r['lr']:g} | {r['seed']} "
                   f"| {100 * r['score']:.1f} "
                   f"| {r['loss_last']:.4f} | {r['seconds']} |")
     return 0
