@@ -1,6 +1,6 @@
 """tools.hmi_accuracy's reporting: the training-seed table and the gap it states."""
 
-from tools.hmi_accuracy import TASKS, markdown, seed_spread
+from tools.hmi_accuracy import TASKS, changed_settings, markdown, seed_spread
 
 TASK_NAMES = list(TASKS)
 
@@ -47,3 +47,11 @@ def test_no_seed_table_without_a_second_complete_seed():
     partial = results([1])
     del partial["seeds"][f"{TASK_NAMES[0]}@hplm@1"]  # seed 1 lacks a cell: not a comparable mean
     assert seed_spread(partial, TASK_NAMES) == []
+
+
+def test_a_rerun_may_add_rows_but_not_change_settings():
+    defaults = {"lr_adapter": 2e-3, "lower_layers": 3, "rows": "hplm"}
+    saved = {"lr_adapter": 2e-3, "rows": "hplm"}  # made before --lower-layers existed
+    assert changed_settings(saved, {"lr_adapter": 2e-3, "lower_layers": 3, "rows": "hplm,dedicated"}, defaults) == []
+    assert changed_settings(saved, {"lr_adapter": 2e-3, "lower_layers": 2, "rows": "hplm"}, defaults) == ["lower_layers"]
+    assert changed_settings(saved, {"lr_adapter": 5e-3, "lower_layers": 3, "rows": "hplm"}, defaults) == ["lr_adapter"]

@@ -17,6 +17,9 @@ Rows (Table 3):
   hplm-lora     the same with LoRA
   hplm-wide     hplm with a wider adapter (bottleneck --wide-bottleneck, default 256): how much
                 of the gap to dedicated is the adapter's capacity, at what cost in bytes
+--lower-layers is the split (default 3 of all-MiniLM-L6-v2's 6: half, as HMI splits BERT-base):
+the layers the PLOT replaces; PETs and the upper-layer rows work on the rest. The dedicated and
+shared rows do not depend on it.
 Table 5: the domain branch at alpha in {0, 30, 50, 100}% (hplm adapter rows; alpha 0 = an
 empty branch: everything from the root) with the branch's bytes. Ablation of window
 distillation (HMI builds on the pretrained layers; SkipBERT distills them): root PLOT + adapter
@@ -307,8 +310,8 @@ def ensure_root(args, ctx, store, distill_steps, results, key):
         return
     say(f"building {key} (distill_steps={distill_steps})")
     out = manager.build(store, model_path=args.model, corpus_paths=[ctx["data"]["corpora"]["root"]],
-                        max_len=args.max_len, distill_steps=distill_steps, distill_lr=args.lr_distill,
-                        progress=args.progress)
+                        lower_layers=args.lower_layers, max_len=args.max_len, distill_steps=distill_steps,
+                        distill_lr=args.lr_distill, progress=args.progress)
     out["complete"] = True
     results["construction"][key] = out
     say(f"{key}: {out['keys']} keys ({out['distinct_windows']} corpus windows) in {out['seconds']:.0f}s, "
@@ -476,6 +479,16 @@ def markdown(results) -> str:
 
 # -- main -------------------------------------------------------------------------------------
 
+RESUMABLE = ("tasks", "rows", "alpha_tasks", "distill_tasks", "extra_seeds")  # may differ on a rerun
+
+
+def changed_settings(saved: dict, config: dict, defaults: dict) -> list[str]:
+    """The settings of config that would change the meaning of a saved run's rows. An option
+    the saved run predates counts as its default (what that run used)."""
+    old = defaults | saved
+    return [k for k in config if k not in RESUMABLE and old.get(k) != config[k]]
+
+
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
@@ -489,6 +502,8 @@ def main(argv=None):
     p.add_argument("--distill-tasks", default="citation_intent,NCBI-disease", help="tasks of the ablation rows")
     p.add_argument("--max-domain-docs", type=int, default=3000,
                    help="train documents per task in a domain corpus (MLM + n-gram counts)")
+    p.add_argument("--lower-layers", type=int, default=3,
+                   help="layers the PLOT replaces; PETs go on the rest (all-MiniLM-L6-v2 has 6)")
     p.add_argument("--max-train", type=int, default=600)
     p.add_argument("--max-test", type=int, default=400)
     p.add_argument("--max-len", type=int, default=64)
@@ -541,9 +556,8 @@ def main(argv=None):
     results = json.loads(path.read_text()) if path.exists() else {}
     config = {k: v for k, v in vars(args).items() if k not in ("out", "progress")}
     # A resumed run may pick other tasks or rows, but nothing that changes a finished row's meaning.
-    fixed = [k for k in config if k not in ("tasks", "rows", "alpha_tasks", "distill_tasks", "extra_seeds")]
     if results.get("config"):
-        differs = [k for k in fixed if results["config"].get(k) != config[k]]
+        differs = changed_settings(results["config"], config, {k: p.get_default(k) for k in config})
         if differs:
             raise SystemExit(f"{path} was made with other settings ({', '.join(differs)}); use another --out")
     results.setdefault("rows", {})
@@ -557,8 +571,10 @@ def main(argv=None):
 
     say(f"torch threads {torch.get_num_threads()}; sampling data")
     data = prepare_data(args, out)
-    ctx = {"data": data, "store": str(out / "store"), "base": load_encoder(args.model, 3),
-           "whole": load_encoder(args.model, 6)}
+    base = load_encoder(args.model, args.lower_layers)
+    # "whole": every layer lower, so upper() is the identity (the shared row's frozen encoder)
+    ctx = {"data": data, "store": str(out / "store"), "base": base,
+           "whole": load_encoder(args.model, base.config.num_layers)}
     ensure_root(args, ctx, ctx["store"], args.distill_steps, results, "root")
     for domain in dict.fromkeys(TASKS[t][2] for t in args.tasks):
         ensure_domain(args, ctx, domain, results)
