@@ -349,10 +349,13 @@ def section_a(w, gpu, out):
     for T in counts:
         reqs = w.requests(T, n, T)
         d_reqs = reqs[: args.dedicated_requests]
-        runs = {
-            "hPLM": lambda: n / hplm(w, ex, reqs)[0],
-            "dedicated": lambda: len(d_reqs) / timed(lambda: sysm.dedicated(d_reqs)),
-        }
+
+        def dedicated():
+            rate = len(d_reqs) / timed(lambda: sysm.dedicated(d_reqs))
+            sysm.restore()  # the working model back to the shared weights for the others
+            return rate
+
+        runs = {"hPLM": lambda: n / hplm(w, ex, reqs)[0], "dedicated": dedicated}
         if T in tenant_counts:
             runs["adapter-only"] = lambda: n / timed(lambda: sysm.shared_or_adapter(reqs, "adapter"))
             runs["shared"] = lambda: n / timed(lambda: sysm.shared_or_adapter(reqs, "head"))
@@ -363,8 +366,6 @@ def section_a(w, gpu, out):
             for k, run in runs.items():
                 log(f"(a) {T} tenants: {k} ({rep + 1}/{args.repeats_a})")
                 seen[k].append(run())
-                if k == "dedicated":
-                    sysm.restore()
         results[T] = {k: float(np.median(v)) for k, v in seen.items()}
         spread[T] = {k: max(v) / min(v) for k, v in seen.items()}
     systems = ["dedicated", "shared", "adapter-only", "hPLM"]

@@ -271,22 +271,24 @@ def run_row(args, ctx, task: Task, row, suffix=""):
     elif row == "plot-only":
         score, log = row_plot_only(args, ctx, task, TASKS[task.name][2])
     else:
+        options = {"bottleneck": args.wide_bottleneck} if row == "hplm-wide" else {}
         score, log, extra = row_tenant(args, ctx, task, ctx["store"], TASKS[task.name][2],
                                        "lora" if row == "hplm-lora" else "adapter", f"{task.name}-{row}{suffix}",
-                                       bottleneck=args.wide_bottleneck if row == "hplm-wide" else 64)
+                                       **options)
     return {"score": score, "metric": "accuracy" if task.kind == "classification" else "entity_f1",
             "seconds": round(time.time() - t0, 1), "loss_first": log[0], "loss_last": log[-1], **extra}
 
 
-def row_tenant(args, ctx, t: Task, store, version, pet_type, tenant, norms=None, bottleneck=64):
-    """A real tenant: manager.tenant_create (inputs by retrieve) + tenant_eval (serving path)."""
+def row_tenant(args, ctx, t: Task, store, version, pet_type, tenant, **options):
+    """A real tenant: manager.tenant_create (inputs by retrieve) + tenant_eval (serving path);
+    options (bottleneck, norms) go to tenant_create, whose defaults are the hPLM row's."""
     from runtime import manager
 
     lr = args.lr_adapter if pet_type == "adapter" else args.lr_lora
     out = manager.tenant_create(store, tenant, version=version, train_path=ctx["data"]["tasks"][t.name]["train"],
                                 task=t.kind, pet_type=pet_type, epochs=args.epochs, lr=lr,
-                                batch_size=args.batch_size, max_len=args.max_len, bottleneck=bottleneck, norms=norms,
-                                seed=args.seed, replace=True, progress=args.progress)
+                                batch_size=args.batch_size, max_len=args.max_len, seed=args.seed, replace=True,
+                                progress=args.progress, **options)
     score = manager.tenant_eval(store, tenant, ctx["data"]["tasks"][t.name]["test"], max_len=args.max_len)
     return score["score"], [out["loss_first"], out["loss_last"]], {"pet_bytes": out["pet_bytes"]}
 

@@ -68,11 +68,14 @@ def main(argv=None):
     from hkstore.errors import StoreError
 
     targets = [tuple(t.split(",")) for t in args.targets] if args.targets else [None]
+
+    def grid(text, kind):
+        return [kind(x) for x in text.split(",")]
+
     try:
         rows = sweep(args.store, args.version, args.train, args.test, args.task, pet_type=args.pet, targets=targets,
-                     epochs=[int(e) for e in args.epochs.split(",")], lrs=[float(x) for x in args.lr.split(",")],
-                     max_len=args.max_len, seeds=[int(x) for x in args.seed.split(",")],
-                     bottlenecks=[int(b) for b in args.bottleneck.split(",")])
+                     epochs=grid(args.epochs, int), lrs=grid(args.lr, float), max_len=args.max_len,
+                     seeds=grid(args.seed, int), bottlenecks=grid(args.bottleneck, int))
     except (StoreError, ValueError, OSError) as e:  # one line, as the hkstore CLI
         print(f"error: {e}", file=sys.stderr)
         return 1
