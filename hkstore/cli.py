@@ -20,11 +20,11 @@ from hkstore.lookup import find_exact
 
 # name -> (module, attribute): mounted lazily, so `hkstore verify` never imports torch.
 MODEL_COMMANDS = {
-    "build": ("runtime.commands", "build"),
-    "domain": ("runtime.commands", "domain"),
-    "tenant": ("runtime.commands", "tenant"),
-    "demo": ("runtime.demo", "demo"),
-    "serve": ("runtime.serve", "serve"),
+    "build": ("runtime.build.commands", "build"),
+    "domain": ("runtime.build.commands", "domain"),
+    "tenant": ("runtime.build.commands", "tenant"),
+    "demo": ("runtime.demo.run", "demo"),
+    "serve": ("runtime.serve.cli", "serve"),
     "report": ("tools.commands", "report"),
     "explain": ("tools.commands", "explain"),
 }

@@ -10,8 +10,8 @@ A request is a dict (or a ``Request``) with ``tenant`` and either ``text`` (toke
 store's tokenizer, [CLS] ... [SEP] added) or ``ids`` (token ids exactly as the model sees
 them). The upper-layer inputs come from the tenant's PLOT version (runtime.plot.retrieve);
 requests of many tenants are batched together and run once through the shared upper layers,
-each with its own PET (runtime/executor_cpu.py, runtime/executor_gpu.py, batching and
-pipelining in runtime/scheduler.py). A ``Result`` carries the label (classification) or the
+each with its own PET (runtime/exec/cpu.py, runtime/exec/gpu.py, batching and
+pipelining in runtime/sched/scheduler.py). A ``Result`` carries the label (classification) or the
 tags (tagging: one per word of a text, one per id of an ids request), the probabilities, the
 version that served it and timings in seconds (retrieval, transfer, compute, total).
 
@@ -116,19 +116,20 @@ class Runtime:
 
     def _setup(self, device, encoder, pet_cache_bytes, pipeline, prefetch, hot_tier_rows, host_cache_bytes, dtype,
                lora_kernel):
-        from runtime import manager
-        from runtime.plot import check_encoder
-        from runtime.scheduler import PetCache, Scheduler
+        from runtime.model import stored
+        from runtime.plot.retrieve import check_encoder
+        from runtime.sched.pet_cache import PetCache
+        from runtime.sched.scheduler import Scheduler
 
         meta = self.store.meta
         if encoder is None:
-            encoder = manager.base_encoder(self.store)
+            encoder = stored.base_encoder(self.store)
         else:
             check_encoder(meta, encoder)
         self.encoder = encoder
         self.meta = meta
         if device == "cuda":
-            from runtime.executor_gpu import GpuExecutor
+            from runtime.exec.gpu import GpuExecutor
 
             self.executor = GpuExecutor(encoder, dtype=dtype, pet_cache_bytes=pet_cache_bytes, prefetch=prefetch,
                                         hot_tier_rows=hot_tier_rows, max_batch=self.max_batch, max_len=self.max_len,
@@ -136,7 +137,7 @@ class Runtime:
         else:
             if dtype != "fp32":
                 raise ValueError("the CPU executor computes in fp32 only")
-            from runtime.executor_cpu import CpuExecutor
+            from runtime.exec.cpu import CpuExecutor
 
             self.executor = CpuExecutor(encoder, lora_kernel=lora_kernel, prefetch=prefetch)
         self.pets = PetCache(host_cache_bytes)
@@ -200,7 +201,7 @@ class Runtime:
         return pet
 
     def _load_pet(self, snap, tenant, token):
-        from runtime.pet import load_pet, pet_meta
+        from runtime.model.pet import load_pet, pet_meta
 
         record = snap.read_pet(tenant)
         meta = record.meta
@@ -271,7 +272,7 @@ class Runtime:
 
     def infer(self, requests) -> list:
         """Results of requests (see the package doc), in request order. Thread-safe."""
-        from runtime.scheduler import Item
+        from runtime.sched.scheduler import Item
 
         parsed = self._normalize(list(requests) if not isinstance(requests, (dict, Request)) else requests)
         if not parsed:

@@ -1,4 +1,4 @@
-"""runtime.commands through click's CliRunner: every command, --json, one-line errors."""
+"""runtime.build.commands through click's CliRunner: every command, --json, one-line errors."""
 
 import json
 import os
@@ -8,9 +8,9 @@ import pytest
 from click.testing import CliRunner
 
 import hkstore
-from runtime import manager
-from runtime.commands import COMMANDS
-from runtime.tiny_model import make_tiny_model
+from runtime.build import manager
+from runtime.build.commands import COMMANDS
+from runtime.model.tiny import make_tiny_model
 from test_manager import make_data
 
 

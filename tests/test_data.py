@@ -4,9 +4,8 @@ import json
 
 import pytest
 
-from runtime.data import (IGNORE, accuracy, encode_tagging, entity_f1, entity_spans, read_classification,
-                          read_conll, read_corpus, word_tags)
-from runtime.model import load_encoder
+from runtime.build.data import IGNORE, accuracy, encode_tagging, entity_f1, entity_spans, read_classification, read_conll, read_corpus, word_tags
+from runtime.model.encoder import load_encoder
 
 CONLL = """-DOCSTART- (1234)
 

@@ -1,4 +1,4 @@
-"""The CPU executor against the per-request reference (runtime.model.Encoder.upper + head).
+"""The CPU executor against the per-request reference (runtime.model.encoder.Encoder.upper + head).
 
 Property: on random tiny encoders and random PETs of every type (adapter, LoRA with mixed
 ranks and targets, BitFit, diff, mask, head-only; classification and tagging), a request's
@@ -15,10 +15,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers.implementations import BertWordPieceTokenizer
 
-from runtime import pet as petlib
-from runtime.executor_cpu import CpuExecutor
-from runtime.model import Config, Encoder
-from runtime.scheduler import plan_batch
+from runtime.model import pet as petlib
+from runtime.exec.cpu import CpuExecutor
+from runtime.model.encoder import Config, Encoder
+from runtime.exec.plan import plan_batch
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 WORDS = "the results were good a and clear method cells grew well this is work bad unclear died early in dish"

@@ -4,10 +4,10 @@ Two halves:
 
 * ``@pytest.mark.gpu`` (skipped without CuPy and a CUDA GPU): the real GpuExecutor on fresh
   random inputs (random tiny models and every PET type) and on a real store built with
-  runtime.manager, served through runtime.open(device="cuda") with and without the hot tier,
+  runtime.build.manager, served through runtime.open(device="cuda") with and without the hot tier,
   pipelining and prefetch: fp32 within 1e-5 relative, fp16 within 1e-2.
 * Always: the same executor code run on the CPU with NumPy standing in for CuPy and
-  runtime.ops_cpu for runtime.ops_gpu (streams and events become no-ops). That checks the
+  runtime.exec.ops_cpu for runtime.exec.ops_gpu (streams and events become no-ops). That checks the
   executor's own logic - permutation, stacking and padding, the device PET cache and its
   eviction, the hot tier's keys, probe, gather/scatter and rebuilds, double buffering -
   everywhere, GPU or not; only CuPy's and the kernels' behaviour is left to the GPU half
@@ -23,10 +23,10 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.executor_cpu import CpuExecutor
-from runtime.executor_gpu import GpuExecutor
-from runtime.host_device import HostGpuExecutor as NumpyGpuExecutor
-from runtime.scheduler import Item, Scheduler
+from runtime.exec.cpu import CpuExecutor
+from runtime.exec.gpu import GpuExecutor
+from runtime.exec.host_device import HostGpuExecutor as NumpyGpuExecutor
+from runtime.sched.scheduler import Item, Scheduler
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # sibling test modules, any import mode
 from test_executor_cpu import pet_zoo, tiny_encoder  # noqa: E402

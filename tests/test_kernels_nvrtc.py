@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from runtime import kernels
+from runtime.exec import kernels
 
 ARCHS = ["compute_80", "compute_90"]
 
@@ -83,7 +83,7 @@ def test_unknown_source(nvrtc):
 def test_ops_gpu_without_cupy_says_how_to_install(monkeypatch):
     import sys
 
-    from runtime import ops_gpu  # importing never needs CuPy
+    from runtime.exec import ops_gpu
 
     monkeypatch.setitem(sys.modules, "cupy", None)  # makes `import cupy` raise ImportError
     with pytest.raises(ImportError, match=r"pip install 'hkstore\[gpu\]'"):

@@ -13,10 +13,11 @@ import pytest
 import torch
 
 import hkstore
-from runtime import manager
-from runtime.pet import PET_TYPES
-from runtime.stdlib_text import first_lines as docstring_lines
-from runtime.tiny_model import make_tiny_model, words_of
+from runtime.build import manager
+from runtime.model import stored
+from runtime.model.pet import PET_TYPES
+from runtime.demo.stdlib_text import first_lines as docstring_lines
+from runtime.model.tiny import make_tiny_model, words_of
 
 # -- shared fixtures' builders (other test modules import them) --------------------------------
 
@@ -81,8 +82,8 @@ def test_build_makes_a_verified_root_with_distilled_weights(env):
         assert table.shape == (st.snapshot().versions[0]["position"]["rows"], meta["d"]) and table.any()
         assert info["position"]["cosine_after"] > info["position"]["cosine_before"]
         # The root's values come from the distilled lower layers, not the base model's.
-        enc = manager.version_encoder(st, "root")
-        base = manager.base_encoder(st)
+        enc = stored.version_encoder(st, "root")
+        base = stored.base_encoder(st)
         assert not torch.equal(enc.layers[0].q.weight, base.layers[0].q.weight)
         assert torch.equal(enc.layers[4].q.weight, base.layers[4].q.weight)
     # A rerun finds the build complete and computes nothing.
@@ -105,8 +106,8 @@ def test_domain_create_and_update(env):
         snap = st.snapshot()
         v = snap.versions[snap.version_index("mathdom")]
         assert v["parent"] == "root" and v["info"]["mlm"]["steps"] == 3
-        dom = manager.version_encoder(st, "mathdom")
-        root = manager.version_encoder(st, "root")
+        dom = stored.version_encoder(st, "mathdom")
+        root = stored.version_encoder(st, "root")
         assert not torch.equal(dom.word.weight, root.word.weight)
         assert torch.equal(dom.layers[3].q.weight, root.layers[3].q.weight)
         # Each domain version fits its own table (through its own lookups), not the root's.
@@ -116,19 +117,19 @@ def test_domain_create_and_update(env):
                                progress=False)
     assert up["parent"] == "root" and up["alpha"] == 50 and up["ngrams_seen"] > out["ngrams_seen"]
     with hkstore.open(env["store"]) as st:
-        v2 = manager.version_encoder(st, "mathdom-2")
-        v1 = manager.version_encoder(st, "mathdom")
+        v2 = stored.version_encoder(st, "mathdom-2")
+        v1 = stored.version_encoder(st, "mathdom")
         assert not torch.equal(v1.word.weight, v2.word.weight)
     assert hkstore.verify(env["store"])["ok"]
 
 
 def _distance(a, b):
-    return sum(float((p - q).norm()) for p, q in zip(manager.lower_state(a).values(), manager.lower_state(b).values()))
+    return sum(float((p - q).norm()) for p, q in zip(stored.lower_state(a).values(), stored.lower_state(b).values()))
 
 
 def test_distilled_domain_keeps_teacher_and_student(env):
-    from runtime.plot import corpus_windows
-    from runtime.window import window_values
+    from runtime.build.plot import corpus_windows
+    from runtime.plot.window import window_values
 
     out = manager.domain_create(env["store"], "mathdist", [env["domain"]], mlm_steps=3, lr=1e-3, distill_steps=4,
                                 distill_lr=1e-3, max_len=32, progress=False)
@@ -137,9 +138,9 @@ def test_distilled_domain_keeps_teacher_and_student(env):
         snap = st.snapshot()
         info = snap.versions[snap.version_index("mathdist")]["info"]
         assert info["context_weights"]["file"] == "models/mathdist.context.safetensors"
-        assert manager.is_distilled(st, "mathdist") and manager.is_distilled(st, "root")
-        base, root = manager.base_encoder(st), manager.version_encoder(st, "root")
-        teacher, student = manager.context_encoder(st, "mathdist"), manager.version_encoder(st, "mathdist")
+        assert stored.is_distilled(st, "mathdist") and stored.is_distilled(st, "root")
+        base, root = stored.base_encoder(st), stored.version_encoder(st, "root")
+        teacher, student = stored.context_encoder(st, "mathdist"), stored.version_encoder(st, "mathdist")
         # The teacher is the base model (the distilled root's context) after MLM; the student
         # starts from the root's window-distilled layers, not from the teacher.
         assert 0 < _distance(teacher, base) and 0 < _distance(student, root)
@@ -160,8 +161,8 @@ def test_distilled_domain_keeps_teacher_and_student(env):
                                progress=False)
     assert up["distill"]["steps"] == 4
     with hkstore.open(env["store"]) as st:
-        assert _distance(manager.context_encoder(st, "mathdist-2"), teacher) == 0
-        assert _distance(manager.version_encoder(st, "mathdist-2"), student) > 0
+        assert _distance(stored.context_encoder(st, "mathdist-2"), teacher) == 0
+        assert _distance(stored.version_encoder(st, "mathdist-2"), student) > 0
     assert hkstore.verify(env["store"])["ok"]
 
 

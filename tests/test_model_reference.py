@@ -7,7 +7,7 @@ import torch
 import xxhash
 from safetensors.torch import save_file
 
-from runtime.model import load_encoder
+from runtime.model.encoder import load_encoder
 
 transformers = pytest.importorskip("transformers")
 

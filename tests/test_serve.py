@@ -1,6 +1,6 @@
-"""runtime.serve end to end: real servers (python -m runtime.serve) on loopback ports.
+"""runtime.serve end to end: real servers (python -m runtime.serve.cli) on loopback ports.
 
-The store is the tiny one of tests/test_manager.py (runtime.tiny_model) (a d=32 BERT over stdlib docstrings), so
+The store is the tiny one of tests/test_manager.py (runtime.model.tiny) (a d=32 BERT over stdlib docstrings), so
 every job trains in seconds. Servers: the main one (manage jobs, infer, isolation, bad
 input); a second on the same store with tiny limits (429, 504; it runs no jobs: 503); one
 killed with SIGKILL in the middle of a job and restarted (the job resumes); one fuzzed by
@@ -20,8 +20,8 @@ import time
 import httpx
 import pytest
 
-from runtime import manager
-from runtime.tiny_model import make_tiny_model
+from runtime.build import manager
+from runtime.model.tiny import make_tiny_model
 from test_manager import make_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,7 +46,7 @@ def end_with_parent():
 
 
 class Server:
-    """`python -m runtime.serve STORE` in a subprocess on a free loopback port."""
+    """`python -m runtime.serve.cli STORE` in a subprocess on a free loopback port."""
 
     def __init__(self, store, token_file, *args):
         self.store, self.port = store, free_port()
@@ -54,7 +54,7 @@ class Server:
         self.log = open(os.path.join(os.path.dirname(store), f"server-{self.port}.log"), "wb")
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "runtime.serve", store, "--port", str(self.port), "--admin-token-file", token_file,
+            [sys.executable, "-m", "runtime.serve.cli", store, "--port", str(self.port), "--admin-token-file", token_file,
              "--device", "cpu", "--max-len", "32", *map(str, args)],
             cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=end_with_parent)
         self.client = httpx.Client(base_url=self.url, timeout=30.0)

@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.model import load_encoder
-from runtime.window import aggregate, aggregate_batch, offsets, window_values, windowed_lower, windows
+from runtime.model.encoder import load_encoder
+from runtime.plot.window import aggregate, aggregate_batch, offsets, window_values, windowed_lower, windows
 
 kinds = st.sampled_from(["centered", "causal"])
 sizes = st.integers(2, 5)

@@ -5,8 +5,8 @@ GPU-resident hot tier for PLOT").
 
 Requests' texts (one per line; default: first paragraphs of stdlib docstrings) are served in
 batches, in order, each text once, through the GPU executor's own retrieval code
-(runtime.executor_gpu: probe the tier, host lookup of the misses only, periodic rebuild from
-the keys seen so far) run on the host (runtime.host_device). Per tier size: the hit rate
+(runtime.exec.gpu: probe the tier, host lookup of the misses only, periodic rebuild from
+the keys seen so far) run on the host (runtime.exec.host_device). Per tier size: the hit rate
 after the first --warmup batches and the host time per batch spent in store lookups: of the
 misses, and of the rebuilds (keys new to the tier) spread over the batches, beside the host
 lookup of every window (no tier). Those are CPU costs and are measured here; the device-side probe and
@@ -26,8 +26,8 @@ def read_texts(path):
     if path:
         with open(path) as f:
             return [line.strip() for line in f if line.strip()]
-    from runtime.demo import ROOT_MODULES
-    from runtime.stdlib_text import docstrings
+    from runtime.demo.run import ROOT_MODULES
+    from runtime.demo.stdlib_text import docstrings
 
     return [text for text, _, _ in docstrings(ROOT_MODULES)]
 
@@ -40,8 +40,8 @@ def batches_of(encoder, texts, batch, max_len):
 def run_tier(encoder, snapshot, version, batches, rows, rebuild_every, warmup):
     """(hit rate after warm-up, host seconds per measured batch looking up misses, the same
     for the rebuilds' lookups, rows in the tier)."""
-    from runtime.executor_gpu import HotTier
-    from runtime.host_device import HostGpuExecutor
+    from runtime.exec.hot_tier import HotTier
+    from runtime.exec.host_device import HostGpuExecutor
 
     ex = HostGpuExecutor(encoder, hot_tier_rows=rows, hot_rebuild_every=rebuild_every,
                          max_batch=max(len(b) for b in batches), max_len=max(len(s) for b in batches for s in b))
@@ -71,7 +71,7 @@ def run_tier(encoder, snapshot, version, batches, rows, rebuild_every, warmup):
 
 def run_plain(snapshot, version, batches, warmup):
     """Host lookup seconds per measured batch with no tier: every window looked up."""
-    from runtime.plot import corpus_windows
+    from runtime.build.plot import corpus_windows
 
     meta = snapshot.meta
     seconds = 0.0
@@ -99,14 +99,14 @@ def main(argv=None):
     import torch
 
     import hkstore
-    from runtime import manager
+    from runtime.model import stored
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     texts = read_texts(args.texts)
     with hkstore.open(args.store) as st:
         snapshot = st.snapshot()
         snapshot.version_index(args.version)
-        encoder = manager.base_encoder(st)
+        encoder = stored.base_encoder(st)
         batches = batches_of(encoder, texts, args.batch, args.max_len)
         if len(batches) <= args.warmup:
             raise SystemExit(f"{len(batches)} batches of texts: need more than --warmup {args.warmup}")

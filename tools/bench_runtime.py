@@ -124,9 +124,9 @@ class Workload:
     """The model, synthetic tenants, the request corpus and the synthetic PLOT store."""
 
     def __init__(self, args, tmp):
-        from runtime import pet as petlib
-        from runtime.model import load_encoder
-        from runtime.scheduler import prepare_pet
+        from runtime.model import pet as petlib
+        from runtime.model.encoder import load_encoder
+        from runtime.exec.plan import prepare_pet
 
         self.args = args
         self.enc = load_encoder()
@@ -173,7 +173,7 @@ def synthetic_store(path, enc, seqs):
     """A PLOT store (root only) holding the corpus windows, their backoff keys and every
     uni-gram, with random fp16 values (pad slots zero) drawn from a pool of vectors."""
     import hkstore
-    from runtime.plot import root_keys
+    from runtime.build.plot import root_keys
 
     c = enc.config
     keys, stats = root_keys(seqs, 3, "centered", c.pad_id, c.vocab_size)
@@ -192,7 +192,7 @@ def synthetic_store(path, enc, seqs):
 
 
 def embed_batch(enc, seqs):
-    from runtime.scheduler import pad_ids
+    from runtime.exec.plan import pad_ids
 
     ids, lengths = pad_ids(seqs, enc.config.pad_id)
     ids = torch.from_numpy(ids)
@@ -203,14 +203,14 @@ def embed_batch(enc, seqs):
 
 class Systems:
     def __init__(self, w: Workload, gpu):
-        from runtime.executor_cpu import CpuExecutor
+        from runtime.exec.cpu import CpuExecutor
 
         self.w, self.gpu = w, gpu
         self.batch = w.args.batch
         if gpu is None:
             self.full = CpuExecutor(w.enc0, prefetch=False)
         else:
-            from runtime.executor_gpu import GpuExecutor
+            from runtime.exec.gpu import GpuExecutor
 
             self.full = GpuExecutor(w.enc0, hot_tier_rows=0, max_batch=self.batch, max_len=w.args.seq_len)
         self._dedicated_copies = None
@@ -291,7 +291,7 @@ class Systems:
                 for n, p in self.w.enc0.state_dict().items():
                     p.copy_(self.w.enc.state_dict()[n])
             if self.gpu is not None:
-                from runtime.executor_gpu import GpuExecutor
+                from runtime.exec.gpu import GpuExecutor
 
                 self.close()
                 self.full = GpuExecutor(self.w.enc0, hot_tier_rows=0, max_batch=self.batch,
@@ -300,10 +300,10 @@ class Systems:
 
 def hplm_executor(w, gpu, prefetch=True, hot_tier_rows=None):
     if gpu is None:
-        from runtime.executor_cpu import CpuExecutor
+        from runtime.exec.cpu import CpuExecutor
 
         return CpuExecutor(w.enc, prefetch=prefetch)
-    from runtime.executor_gpu import GpuExecutor
+    from runtime.exec.gpu import GpuExecutor
 
     rows = 65536 if hot_tier_rows is None else hot_tier_rows
     return GpuExecutor(w.enc, prefetch=prefetch, hot_tier_rows=rows, max_batch=w.args.batch, max_len=w.args.seq_len)
@@ -311,7 +311,7 @@ def hplm_executor(w, gpu, prefetch=True, hot_tier_rows=None):
 
 def hplm(w, executor, reqs, pipeline=True):
     """The runtime's path: scheduler (retrieval thread when pipelining) + executor."""
-    from runtime.scheduler import Item, Scheduler
+    from runtime.sched.scheduler import Item, Scheduler
 
     items = [Item(s, w.pet("adapter", t), "root") for t, s in reqs]
     sched = Scheduler(executor, w.store.snapshot, max_batch=w.args.batch, pipeline=pipeline)
@@ -481,7 +481,7 @@ def workload_ids(kind, batch, rng):
 
 
 def section_c(args, gpu, out):
-    from runtime import ops_cpu
+    from runtime.exec import ops_cpu
 
     h, r, T = args.punica_hidden, 16, 64
     g = np.random.default_rng(0)
@@ -560,7 +560,7 @@ def section_c(args, gpu, out):
     finally:
         torch.set_num_threads(threads)
     if gpu is not None:
-        from runtime import ops_gpu
+        from runtime.exec import ops_gpu
 
         cp = gpu
         Ad, Bd = cp.asarray(A.numpy()), cp.asarray(B.numpy())
@@ -658,7 +658,7 @@ def main(argv=None):
                        "equally popular), Skewed (each LoRA 1.5x as popular as the next, largest-remainder "
                        "split of the batch), Identical (one LoRA). One token per request, rows of a model "
                        "contiguous for SGMV (the batch is grouped by model), in arrival order for the others. "
-                       "On the CPU, SGMV and BGMV are the runtime.ops_cpu reference ops (a PyTorch loop over "
+                       "On the CPU, SGMV and BGMV are the runtime.exec.ops_cpu reference ops (a PyTorch loop over "
                        "segments / models), so the CPU rows compare loop structures, not kernels.\n")
             section_c(args, gpu, out)
         out.append(f"Total bench time: {time.perf_counter() - T0:.0f} s.")

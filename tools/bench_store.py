@@ -758,7 +758,7 @@ def section_cosine(cfg, rng, res):
             raise RuntimeError("skipped in --quick (importing torch and the model takes seconds)")
         import torch
 
-        from runtime.model import load_encoder
+        from runtime.model.encoder import load_encoder
 
         enc = load_encoder(None, lower_layers=3)
         with torch.no_grad():

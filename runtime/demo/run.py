@@ -5,7 +5,7 @@ of Python's standard library (first paragraph of each public class, function and
 ~40 modules, about 900 of them). The steps, each skipped when the store already has it
 (so a rerun resumes, and a finished store just serves):
 
-1. **build** the root PLOT from all the docstrings (runtime.manager.build);
+1. **build** the root PLOT from all the docstrings (runtime.build.manager.build);
 2. **domain** ``email``: the lower layers further pre-trained (a few MLM steps) on the
    docstrings of the ``email`` package family, and a branch holding the top-50% of its n-grams;
 3. **tenants**, one per PET type, each a small task derived from the docstrings:
@@ -34,7 +34,7 @@ import time
 
 import click
 
-from runtime.stdlib_text import docstrings
+from runtime.demo.stdlib_text import docstrings
 
 ROOT_MODULES = (
     "json re string textwrap collections itertools functools pathlib datetime argparse logging shutil subprocess csv "
@@ -126,8 +126,8 @@ def main(store_dir="hkstore-demo", echo=print, progress=True) -> dict:
     summary dict (accuracies, throughput, step timings)."""
     import hkstore
     import runtime
-    from runtime import manager
-    from runtime.data import entity_f1
+    from runtime.build import manager
+    from runtime.build.data import entity_f1
 
     t_start = time.perf_counter()
     store_dir = os.fspath(store_dir)

@@ -1,8 +1,8 @@
 """The reference executor (PyTorch, CPU): the upper layers once for a mixed-tenant batch.
 
 Per upper layer the shared projections run once for every row of the batch (one GEMM each);
-the tenants' edits follow through runtime.ops_cpu on the batch plan's segments
-(runtime.scheduler.plan_batch: requests of a tenant are contiguous, one segment per tenant):
+the tenants' edits follow through runtime.exec.ops_cpu on the batch plan's segments
+(runtime.exec.plan.plan_batch: requests of a tenant are contiguous, one segment per tenant):
 
 * LoRA: SGMV over the segments (``sgmv``), or BGMV per row when every LoRA request of the
   batch is its own tenant (``bgmv``), with the stacked (rank-padded) A and B;
@@ -16,7 +16,7 @@ With ``prefetch=True`` the stacked weights of layer i+1 are built on a helper th
 layer i computes (the CPU counterpart of the GPU executor's layer-wise prefetch).
 
 Attention and GELU are shared, and so are the LayerNorms unless a PET of the batch edits them.
-The result for a request equals ``runtime.model.Encoder.upper`` + ``runtime.pet.head`` run on
+The result for a request equals ``runtime.model.encoder.Encoder.upper`` + ``runtime.model.pet.head`` run on
 that request alone, whatever else is in its batch (tests/test_executor_cpu.py), up to float
 rounding.
 """
@@ -30,9 +30,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from runtime import ops_cpu
-from runtime.scheduler import (BatchPlan, Prepared, helper_thread_setup, plan_batch, prepare_pet, retrieve_mixed,
-                               stack_group)
+from runtime.exec import ops_cpu
+from runtime.exec.plan import BatchPlan, Prepared, plan_batch, prepare_pet, stack_group
+from runtime.exec.threads import helper_thread_setup
+from runtime.plot.mixed import retrieve_mixed
 
 
 class CpuExecutor:
@@ -51,7 +52,7 @@ class CpuExecutor:
     # -- PETs and plans --------------------------------------------------------------------
 
     def load_pet(self, pet, key=None, token=None):
-        """ServingPet of an exported runtime.pet.Pet (mask PETs need the base weights)."""
+        """ServingPet of an exported runtime.model.pet.Pet (mask PETs need the base weights)."""
         return prepare_pet(self.encoder, pet, key, token)
 
     def plan(self, pets, keys=None) -> BatchPlan:
@@ -74,7 +75,7 @@ class CpuExecutor:
 
     def run(self, inputs, mask, pets, keys=None) -> list:
         """Logits per request for inputs (B, L, d) and mask (B, L); pets[b] is a ServingPet
-        or a runtime.pet.Pet (converted on the fly; pass ServingPets to reuse them)."""
+        or a runtime.model.pet.Pet (converted on the fly; pass ServingPets to reuse them)."""
         pets = [p if hasattr(p, "parts") else self.load_pet(p) for p in pets]
         return self.forward(inputs, mask, self.plan(pets, keys))
 

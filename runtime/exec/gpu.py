@@ -1,4 +1,4 @@
-"""The GPU executor (CuPy): runtime.executor_cpu's computation on one CUDA device.
+"""The GPU executor (CuPy): runtime.exec.cpu's computation on one CUDA device.
 
 Same interface as ``CpuExecutor`` (``load_pet``, ``plan``, ``prepare``/``compute`` for the
 scheduler, ``run`` for a batch in hand) and the same results within fp32 rounding (fp16:
@@ -6,7 +6,7 @@ within 1e-2 relative; tests/test_executor_gpu.py). What is different:
 
 * **Shared weights resident on the device** (fp32 or fp16), transposed once so that every
   dense projection is one cuBLAS GEMM (``x @ W^T`` through cupy.matmul) for the whole batch.
-* **Custom ops** from runtime.ops_gpu: SGMV / BGMV (LoRA), segmented adapters, bias gather
+* **Custom ops** from runtime.exec.ops_gpu: SGMV / BGMV (LoRA), segmented adapters, bias gather
   (BitFit), sparse add (diff and mask PETs), fused bias + GELU and residual + LayerNorm,
   aggregation of window values and the PLOT hot tier's probe and gather.
 * **Three streams.** ``compute`` runs the layers; ``inputs`` carries the retrieval results
@@ -22,7 +22,7 @@ within 1e-2 relative; tests/test_executor_gpu.py). What is different:
   ``prefetch=False`` builds each layer's on the compute stream just before it runs.
 * **A device PET cache** (``DevicePetCache``): per (tenant, record, layer) entries, LRU
   bounded by ``pet_cache_bytes``; the hot tenants stay resident, the others live in the host
-  cache (runtime.scheduler.PetCache) and are uploaded on demand.
+  cache (runtime.sched.pet_cache.PetCache) and are uploaded on demand.
 * **A GPU-resident PLOT hot tier** (``HotTier``, ``hot_tier_rows`` > 0): the served values
   of the most frequent (window, version) keys live on the device in a FORMAT.md §3 hash
   table probed by the device-side XXH64 probe; only misses go to the host store lookup.
@@ -34,7 +34,7 @@ batch touches is referenced by the batch until its logits are copied back (the f
 synchronisation), and CuPy's device pool keeps one free list per stream, so memory freed on
 one stream is never handed to another stream while work on the first may still read it.
 
-CuPy is imported lazily; ``_cupy``/``_ops`` may replace the CuPy module and runtime.ops_gpu
+CuPy is imported lazily; ``_cupy``/``_ops`` may replace the CuPy module and runtime.exec.ops_gpu
 (tests run this executor's logic on the CPU that way).
 """
 
@@ -44,11 +44,13 @@ import ctypes
 import math
 import threading
 import time
-from collections import OrderedDict
 
 import numpy as np
 
-from runtime.scheduler import BatchPlan, Prepared, plan_batch, prepare_pet, retrieve_mixed
+from runtime.exec.device_cache import DevicePetCache
+from runtime.exec.hot_tier import HotTier
+from runtime.exec.plan import BatchPlan, Prepared, plan_batch, prepare_pet
+from runtime.plot.mixed import retrieve_mixed
 
 _F32_MIN = float(np.finfo(np.float32).min)
 
@@ -59,233 +61,6 @@ def _import_cupy():
     except ImportError as exc:
         raise ImportError("the GPU executor needs CuPy: pip install 'hkstore[gpu]'") from exc
     return cupy
-
-
-class DevicePetCache:
-    """Device copies of PET weights: entries (tenant key, record token, layer) -> arrays.
-
-    Layer -1 holds the head (fp32). Entries of the batch being computed are never evicted
-    (a batch may thus exceed the budget for its duration). Host-to-device uploads go through
-    a pinned staging buffer, asynchronously on the caller's current stream; the staging
-    buffer is appended to ``keep`` so the caller holds it until that stream has passed.
-    """
-
-    def __init__(self, executor, max_bytes: int):
-        self.ex = executor
-        self.max_bytes = int(max_bytes)
-        self.entries: OrderedDict = OrderedDict()
-        self.bytes = 0
-        self.hits = self.misses = self.evictions = self.uploaded_bytes = 0
-        self.batch = 0
-
-    def new_batch(self):
-        self.batch += 1
-
-    def _key(self, pet, layer):
-        return (pet.key if pet.key is not None else id(pet), pet.token, layer)
-
-    def get(self, pet, layer, stream, keep) -> dict:
-        """part -> tuple of device arrays (layer >= 0), or {"head": (W, b)} for layer -1."""
-        key = self._key(pet, layer)
-        entry = self.entries.get(key)
-        if entry is not None:
-            self.entries.move_to_end(key)
-            self.hits += 1
-            entry[2] = self.batch
-            return entry[0]
-        self.misses += 1
-        arrays, nbytes = self._upload(pet, layer, stream, keep)
-        self.entries[key] = [arrays, nbytes, self.batch]
-        self.bytes += nbytes
-        self._evict()
-        return arrays
-
-    def _evict(self):
-        if self.bytes <= self.max_bytes:
-            return
-        for key in list(self.entries):
-            if self.bytes <= self.max_bytes:
-                break
-            arrays, nbytes, batch = self.entries[key]
-            if batch == self.batch:
-                continue  # in use by the current batch
-            del self.entries[key]
-            self.bytes -= nbytes
-            self.evictions += 1
-
-    def _upload(self, pet, layer, stream, keep):
-        ex = self.ex
-        if layer < 0:
-            host = {"head": (pet.head_weight.numpy(), pet.head_bias.numpy())}
-            dtype_of = lambda a: np.float32  # noqa: E731 - heads always run in fp32
-        else:
-            host = {part: tuple(a.numpy() for a in arrays) for part, arrays in pet.parts.items() if part[1] == layer}
-            dtype_of = lambda a: np.int32 if a.dtype.kind in "iu" else ex.dtype  # noqa: E731
-        flat_f, flat_i, layout = [], [], []
-        off_f = off_i = 0
-        for part, arrays in host.items():
-            shapes = []
-            for a in arrays:
-                dt = dtype_of(a)
-                if dt == np.int32:
-                    flat_i.append(a.astype(np.int32, copy=False).ravel())
-                    shapes.append(("i", off_i, a.shape))
-                    off_i += a.size
-                else:
-                    flat_f.append(a.astype(dt, copy=False).ravel())
-                    shapes.append(("f", off_f, a.shape, dt))
-                    off_f += a.size
-            layout.append((part, shapes))
-        dev_f = ex.upload(np.concatenate(flat_f) if flat_f else None, stream, keep)
-        dev_i = ex.upload(np.concatenate(flat_i) if flat_i else None, stream, keep)
-        out, nbytes = {}, 0
-        for part, shapes in layout:
-            views = []
-            for s in shapes:
-                base = dev_f if s[0] == "f" else dev_i
-                size = int(np.prod(s[2], dtype=np.int64))
-                views.append(base[s[1]:s[1] + size].reshape(s[2]))
-            out[part] = tuple(views)
-        for base in (dev_f, dev_i):
-            if base is not None:
-                nbytes += base.nbytes
-        self.uploaded_bytes += nbytes
-        return out, nbytes
-
-    def stats(self) -> dict:
-        return {"entries": len(self.entries), "bytes": self.bytes, "hits": self.hits, "misses": self.misses,
-                "evictions": self.evictions, "uploaded_bytes": self.uploaded_bytes}
-
-
-class HotTier:
-    """The GPU-resident PLOT hot tier (see the module doc).
-
-    Keys are the n window ids plus the served version's index (n + 1 <= 7 ids: the probe's
-    limit); a row's value is exactly what the host lookup serves for that window at that
-    version (backoff included), so a hit and a miss give the same inputs.
-    """
-
-    def __init__(self, executor, rows: int, rebuild_every: int = 32):
-        self.ex = executor
-        self.capacity = int(rows)
-        self.rebuild_every = max(1, int(rebuild_every))
-        self.table = None  # (table_keys, table_rows, max_probe) on the device
-        self.values = None  # (rows, n, d) float16 on the device
-        self.row_version = self.row_order = None  # host, per row: served version, order
-        self.row_of: dict = {}  # host: key bytes -> row, for the rows on the device
-        self.looked_up = 0  # keys looked up on the host by rebuilds
-        self.generation = None
-        self.counts: dict = {}
-        self.batches_since = 0
-        self.hits = self.misses = self.rebuilds = 0
-        self.probe_seconds = self.lookup_seconds = 0.0
-
-    @property
-    def rows(self) -> int:
-        return 0 if self.values is None else int(self.values.shape[0])
-
-    def stats(self) -> dict:
-        total = self.hits + self.misses
-        return {"rows": self.rows, "capacity": self.capacity, "hits": self.hits, "misses": self.misses,
-                "hit_rate": self.hits / total if total else 0.0, "rebuilds": self.rebuilds, "rebuild_lookups": self.looked_up,
-                "bytes": 0 if self.values is None else int(self.values.nbytes)}
-
-    def _check_generation(self, snapshot):
-        generation = snapshot.manifest.get("generation")
-        if generation != self.generation:
-            self.table = self.values = None  # values may have changed: rebuild from the counts
-            self.generation = generation
-
-    def probe(self, snapshot, qkeys, stream, keep):
-        """Hit rows (device (m,) int32 and host copy) of query keys (m, n + 1) uint32."""
-        ex = self.ex
-        self._check_generation(snapshot)
-        m = len(qkeys)
-        if self.table is None or not m:
-            return None, np.full(m, -1, dtype=np.int32)
-        t0 = time.perf_counter()
-        q = ex.upload(np.ascontiguousarray(qkeys, dtype=np.uint32), stream, keep)
-        tk, tr, max_probe = self.table
-        rows = ex.ops.hot_probe(tk, tr, q, max_probe)
-        host = ex.to_host(rows, stream)
-        self.probe_seconds += time.perf_counter() - t0
-        return rows, host
-
-    def observe(self, qkeys):
-        """Count the batch's (window, version) keys; prune the rarest when the map grows."""
-        if not len(qkeys):
-            return
-        keys = np.ascontiguousarray(qkeys, dtype=np.uint32)
-        void = keys.view(np.dtype((np.void, keys.shape[1] * 4))).ravel()
-        uniq, counts = np.unique(void, return_counts=True)
-        c = self.counts
-        for k, n in zip(uniq.tolist(), counts.tolist()):
-            c[k] = c.get(k, 0) + n
-        limit = 8 * max(self.capacity, 1024)
-        if len(c) > limit:
-            keep = sorted(c.items(), key=lambda kv: -kv[1])[: limit // 2]
-            self.counts = dict(keep)
-        self.batches_since += 1
-
-    def due(self) -> bool:
-        return self.capacity > 0 and (self.table is None and self.counts or self.batches_since >= self.rebuild_every)
-
-    def rebuild(self, snapshot, stream, keep):
-        """Put the most frequent observed keys on the device. Keys already resident keep their
-        values (copied on the device: the store has not changed since, or _check_generation
-        would have dropped them); only new keys cost a host lookup and an upload."""
-        ex = self.ex
-        self._check_generation(snapshot)
-        self.batches_since = 0
-        if not self.counts:
-            return
-        width = len(next(iter(self.counts)))
-        top = sorted(self.counts.items(), key=lambda kv: -kv[1])[: self.capacity]
-        keys = np.frombuffer(b"".join(k for k, _ in top), dtype=np.uint32).reshape(len(top), width // 4)
-        resident = self.row_of if self.values is not None else {}
-        old_row = np.array([resident.get(k, -1) for k, _ in top], dtype=np.int64)
-        new, kept = np.flatnonzero(old_row < 0), np.flatnonzero(old_row >= 0)
-        values, version, order = self.lookup(snapshot, keys[new, :-1], keys[new, -1])
-        n, d = snapshot.meta["n"], snapshot.meta["d"]
-        with stream:
-            rows = ex.cp.empty((len(top), n, d), dtype=np.float16)
-        if len(kept):
-            rows[ex.upload(kept, stream, keep)] = self.values[ex.upload(old_row[kept], stream, keep)]
-        if len(new):
-            rows[ex.upload(new, stream, keep)] = ex.upload(values, stream, keep)
-        row_version = np.empty(len(top), dtype=np.int16)
-        row_order = np.empty(len(top), dtype=np.int8)
-        row_version[new], row_order[new] = version, order
-        if len(kept):
-            row_version[kept], row_order[kept] = self.row_version[old_row[kept]], self.row_order[old_row[kept]]
-        tk, tr, max_probe = ex.ops.build_hot_table(keys)
-        if self.values is not None:
-            keep.append(self.values)  # the old rows are read on `stream`: hold them until it passes
-        self.table = (tk, tr, max_probe)
-        self.values = rows
-        self.row_version, self.row_order = row_version, row_order
-        self.row_of = {k: i for i, (k, _) in enumerate(top)}
-        self.looked_up += len(new)
-        self.rebuilds += 1
-
-    @staticmethod
-    def lookup(snapshot, windows, version_index):
-        """Host lookup of windows, each at its own version: (values fp16, versions, orders)."""
-        m = len(windows)
-        n, d = snapshot.meta["n"], snapshot.meta["d"]
-        versions = np.unique(version_index)
-        if len(versions) == 1:  # the common case: no scatter, no second copy
-            res = snapshot.lookup(int(versions[0]), windows)
-            return (res.values.astype(np.float16, copy=False), res.version.astype(np.int16, copy=False),
-                    res.order.astype(np.int8, copy=False))
-        values = np.zeros((m, n, d), dtype=np.float16)
-        version = np.full(m, -1, dtype=np.int16)
-        order = np.zeros(m, dtype=np.int8)
-        for v in np.unique(version_index).tolist():
-            sel = np.flatnonzero(version_index == v)
-            res = snapshot.lookup(int(v), windows[sel])
-            values[sel], version[sel], order[sel] = res.values, res.version, res.order
-        return values, version, order
 
 
 class GpuExecutor:
@@ -300,7 +75,7 @@ class GpuExecutor:
             raise ValueError(f"lora_kernel must be auto, sgmv or bgmv, got {lora_kernel!r}")
         self.cp = cp = _cupy or _import_cupy()
         if _ops is None:
-            from runtime import ops_gpu as _ops
+            from runtime.exec import ops_gpu as _ops
         self.ops = _ops
         self.encoder = encoder
         self.config = c = encoder.config
@@ -452,7 +227,7 @@ class GpuExecutor:
     def _retrieve_hot(self, snapshot, seqs, versions):
         """Hot-tier retrieval: probe on the device, host lookup of the misses only, gather
         + scatter + aggregation on the device (see HotTier)."""
-        from runtime.plot import corpus_windows
+        from runtime.plot.window import corpus_windows
 
         cp, ops, hot = self.cp, self.ops, self.hot
         meta = snapshot.meta
@@ -519,7 +294,7 @@ class GpuExecutor:
         return staged, served, {"retrieval": retrieval, "transfer": transfer}
 
     def _add_position(self, inputs, snapshot, versions, lengths, stream, keep):
-        """runtime.plot.add_position on the device: the versions' tables are uploaded once per
+        """runtime.plot.retrieve.add_position on the device: the versions' tables are uploaded once per
         manifest generation and gathered per row, so a batch moves no table bytes."""
         generation = snapshot.manifest.get("generation")
         if generation != self._positions_generation:
@@ -694,7 +469,7 @@ class GpuExecutor:
         if gelu:
             return self.ops.bias_gelu(y, w[target + ".b"], out=y)
         y += w[target + ".b"]
-        if ("adapter", target) in groups:  # on the biased output, as runtime.pet.linear
+        if ("adapter", target) in groups:  # on the biased output, as runtime.model.pet.linear
             g, aw = groups[("adapter", target)]
             self.ops.segmented_adapter(y, aw["down"], aw["down_bias"], aw["up"], aw["up_bias"], aw["seg_starts"],
                                        aw["seg_ids"], out=y)

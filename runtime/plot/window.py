@@ -15,7 +15,8 @@ import torch
 
 from formats import backoff
 from formats.backoff import offsets
-from runtime.model import Encoder
+from runtime.model.encoder import Encoder
+
 
 def windows(ids: np.ndarray, n: int, kind: str = "centered", pad_id: int = 0) -> np.ndarray:
     """The (L, n) uint32 keys of a sequence's L windows (the store's own rule)."""
@@ -73,3 +74,28 @@ def windowed_lower(encoder: Encoder, seqs: list[list[int]], n: int, kind: str = 
     keys = [windows(np.asarray(ids), n, kind, encoder.config.pad_id) for ids in seqs]
     values = window_values(encoder, np.concatenate(keys)).split([len(k) for k in keys])
     return [aggregate(v, n, kind) for v in values]
+
+
+def corpus_windows(seqs, n: int, kind: str, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """(windows (sum of lengths, n) uint32, lengths (B,) int64) of every sequence, in order.
+
+    Vectorized: runtime.plot.window.windows over the concatenation of the sequences with runs of
+    pad_id between them long enough that no window reaches across, keeping the rows of real
+    positions. Identical to concatenating windows(seq) per sequence.
+    """
+    lengths = np.array([len(s) for s in seqs], dtype=np.int64)
+    if not len(seqs) or not lengths.sum():
+        return np.zeros((0, n), dtype=np.uint32), lengths
+    off = offsets(n, kind)
+    gap = int(max(-off.min(), off.max(), 0))
+    parts, keep = [], []
+    pad_run = np.full(gap, pad_id, dtype=np.int64)
+    for s in seqs:
+        parts.append(np.asarray(s, dtype=np.int64).reshape(-1))
+        keep.append(np.ones(len(parts[-1]), dtype=bool))
+        parts.append(pad_run)
+        keep.append(np.zeros(gap, dtype=bool))
+    flat = np.concatenate(parts)
+    if len(flat) and (flat.min() < 0 or flat.max() >= 2**32):
+        raise ValueError("token ids must fit in uint32")
+    return windows(flat, n, kind, pad_id)[np.concatenate(keep)], lengths

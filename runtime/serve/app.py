@@ -1,6 +1,6 @@
 """The HTTP front end (HMI §4): a dispatcher for infer requests and durable manage jobs.
 
-    app = runtime.serve.create_app("STORE", admin_token="...")   # a FastAPI app; run it with uvicorn
+    app = runtime.serve.app.create_app("STORE", admin_token="...")   # a FastAPI app; run it with uvicorn
     hkstore serve STORE [--host 127.0.0.1] [--port 8080] [--admin-token-file F]
 
 **Infer.** ``POST /v1/tenants/{tenant}/infer`` with ``{"text": ...}`` or ``{"texts": [...]}``
@@ -26,9 +26,9 @@ computed for nobody).
 
 A job is STORE/jobs/<id>.json (written atomically: temporary file, fsync, rename, fsync of the
 directory) with its uploads in STORE/jobs/<id>/. One runner thread takes the jobs in creation
-order and hands each to a worker process (``python -m runtime.jobs --job-worker``: started
+order and hands each to a worker process (``python -m runtime.serve.jobs --job-worker``: started
 ahead of time, so torch is imported when the job comes; it runs up to 20 jobs one after the
-other, then a fresh one takes over) that calls runtime.manager; the store's writer lock
+other, then a fresh one takes over) that calls runtime.build.manager; the store's writer lock
 serializes it with any other writer, and serving goes on meanwhile. When a job commits, the runtime refreshes its snapshot, so the new tenant or
 version becomes visible at once and atomically. A server that restarts finds every job that
 was running: a job whose change reached the store is finished, one that did not is queued
@@ -44,9 +44,10 @@ reaches every tenant. Names follow hkstore.store.check_name.
 batch sizes, latencies, rejections, jobs, PET cache hits and any counters the runtime reports
 (``Runtime.stats()``: the GPU executor's PLOT hot tier among them).
 
-Modules: runtime/dispatcher.py (batching, the dedicated baseline, metrics), runtime/jobs.py
-(durable jobs and their worker), runtime/tokens.py (tenant tokens), runtime/files.py (atomic
-small files); this one holds the HTTP layer and the command.
+Modules of runtime/serve/: dispatcher.py (batching, the dedicated baseline), metrics.py,
+jobs.py (durable jobs and their worker), tokens.py (tenant tokens), files.py (atomic small
+files), schemas.py (request and response bodies), cli.py (the command); this one holds the
+HTTP layer.
 
 **Dedicated baseline.** ``mode="dedicated"`` emulates one full model per tenant (HMI's
 baseline): batches hold one tenant only, one runs at a time, and a tenant whose model is not
@@ -60,228 +61,40 @@ import hmac
 import json
 import logging
 import os
-import secrets
 import threading
 import time
-from typing import Annotated, Literal, Optional, Union
+from typing import Annotated, Literal, Optional
 
-import click
 from fastapi import Depends, FastAPI, Path, Query
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
 from hkstore.errors import StoreError, UnknownTenant
-from hkstore.store import NAME, check_name
-from runtime.dispatcher import Dispatcher, Expired, Metrics
-from runtime.files import atomic_write
-from runtime.jobs import Jobs, JobsUnavailable
-from runtime.tokens import TokenStore, hash_token, new_tenant_token, valid_name
+from hkstore.store import check_name
+from runtime.serve.dispatcher import Dispatcher, Expired
+from runtime.serve.jobs import Jobs, JobsUnavailable
+from runtime.serve.metrics import Metrics
+from runtime.serve.schemas import (
+    MAX_INFER_BODY,
+    MAX_UPLOAD_BODY,
+    NAME_PATTERN,
+    ClassificationExample,
+    DomainCreateBody,
+    DomainUpdateBody,
+    Health,
+    InferBody,
+    InferResponse,
+    JobAccepted,
+    JobList,
+    JobView,
+    TenantCreateBody,
+    TenantJobAccepted,
+    TenantUpdateBody,
+)
+from runtime.serve.tokens import TokenStore, hash_token, new_tenant_token, valid_name
 
 log = logging.getLogger("hkstore.serve")
-
-NAME_PATTERN = NAME.pattern  # hkstore.store.check_name's rule, as an OpenAPI pattern
-MAX_TEXT_CHARS = 16_384  # per text; the runtime's max_len (tokens) is the real bound
-MAX_TEXTS = 64  # texts per infer request
-MAX_DOCUMENTS = 100_000
-MAX_DOCUMENT_CHARS = 100_000
-MAX_EXAMPLES = 100_000
-MAX_INFER_BODY = 1 << 20  # bytes
-MAX_UPLOAD_BODY = 64 << 20
-
-
-# -- request and response bodies ------------------------------------------------------------------
-
-Name = Annotated[str, StringConstraints(pattern=NAME_PATTERN, min_length=1, max_length=64)]
-Text = Annotated[str, StringConstraints(min_length=1, max_length=MAX_TEXT_CHARS)]
-Document = Annotated[str, StringConstraints(min_length=1, max_length=MAX_DOCUMENT_CHARS)]
-Label = Annotated[str, StringConstraints(min_length=1, max_length=64)]
-Word = Annotated[str, StringConstraints(min_length=1, max_length=100)]
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class InferBody(Strict):
-    """Exactly one of text and texts."""
-
-    text: Optional[Text] = None
-    texts: Optional[Annotated[list[Text], Field(min_length=1, max_length=MAX_TEXTS)]] = None
-
-    @model_validator(mode="after")
-    def _one(self):
-        if (self.text is None) == (self.texts is None):
-            raise ValueError("give exactly one of 'text' and 'texts'")
-        for j, t in enumerate(self.all_texts()):
-            if not t.strip():
-                raise ValueError(f"text {j} is blank")
-        return self
-
-    def all_texts(self) -> list:
-        return [self.text] if self.text is not None else list(self.texts)
-
-
-class InferResult(BaseModel):
-    task: str
-    version: str
-    labels: list[str]
-    label: Optional[str] = None
-    tags: Optional[list[str]] = None
-    tokens: Optional[list[str]] = None
-    probabilities: list
-    batch_size: int
-    timings_ms: dict
-
-
-class InferResponse(BaseModel):
-    tenant: str
-    results: list[InferResult]
-
-
-class DomainCreateBody(Strict):
-    name: Name
-    parent: Name = "root"
-    documents: Annotated[list[Document], Field(min_length=1, max_length=MAX_DOCUMENTS)]
-    alpha: Annotated[float, Field(ge=0, le=100)] = 50
-    mlm_steps: Annotated[int, Field(ge=0, le=100_000)] = 100
-    lr: Annotated[float, Field(gt=0, le=1)] = 5e-5
-    batch_size: Annotated[int, Field(ge=1, le=1024)] = 16
-    max_len: Annotated[int, Field(ge=8, le=512)] = 128
-    seed: Annotated[int, Field(ge=0, le=2**31 - 1)] = 0
-
-
-class DomainUpdateBody(Strict):
-    new_name: Name
-    documents: Annotated[list[Document], Field(min_length=1, max_length=MAX_DOCUMENTS)]
-    alpha: Optional[Annotated[float, Field(ge=0, le=100)]] = None
-    mlm_steps: Annotated[int, Field(ge=0, le=100_000)] = 100
-    lr: Annotated[float, Field(gt=0, le=1)] = 5e-5
-    batch_size: Annotated[int, Field(ge=1, le=1024)] = 16
-    max_len: Optional[Annotated[int, Field(ge=8, le=512)]] = None
-    include_old: bool = True
-    seed: Annotated[int, Field(ge=0, le=2**31 - 1)] = 0
-
-
-class ClassificationExample(Strict):
-    text: Text
-    label: Label
-
-
-def _one_word(values, what):
-    for v in values:
-        if len(v.split()) != 1 or len(v.splitlines()) != 1:
-            raise ValueError(f"{what} must not hold whitespace or line breaks: {v!r}")
-    return values
-
-
-class TaggingExample(Strict):
-    tokens: Annotated[list[Word], Field(min_length=1, max_length=512)]
-    tags: Annotated[list[Word], Field(min_length=1, max_length=512)]
-
-    @field_validator("tokens", "tags")
-    @classmethod
-    def _words(cls, v, info):
-        return _one_word(v, info.field_name)
-
-    @model_validator(mode="after")
-    def _aligned(self):
-        if len(self.tokens) != len(self.tags):
-            raise ValueError(f"{len(self.tokens)} tokens but {len(self.tags)} tags")
-        return self
-
-
-Examples = Annotated[list[Union[ClassificationExample, TaggingExample]], Field(min_length=1, max_length=MAX_EXAMPLES)]
-
-
-def _check_examples(task, examples):
-    want = ClassificationExample if task == "classification" else TaggingExample
-    for j, e in enumerate(examples or ()):
-        if not isinstance(e, want):
-            raise ValueError(f"examples[{j}]: a {task} example is "
-                             + ("{text, label}" if task == "classification" else "{tokens, tags}"))
-
-
-class TenantCreateBody(Strict):
-    tenant: Name
-    version: Name = "root"
-    task: Literal["classification", "tagging"] = "classification"
-    examples: Examples
-    pet_type: Literal["adapter", "lora", "bitfit", "diff", "mask", "head"] = "adapter"
-    epochs: Annotated[int, Field(ge=1, le=1000)] = 3
-    max_examples: Optional[Annotated[int, Field(ge=1, le=MAX_EXAMPLES)]] = None
-    lr: Optional[Annotated[float, Field(gt=0, le=1)]] = None
-    batch_size: Annotated[int, Field(ge=1, le=1024)] = 16
-    max_len: Annotated[int, Field(ge=8, le=512)] = 128
-    bottleneck: Annotated[int, Field(ge=1, le=1024)] = 64
-    rank: Annotated[int, Field(ge=1, le=256)] = 8
-    seed: Annotated[int, Field(ge=0, le=2**31 - 1)] = 0
-
-    @model_validator(mode="after")
-    def _task(self):
-        _check_examples(self.task, self.examples)
-        return self
-
-
-class TenantUpdateBody(Strict):
-    examples: Optional[Examples] = None
-    version: Optional[Name] = None
-    epochs: Annotated[int, Field(ge=1, le=1000)] = 1
-    max_examples: Optional[Annotated[int, Field(ge=1, le=MAX_EXAMPLES)]] = None
-    lr: Optional[Annotated[float, Field(gt=0, le=1)]] = None
-    batch_size: Annotated[int, Field(ge=1, le=1024)] = 16
-    max_len: Optional[Annotated[int, Field(ge=8, le=512)]] = None
-    seed: Annotated[int, Field(ge=0, le=2**31 - 1)] = 0
-
-    @model_validator(mode="after")
-    def _kinds(self):
-        if self.examples:
-            kinds = {type(e) for e in self.examples}
-            if len(kinds) > 1:
-                raise ValueError("examples mix {text, label} and {tokens, tags}")
-        return self
-
-
-class JobView(BaseModel):
-    id: str
-    kind: str
-    state: Literal["queued", "running", "done", "failed"]
-    created: float
-    started: Optional[float] = None
-    finished: Optional[float] = None
-    attempts: int
-    params: dict
-    progress: dict
-    result: Optional[dict] = None
-    error: Optional[str] = None
-
-
-class JobAccepted(BaseModel):
-    job: JobView
-
-
-class TenantJobAccepted(BaseModel):
-    job: JobView
-    token: str = Field(description="the tenant's API token; shown only here, valid once the job is done")
-
-
-class JobList(BaseModel):
-    jobs: list[JobView]
-
-
-class Health(BaseModel):
-    status: str
-    device: str
-    mode: str
-    tenants: int
-    versions: int
-    queue_depth: int
-    jobs: dict
-    jobs_enabled: bool
-
-
-# -- the service and the app ----------------------------------------------------------------------
 
 
 class HTTPError(Exception):
@@ -794,79 +607,3 @@ def create_app(store_path, *, admin_token, max_batch=32, max_wait_ms=5, queue_li
         return {"jobs": [svc.jobs.view(j) for j in jobs]}
 
     return app
-
-
-# -- the command ----------------------------------------------------------------------------------
-
-
-def resolve_admin_token(store, token_file=None) -> str:
-    """The admin token: --admin-token-file, else $HKSTORE_ADMIN_TOKEN, else STORE/admin.token
-    (made with a fresh random token, mode 0600, on first use)."""
-    if token_file:
-        with open(token_file) as f:
-            token = f.read().strip()
-    elif os.environ.get("HKSTORE_ADMIN_TOKEN"):
-        token = os.environ["HKSTORE_ADMIN_TOKEN"].strip()
-    else:
-        path = os.path.join(store, "admin.token")
-        if not os.path.exists(path):
-            atomic_write(path, (secrets.token_urlsafe(32) + "\n").encode(), mode=0o600)
-            click.echo(f"admin token written to {path}", err=True)
-        with open(path) as f:
-            token = f.read().strip()
-    if len(token) < 16:
-        raise click.ClickException("the admin token must be at least 16 characters")
-    return token
-
-
-@click.command("serve")
-@click.argument("store", type=click.Path(file_okay=False, exists=True))
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback unless told otherwise).")
-@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
-@click.option("--admin-token-file", type=click.Path(dir_okay=False, exists=True),
-              help="File holding the admin token (default: $HKSTORE_ADMIN_TOKEN, else STORE/admin.token).")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
-@click.option("--max-batch", type=click.IntRange(1, 4096), default=32, show_default=True)
-@click.option("--max-wait-ms", type=click.FloatRange(0, 60_000), default=5, show_default=True)
-@click.option("--queue-limit", type=click.IntRange(1, 1 << 20), default=1024, show_default=True)
-@click.option("--request-timeout", type=click.FloatRange(0.001, 3600), default=30, show_default=True,
-              help="Seconds before an infer request gets 504.")
-@click.option("--max-len", type=click.IntRange(3, 4096), default=128, show_default=True, help="Tokens per text.")
-@click.option("--mode", type=click.Choice(["shared", "dedicated"]), default="shared", show_default=True,
-              help="shared: hPLM; dedicated: the per-tenant full-model baseline (emulated).")
-@click.option("--dedicated-resident", type=click.IntRange(1, 100_000), default=4, show_default=True,
-              help="dedicated mode: full models kept loaded.")
-@click.option("--job-threads", type=click.IntRange(1, 64), default=1, show_default=True,
-              help="Torch threads of a job worker.")
-@click.option("--torch-threads", type=click.IntRange(0, 256), default=1, show_default=True,
-              help="Torch intra-op threads of the server (0: torch's default).")
-@click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="warning",
-              show_default=True)
-@click.option("--access-log/--no-access-log", default=False, show_default=True)
-def serve(store, host, port, admin_token_file, device, max_batch, max_wait_ms, queue_limit, request_timeout, max_len,
-          mode, dedicated_resident, job_threads, torch_threads, log_level, access_log):
-    """Serve STORE over HTTP: infer for every tenant, manage jobs (see runtime/serve.py)."""
-    import uvicorn
-
-    if host not in ("127.0.0.1", "localhost", "::1"):
-        click.echo(f"warning: binding {host}, not loopback: the server is reachable from other hosts", err=True)
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        app = create_app(store, admin_token=resolve_admin_token(store, admin_token_file), max_batch=max_batch,
-                         max_wait_ms=max_wait_ms, queue_limit=queue_limit, request_timeout_s=request_timeout,
-                         device=device, max_len=max_len, mode=mode, dedicated_resident=dedicated_resident,
-                         job_threads=job_threads, torch_threads=torch_threads)
-    except (StoreError, ValueError, OSError) as e:
-        raise click.ClickException(str(e)) from None
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=access_log, timeout_graceful_shutdown=5)
-
-
-def main(argv=None):
-    serve.main(args=argv, prog_name="hkstore serve")
-
-
-if __name__ == "__main__":
-    main()
-
-
-__all__ = ["create_app", "resolve_admin_token", "serve"]

@@ -8,6 +8,7 @@ import threading
 
 from formats.durable import fsync_dir
 
+
 def atomic_write(path, data: bytes, mode: int = 0o644):
     """Write a file so that readers see the old or the new bytes, never a mix: a temporary
     file, fsync, rename over `path`, fsync of the directory."""

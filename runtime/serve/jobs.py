@@ -1,7 +1,7 @@
 """Durable manage jobs (HMI §4.1 a-e) for the HTTP server: records under STORE/jobs, one runner
-thread, a worker process that calls runtime.manager. See runtime/serve.py for the protocol.
+thread, a worker process that calls runtime.build.manager. See runtime/serve/app.py for the protocol.
 
-    python -m runtime.jobs --job-worker STORE JOB_ID|- PARENT_PID THREADS    (the worker)
+    python -m runtime.serve.jobs --job-worker STORE JOB_ID|- PARENT_PID THREADS    (the worker)
 """
 
 import collections
@@ -17,7 +17,7 @@ import threading
 import time
 
 import hkstore
-from runtime.files import atomic_write, atomic_write_json, read_json
+from runtime.serve.files import atomic_write, atomic_write_json, read_json
 
 log = logging.getLogger("hkstore.serve")
 
@@ -218,7 +218,7 @@ class Jobs:
         env.setdefault("OMP_NUM_THREADS", str(self.threads))
         with open(os.path.join(self.dir, "worker.log"), "ab") as log_file:  # until it has a job's log.txt
             self._worker = subprocess.Popen(
-                [self.python, "-m", "runtime.jobs", "--job-worker", self.store_path, "-", str(os.getpid()),
+                [self.python, "-m", "runtime.serve.jobs", "--job-worker", self.store_path, "-", str(os.getpid()),
                  str(self.threads)], stdin=subprocess.PIPE, stdout=log_file, stderr=log_file, env=env, cwd=root)
         self._worker_jobs = 0
         return self._worker
@@ -453,7 +453,7 @@ def _die_with_parent(parent_pid):
 
 
 def _execute(store_path, kind, p):
-    from runtime import manager
+    from runtime.build import manager
 
     if kind == "domain_create":
         return manager.domain_create(store_path, p["name"], [p["corpus_path"]], parent=p["parent"], alpha=p["alpha"],
@@ -489,11 +489,11 @@ def job_worker(store_path, job_id, parent_pid=0, threads=1) -> int:
 
     torch.set_num_threads(max(1, threads))
     tqdm.tqdm = _Progress
-    import runtime.manager  # noqa: F401 - the imports a job needs, done before it comes
-    import runtime.plot  # noqa: F401
-    import runtime.train
+    import runtime.build.manager  # noqa: F401 - the imports a job needs, done before it comes
+    import runtime.build.plot  # noqa: F401
+    import runtime.build.train
 
-    runtime.train.tqdm = _Progress
+    runtime.build.train.tqdm = _Progress
     with contextlib.suppress(Exception):  # the optimizer's first use imports torch._dynamo (seconds)
         w = torch.zeros(4, requires_grad=True)
         opt = torch.optim.AdamW([w], lr=1e-3)
@@ -541,7 +541,7 @@ def _one_job(store_path, job_id) -> int:
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] != ["--job-worker"] or len(argv) != 5:
-        raise SystemExit("usage: python -m runtime.jobs --job-worker STORE JOB_ID|- PARENT_PID THREADS")
+        raise SystemExit("usage: python -m runtime.serve.jobs --job-worker STORE JOB_ID|- PARENT_PID THREADS")
     code = job_worker(argv[1], argv[2], int(argv[3]), int(argv[4]))
     sys.stdout.flush()
     sys.stderr.flush()

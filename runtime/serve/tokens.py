@@ -1,5 +1,5 @@
 """Per-tenant API tokens: ``<tenant>~<secret>``, shown once at creation; STORE/tokens.json keeps
-only a salted SHA-256 of each (runtime/serve.py checks them)."""
+only a salted SHA-256 of each (runtime/serve/app.py checks them)."""
 
 import hashlib
 import hmac
@@ -8,7 +8,7 @@ import secrets
 import threading
 
 from hkstore.store import NAME
-from runtime.files import atomic_write_json, read_json
+from runtime.serve.files import atomic_write_json, read_json
 
 TOKEN_SEP = "~"
 

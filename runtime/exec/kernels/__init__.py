@@ -2,7 +2,7 @@
 
 The ``.cu`` files of this package are the single source of the device code:
 
-* ``runtime.ops_gpu`` hands them to CuPy's ``RawModule`` (which compiles with NVRTC on the
+* ``runtime.exec.ops_gpu`` hands them to CuPy's ``RawModule`` (which compiles with NVRTC on the
   GPU machine);
 * :func:`compile_ptx` compiles them with NVRTC from ``cuda-bindings`` to PTX, which needs no
   GPU and no driver, so CI checks every kernel compiles (``tests/test_kernels_nvrtc.py``).

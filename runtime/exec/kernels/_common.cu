@@ -1,6 +1,6 @@
 // hkstore kernels: shared prelude.
 //
-// runtime.kernels.kernel_sources() prepends this file to every other .cu file of the
+// runtime.exec.kernels.kernel_sources() prepends this file to every other .cu file of the
 // package, so each entry of that dict is one self-contained translation unit.
 //
 // No #include at all: the NVRTC shipped in the nvidia-cuda-nvrtc wheels carries no CUDA

@@ -1,6 +1,7 @@
 // Fused element-wise work of the upper layers (fp32 math, dtype of x in and out).
 //
-// bias + GELU (erf form):  y = g(x + bias[c]),  g(v) = 0.5 v (1 + erf(v / sqrt 2)).
+// bias + GELU (erf form):  y = g(x + bias[c]),  g(v) = 0.5 v (1 + erf(v / sqrt 2)), computed as
+// 0.5 v erfc(-v / sqrt 2): 1 + erf cancels in fp32 for v below about -4.
 //   x (rows, d), bias (d,).  Grid-stride over rows*d elements; block 256,
 //   grid min(ceil(total / 256), 65535).
 // residual + LayerNorm:    v = x + residual;  y = (v - mean) * rsqrt(var + eps) * gamma + beta
@@ -19,7 +20,7 @@ __device__ __forceinline__ void hk_bias_gelu(T* y, const T* x,   // y may alias 
     for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += stride) {
         const int c = (int)(e % d);
         const float v = hk_to_float(x[e]) + hk_to_float(bias[c]);
-        y[e] = hk_from_float<T>(0.5f * v * (1.f + erff(v * 0.70710678118654752f)));
+        y[e] = hk_from_float<T>(0.5f * v * erfcf(-v * 0.70710678118654752f));
     }
 }
 

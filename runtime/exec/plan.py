@@ -1,0 +1,231 @@
+"""Mixed-tenant batch plans (HMI §6, PetS, Punica): PETs in executor form and the layout of one batch.
+
+* **Serving PETs.** ``prepare_pet`` turns an exported PET (``runtime.model.pet.Pet``) into the form
+  the executors stack: fp32 tensors grouped into *parts* ``(kind, layer, target)`` with kind
+  ``lora``, ``bias`` (BitFit), ``diff`` (diff pruning; mask PETs become diffs whose values are
+  minus the base weights they zero), ``adapter`` and ``norm``, plus the head.
+* **Batch plans.** ``plan_batch`` lays out one mixed-tenant batch: requests are reordered so
+  the requests of one tenant are contiguous (``perm``), which gives one segment per tenant
+  (SGMV's segment table, in request units: multiply by the padded length L for rows); every
+  part that some tenant of the batch has becomes a ``Group`` naming the tenants that carry it
+  (stacked index t) and, per segment, which t applies (-1: none). LoRA groups whose tenants
+  each serve a single request run as BGMV (every request its own LoRA), the rest as SGMV.
+  ``stack_group`` builds the stacked weights of a group with torch (ranks and bottlenecks
+  zero-padded to the group's largest, which changes nothing).
+
+Executors implement ``prepare(snapshot, items) -> Prepared`` and ``compute(prepared) ->
+list[np.ndarray]`` (logits per item, in item order); the scheduler (runtime.sched) drives them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from runtime.model import pet as petlib
+
+KINDS = ("lora", "bias", "diff", "adapter", "norm")
+
+
+@dataclass
+class ServingPet:
+    """A PET in executor form. ``tensors`` maps part -> tuple of fp32 (index: int32) tensors:
+
+    * ``("lora", i, t)``: (A (r, d_in), B (d_out, r)), scaled by ``scale``
+    * ``("bias", i, t)``: (delta (d_out),)
+    * ``("diff", i, t)``: (flat index int32 (k) nondecreasing, value (k))
+    * ``("adapter", i, target)``: (down (b, d), down_bias (b), up (d, b), up_bias (d))
+    * ``("norm", i, ln)``: (gain delta (d), shift delta (d)) of LayerNorm ln (ln_attn, ln_ffn)
+    """
+
+    key: object  # what identifies the tenant in a batch (tenant name, or any hashable)
+    meta: dict
+    parts: dict
+    head_weight: torch.Tensor
+    head_bias: torch.Tensor
+    scale: float = 1.0
+    version: str | None = None  # PLOT version the PET was trained on (from its meta)
+    token: object = None  # changes when the tenant's record changes (device caches key on it)
+
+    @property
+    def task(self) -> str:
+        return self.meta["task"]
+
+    @property
+    def labels(self) -> list:
+        return self.meta["labels"]
+
+    @property
+    def nbytes(self) -> int:
+        total = self.head_weight.numel() * 4 + self.head_bias.numel() * 4
+        for arrays in self.parts.values():
+            total += sum(a.numel() * a.element_size() for a in arrays)
+        return total
+
+
+def prepare_pet(encoder, pet: petlib.Pet, key=None, token=None) -> ServingPet:
+    """ServingPet of an exported (index-form) PET on `encoder` (see the class doc)."""
+    t, meta = pet.tensors, pet.meta
+    parts = {}
+    for name, value in t.items():
+        bits = name.split(".")
+        if bits[0] != "layers":
+            continue
+        i, kind = int(bits[1]), bits[2]
+        if kind == "lora" and bits[4] == "A":
+            target = bits[3]
+            parts[("lora", i, target)] = (_f32(value), _f32(t[f"layers.{i}.lora.{target}.B"]))
+        elif kind == "bias":
+            parts[("bias", i, bits[3])] = (_f32(value),)
+        elif kind == "diff" and bits[4] == "index":
+            target = bits[3]
+            parts[("diff", i, target)] = _sorted_delta(value, t[f"layers.{i}.diff.{target}.value"])
+        elif kind == "mask":
+            target = bits[3]
+            weight = getattr(encoder.layers[i], target).weight.detach().float().flatten()
+            index = torch.unique(torch.as_tensor(value).long())  # sorted, no repeats
+            parts[("diff", i, target)] = (index.to(torch.int32).contiguous(), (-weight[index]).contiguous())
+        elif kind == "adapter" and bits[4:] == ["down", "weight"]:
+            p = f"layers.{i}.adapter.{bits[3]}."
+            parts[("adapter", i, bits[3])] = tuple(
+                _f32(t[p + n]) for n in ("down.weight", "down.bias", "up.weight", "up.bias"))
+        elif kind == "norm" and bits[4] == "weight":
+            parts[("norm", i, bits[3])] = (_f32(value), _f32(t[f"layers.{i}.norm.{bits[3]}.bias"]))
+    if "head.weight" not in t:
+        raise ValueError("PET has no head (head.weight)")
+    return ServingPet(key=key, meta=dict(meta), parts=parts, head_weight=_f32(t["head.weight"]),
+                      head_bias=_f32(t["head.bias"]), scale=float(meta.get("scale", 1.0)),
+                      version=meta.get("version"), token=token)
+
+
+def _f32(v) -> torch.Tensor:
+    return torch.as_tensor(v).detach().float().contiguous()
+
+
+def _sorted_delta(index, value):
+    index = torch.as_tensor(index).long()
+    order = torch.argsort(index, stable=True)
+    return index[order].to(torch.int32).contiguous(), _f32(value)[order].contiguous()
+
+
+@dataclass
+class Group:
+    """One part (kind, layer, target) across the batch's tenants that carry it."""
+
+    kind: str
+    layer: int
+    target: str | None
+    members: list  # plan.tenants indices; member t is stacked index t
+    seg_ids: np.ndarray  # (S,) int64: stacked index of each plan segment, -1 = none
+    request_ids: np.ndarray  # (B,) int64: stacked index of each executed request, -1 = none
+    bgmv: bool = False  # LoRA only: run per row (BGMV) instead of per segment (SGMV)
+
+
+@dataclass
+class BatchPlan:
+    perm: np.ndarray  # (B,) executed position -> item index
+    tenants: list  # distinct ServingPets, in executed order
+    request_tenant: np.ndarray  # (B,) executed position -> plan.tenants index
+    seg_starts: np.ndarray  # (S+1,) in requests; segment s = tenant s
+    groups: dict  # (kind, layer, target) -> Group
+    lengths: np.ndarray | None = None  # (B,) executed order, when known
+
+    @property
+    def size(self) -> int:
+        return len(self.perm)
+
+    def layer_groups(self, layer: int) -> list:
+        return [g for (kind, i, _), g in self.groups.items() if i == layer]
+
+
+def plan_batch(pets: list, keys: list | None = None, lora_kernel: str = "auto") -> BatchPlan:
+    """Lay out a mixed-tenant batch: pets[b] (ServingPet) serves item b; keys[b] (default
+    pets[b].key, or the object itself) says which items share a tenant. lora_kernel: "sgmv",
+    "bgmv" or "auto" (BGMV when every LoRA tenant of the batch has a single request)."""
+    if lora_kernel not in ("auto", "sgmv", "bgmv"):
+        raise ValueError(f"lora_kernel must be auto, sgmv or bgmv, got {lora_kernel!r}")
+    if not pets:
+        raise ValueError("an empty batch")
+    if keys is None:
+        keys = [p.key if p.key is not None else id(p) for p in pets]
+    first: dict = {}
+    tenants = []
+    for b, k in enumerate(keys):
+        if k not in first:
+            first[k] = len(tenants)
+            tenants.append(pets[b])
+    tenant_of = np.array([first[k] for k in keys], dtype=np.int64)
+    perm = np.argsort(tenant_of, kind="stable")
+    request_tenant = tenant_of[perm]
+    counts = np.bincount(request_tenant, minlength=len(tenants))
+    seg_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+
+    parts: dict = {}
+    for ti, p in enumerate(tenants):
+        for part in p.parts:
+            parts.setdefault(part, []).append(ti)
+    groups = {}
+    for part in sorted(parts, key=lambda k: (k[1], KINDS.index(k[0]), k[2] or "")):
+        members = parts[part]
+        index = np.full(len(tenants), -1, dtype=np.int64)
+        index[members] = np.arange(len(members))
+        kind = part[0]
+        bgmv = kind == "lora" and (lora_kernel == "bgmv" or (lora_kernel == "auto" and bool((counts[members] == 1).all())))
+        groups[part] = Group(kind, part[1], part[2], list(members), index, index[request_tenant], bgmv)
+    return BatchPlan(perm, tenants, request_tenant, seg_starts, groups)
+
+
+def _pad_to(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    if t.shape[dim] == size:
+        return t
+    shape = list(t.shape)
+    shape[dim] = size - shape[dim]
+    return torch.cat([t, torch.zeros(shape, dtype=t.dtype)], dim)
+
+
+def stack_group(plan: BatchPlan, group: Group, dtype=torch.float32) -> dict:
+    """Stacked torch weights of a group, as the ops_cpu functions take them."""
+    arrays = [plan.tenants[m].parts[(group.kind, group.layer, group.target)] for m in group.members]
+    if group.kind == "lora":
+        r = max(a[0].shape[0] for a in arrays)
+        A = torch.stack([_pad_to(a[0], 0, r) for a in arrays]).to(dtype)
+        B = torch.stack([_pad_to(a[1], 1, r) for a in arrays]).to(dtype)
+        scales = torch.tensor([plan.tenants[m].scale for m in group.members], dtype=torch.float32)
+        return {"A": A, "B": B, "scales": scales}
+    if group.kind == "bias":
+        return {"delta": torch.stack([a[0] for a in arrays]).to(dtype)}
+    if group.kind == "diff":
+        sizes = [len(a[0]) for a in arrays]
+        return {"index": torch.cat([a[0] for a in arrays]), "value": torch.cat([a[1] for a in arrays]).to(dtype),
+                "offsets": torch.tensor(np.concatenate([[0], np.cumsum(sizes)]), dtype=torch.int64)}
+    if group.kind == "adapter":
+        b = max(a[0].shape[0] for a in arrays)
+        return {"down": torch.stack([_pad_to(a[0], 0, b) for a in arrays]).to(dtype),
+                "down_bias": torch.stack([_pad_to(a[1], 0, b) for a in arrays]).to(dtype),
+                "up": torch.stack([_pad_to(a[2], 1, b) for a in arrays]).to(dtype),
+                "up_bias": torch.stack([a[3] for a in arrays]).to(dtype)}
+    if group.kind == "norm":
+        return {"weight": torch.stack([a[0] for a in arrays]).to(dtype),
+                "bias": torch.stack([a[1] for a in arrays]).to(dtype)}
+    raise ValueError(f"unknown part kind {group.kind!r}")
+
+
+@dataclass
+class Prepared:
+    """What an executor's prepare hands to its compute."""
+
+    items: list
+    timings: dict = field(default_factory=dict)
+    payload: object = None
+    served: list | None = None
+
+
+def pad_ids(seqs: list, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Right-padded (B, L) ids and lengths."""
+    lengths = np.array([len(s) for s in seqs], dtype=np.int64)
+    ids = np.full((len(seqs), int(lengths.max())), pad_id, dtype=np.int64)
+    for b, s in enumerate(seqs):
+        ids[b, : len(s)] = s
+    return ids, lengths

@@ -1,0 +1,120 @@
+"""The one retrieval path (HMI §3.4, FORMAT.md §4): PLOT lookups + aggregation -> upper-layer inputs.
+
+    inputs, mask, served = retrieve(snapshot, "biology", seqs)
+
+`retrieve` is what training (runtime.build) and serving call alike, so a PET is trained on exactly
+the inputs it will be served with: the windows of every sequence, one batched lookup for the whole
+batch, then the normalized aggregation of runtime.plot.window plus the version's position table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from formats.xxh64 import checksum
+from hkstore.errors import StoreError
+from runtime.plot.window import aggregate_batch, corpus_windows
+
+
+@dataclass
+class Served:
+    """Per-window provenance of a retrieve() batch, right-padded like the inputs."""
+
+    windows: np.ndarray  # (B, L, n) uint32: the window around each position (pad rows past length)
+    version: np.ndarray  # (B, L) int16: served version index, -1 past a sequence's end (and on a miss)
+    order: np.ndarray  # (B, L) int8: order of the served key, 0 past the end (and on a miss)
+    lengths: np.ndarray  # (B,) int64
+    version_names: list = field(default_factory=list)
+
+    def summary(self) -> dict:
+        """Counts of served windows per version name and per order (for analysts)."""
+        real = np.arange(self.version.shape[1])[None, :] < self.lengths[:, None]
+        v, o = self.version[real], self.order[real]
+        return {
+            "windows": int(real.sum()),
+            "by_version": {self.version_names[i] if i >= 0 else "miss": int((v == i).sum()) for i in np.unique(v)},
+            "by_order": {int(k): int((o == k).sum()) for k in np.unique(o)},
+        }
+
+
+def retrieve(snapshot, version, seqs) -> tuple[torch.Tensor, torch.Tensor, Served]:
+    """Upper-layer inputs of token id sequences served by PLOT `version` of `snapshot` (a
+    hkstore Snapshot or Store): (inputs float32 (B, L, d), mask bool (B, L), served).
+
+    Windows of every sequence, ONE lookup for the whole batch, then runtime.plot.window's
+    normalized aggregation plus the version's position table (snapshot.position); positions
+    past a sequence's length are zero and masked out.
+    """
+    meta = snapshot.meta
+    n, kind, pad_id, d = meta["n"], meta["window"], meta["pad_id"], meta["d"]
+    if not len(seqs):
+        raise ValueError("retrieve needs at least one sequence")
+    wins, lengths = corpus_windows(seqs, n, kind, pad_id)
+    vocab = meta.get("vocab_size")
+    if vocab and len(wins) and int(wins.max()) >= vocab:
+        raise ValueError(f"token id {int(wins.max())} is outside the store's vocabulary of {vocab}")
+    result = snapshot.lookup(version, wins)
+    B, L = len(seqs), int(lengths.max())
+    real = np.arange(L)[None, :] < lengths[:, None]
+    values = np.zeros((B, L, n, d), dtype=np.float32)
+    values[real] = result.values
+    inputs = aggregate_batch(torch.from_numpy(values), torch.from_numpy(lengths), n, kind)
+    add_position(inputs, real, snapshot.position(version))
+    served_windows = np.full((B, L, n), pad_id, dtype=np.uint32)
+    served_windows[real] = wins
+    served_version = np.full((B, L), -1, dtype=np.int16)
+    served_version[real] = result.version
+    served_order = np.zeros((B, L), dtype=np.int8)
+    served_order[real] = result.order
+    served = Served(served_windows, served_version, served_order, lengths, list(result.version_names))
+    return inputs, torch.from_numpy(real), served
+
+
+def add_position(inputs: torch.Tensor, real: np.ndarray, table) -> None:
+    """Add a version's position table (FORMAT.md section 4) to aggregated inputs (B, L, d) in
+    place, at real positions only; rows past the table's end add nothing."""
+    if table is None:
+        return
+    rows = min(inputs.shape[1], len(table))
+    inputs[:, :rows] += torch.from_numpy(np.array(table[:rows])) * torch.from_numpy(real[:, :rows, None])
+
+
+def retrieve_list(snapshot, version, seqs, batch_size: int = 256) -> list[torch.Tensor]:
+    """retrieve() in batches, returned as one (length, d) tensor per sequence: the
+    precomputed-inputs form runtime.build.train's loops take. Rows are exactly retrieve()'s."""
+    out = []
+    for start in range(0, len(seqs), batch_size):
+        batch = seqs[start:start + batch_size]
+        inputs, _, served = retrieve(snapshot, version, batch)
+        out += [inputs[b, :length].clone() for b, length in enumerate(served.lengths.tolist())]
+    return out
+
+
+def check_encoder(meta: dict, encoder) -> None:
+    """Refuse an encoder whose shape or vocabulary differs from the store's."""
+    c = encoder.config
+    problems = []
+    if c.d != meta["d"]:
+        problems.append(f"width {c.d} != store d {meta['d']}")
+    if meta.get("vocab_size") and c.vocab_size != meta["vocab_size"]:
+        problems.append(f"vocabulary {c.vocab_size} != store vocab_size {meta['vocab_size']}")
+    if c.pad_id != meta["pad_id"]:
+        problems.append(f"pad id {c.pad_id} != store pad_id {meta['pad_id']}")
+    if encoder.lower_layers != meta["lower_layers"]:
+        problems.append(f"lower_layers {encoder.lower_layers} != store lower_layers {meta['lower_layers']}")
+    fp = meta.get("tokenizer_fingerprint")
+    if fp and fp != encoder.tokenizer_fingerprint():
+        problems.append("its tokenizer differs from the store's (tokenizer fingerprint mismatch)")
+    if problems:
+        raise StoreError("the model does not match the store: " + "; ".join(problems))
+
+
+def lower_fingerprint(encoder) -> str:
+    """XXH64 (hex) over the lower layers' weights: which function a table's values come from."""
+    h = 0
+    for p in encoder.lower_parameters():
+        h = checksum(p.detach().contiguous().float().numpy().tobytes()) ^ ((h * 0x9E3779B97F4A7C15) & (2**64 - 1))
+    return f"{h:016x}"

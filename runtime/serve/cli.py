@@ -1,0 +1,84 @@
+"""`hkstore serve`: the admin token and the uvicorn server around runtime.serve.app."""
+
+import logging
+import os
+import secrets
+
+import click
+
+from hkstore.errors import StoreError
+from runtime.serve.app import create_app
+from runtime.serve.files import atomic_write
+
+
+def resolve_admin_token(store, token_file=None) -> str:
+    """The admin token: --admin-token-file, else $HKSTORE_ADMIN_TOKEN, else STORE/admin.token
+    (made with a fresh random token, mode 0600, on first use)."""
+    if token_file:
+        with open(token_file) as f:
+            token = f.read().strip()
+    elif os.environ.get("HKSTORE_ADMIN_TOKEN"):
+        token = os.environ["HKSTORE_ADMIN_TOKEN"].strip()
+    else:
+        path = os.path.join(store, "admin.token")
+        if not os.path.exists(path):
+            atomic_write(path, (secrets.token_urlsafe(32) + "\n").encode(), mode=0o600)
+            click.echo(f"admin token written to {path}", err=True)
+        with open(path) as f:
+            token = f.read().strip()
+    if len(token) < 16:
+        raise click.ClickException("the admin token must be at least 16 characters")
+    return token
+
+
+@click.command("serve")
+@click.argument("store", type=click.Path(file_okay=False, exists=True))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback unless told otherwise).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
+@click.option("--admin-token-file", type=click.Path(dir_okay=False, exists=True),
+              help="File holding the admin token (default: $HKSTORE_ADMIN_TOKEN, else STORE/admin.token).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--max-batch", type=click.IntRange(1, 4096), default=32, show_default=True)
+@click.option("--max-wait-ms", type=click.FloatRange(0, 60_000), default=5, show_default=True)
+@click.option("--queue-limit", type=click.IntRange(1, 1 << 20), default=1024, show_default=True)
+@click.option("--request-timeout", type=click.FloatRange(0.001, 3600), default=30, show_default=True,
+              help="Seconds before an infer request gets 504.")
+@click.option("--max-len", type=click.IntRange(3, 4096), default=128, show_default=True, help="Tokens per text.")
+@click.option("--mode", type=click.Choice(["shared", "dedicated"]), default="shared", show_default=True,
+              help="shared: hPLM; dedicated: the per-tenant full-model baseline (emulated).")
+@click.option("--dedicated-resident", type=click.IntRange(1, 100_000), default=4, show_default=True,
+              help="dedicated mode: full models kept loaded.")
+@click.option("--job-threads", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="Torch threads of a job worker.")
+@click.option("--torch-threads", type=click.IntRange(0, 256), default=1, show_default=True,
+              help="Torch intra-op threads of the server (0: torch's default).")
+@click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="warning",
+              show_default=True)
+@click.option("--access-log/--no-access-log", default=False, show_default=True)
+def serve(store, host, port, admin_token_file, device, max_batch, max_wait_ms, queue_limit, request_timeout, max_len,
+          mode, dedicated_resident, job_threads, torch_threads, log_level, access_log):
+    """Serve STORE over HTTP: infer for every tenant, manage jobs (see runtime/serve/app.py)."""
+    import uvicorn
+
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        click.echo(f"warning: binding {host}, not loopback: the server is reachable from other hosts", err=True)
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        app = create_app(store, admin_token=resolve_admin_token(store, admin_token_file), max_batch=max_batch,
+                         max_wait_ms=max_wait_ms, queue_limit=queue_limit, request_timeout_s=request_timeout,
+                         device=device, max_len=max_len, mode=mode, dedicated_resident=dedicated_resident,
+                         job_threads=job_threads, torch_threads=torch_threads)
+    except (StoreError, ValueError, OSError) as e:
+        raise click.ClickException(str(e)) from None
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=access_log, timeout_graceful_shutdown=5)
+
+
+def main(argv=None):
+    serve.main(args=argv, prog_name="hkstore serve")
+
+
+if __name__ == "__main__":
+    main()
+
+
+__all__ = ["create_app", "resolve_admin_token", "serve"]

@@ -1,0 +1,226 @@
+"""Request and response bodies of the HTTP API (pydantic; they make the OpenAPI schema), and their limits."""
+
+from typing import Annotated, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+
+from hkstore.store import NAME
+
+NAME_PATTERN = NAME.pattern  # hkstore.store.check_name's rule, as an OpenAPI pattern
+
+
+MAX_TEXT_CHARS = 16_384  # per text; the runtime's max_len (tokens) is the real bound
+
+
+MAX_TEXTS = 64  # texts per infer request
+
+
+MAX_DOCUMENTS = 100_000
+
+
+MAX_DOCUMENT_CHARS = 100_000
+
+
+MAX_EXAMPLES = 100_000
+
+
+MAX_INFER_BODY = 1 << 20  # bytes
+
+
+MAX_UPLOAD_BODY = 64 << 20
+
+
+Name = Annotated[str, StringConstraints(pattern=NAME_PATTERN, min_length=1, max_length=64)]
+
+
+Text = Annotated[str, StringConstraints(min_length=1, max_length=MAX_TEXT_CHARS)]
+
+
+Document = Annotated[str, StringConstraints(min_length=1, max_length=MAX_DOCUMENT_CHARS)]
+
+
+Label = Annotated[str, StringConstraints(min_length=1, max_length=64)]
+
+
+Word = Annotated[str, StringConstraints(min_length=1, max_length=100)]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class InferBody(Strict):
+    """Exactly one of text and texts."""
+
+    text: Optional[Text] = None
+    texts: Optional[Annotated[list[Text], Field(min_length=1, max_length=MAX_TEXTS)]] = None
+
+    @model_validator(mode="after")
+    def _one(self):
+        if (self.text is None) == (self.texts is None):
+            raise ValueError("give exactly one of 'text' and 'texts'")
+        for j, t in enumerate(self.all_texts()):
+            if not t.strip():
+                raise ValueError(f"text {j} is blank")
+        return self
+
+    def all_texts(self) -> list:
+        return [self.text] if self.text is not None else list(self.texts)
+
+
+class InferResult(BaseModel):
+    task: str
+    version: str
+    labels: list[str]
+    label: Optional[str] = None
+    tags: Optional[list[str]] = None
+    tokens: Optional[list[str]] = None
+    probabilities: list
+    batch_size: int
+    timings_ms: dict
+
+
+class InferResponse(BaseModel):
+    tenant: str
+    results: list[InferResult]
+
+
+class DomainCreateBody(Strict):
+    name: Name
+    parent: Name = "root"
+    documents: Annotated[list[Document], Field(min_length=1, max_length=MAX_DOCUMENTS)]
+    alpha: Annotated[float, Field(ge=0, le=100)] = 50
+    mlm_steps: Annotated[int, Field(ge=0, le=100_000)] = 100
+    lr: Annotated[float, Field(gt=0, le=1)] = 5e-5
+    batch_size: Annotated[int, Field(ge=1, le=1024)] = 16
+    max_len: Annotated[int, Field(ge=8, le=512)] = 128
+    seed: Annotated[int, Field(ge=0, le=2**31 - 1)] = 0
+
+
+class DomainUpdateBody(Strict):
+    new_name: Name
+    documents: Annotated[list[Document], Field(min_length=1, max_length=MAX_DOCUMENTS)]
+    alpha: Optional[Annotated[float, Field(ge=0, le=100)]] = None
+    mlm_steps: Annotated[int, Field(ge=0, le=100_000)] = 100
+    lr: Annotated[float, Field(gt=0, le=1)] = 5e-5
+    batch_size: Annotated[int, Field(ge=1, le=1024)] = 16
+    max_len: Optional[Annotated[int, Field(ge=8, le=512)]] = None
+    include_old: bool = True
+    seed: Annotated[int, Field(ge=0, le=2**31 - 1)] = 0
+
+
+class ClassificationExample(Strict):
+    text: Text
+    label: Label
+
+
+def _one_word(values, what):
+    for v in values:
+        if len(v.split()) != 1 or len(v.splitlines()) != 1:
+            raise ValueError(f"{what} must not hold whitespace or line breaks: {v!r}")
+    return values
+
+
+class TaggingExample(Strict):
+    tokens: Annotated[list[Word], Field(min_length=1, max_length=512)]
+    tags: Annotated[list[Word], Field(min_length=1, max_length=512)]
+
+    @field_validator("tokens", "tags")
+    @classmethod
+    def _words(cls, v, info):
+        return _one_word(v, info.field_name)
+
+    @model_validator(mode="after")
+    def _aligned(self):
+        if len(self.tokens) != len(self.tags):
+            raise ValueError(f"{len(self.tokens)} tokens but {len(self.tags)} tags")
+        return self
+
+
+Examples = Annotated[list[Union[ClassificationExample, TaggingExample]], Field(min_length=1, max_length=MAX_EXAMPLES)]
+
+
+def _check_examples(task, examples):
+    want = ClassificationExample if task == "classification" else TaggingExample
+    for j, e in enumerate(examples or ()):
+        if not isinstance(e, want):
+            raise ValueError(f"examples[{j}]: a {task} example is "
+                             + ("{text, label}" if task == "classification" else "{tokens, tags}"))
+
+
+class TenantCreateBody(Strict):
+    tenant: Name
+    version: Name = "root"
+    task: Literal["classification", "tagging"] = "classification"
+    examples: Examples
+    pet_type: Literal["adapter", "lora", "bitfit", "diff", "mask", "head"] = "adapter"
+    epochs: Annotated[int, Field(ge=1, le=1000)] = 3
+    max_examples: Optional[Annotated[int, Field(ge=1, le=MAX_EXAMPLES)]] = None
+    lr: Optional[Annotated[float, Field(gt=0, le=1)]] = None
+    batch_size: Annotated[int, Field(ge=1, le=1024)] = 16
+    max_len: Annotated[int, Field(ge=8, le=512)] = 128
+    bottleneck: Annotated[int, Field(ge=1, le=1024)] = 64
+    rank: Annotated[int, Field(ge=1, le=256)] = 8
+    seed: Annotated[int, Field(ge=0, le=2**31 - 1)] = 0
+
+    @model_validator(mode="after")
+    def _task(self):
+        _check_examples(self.task, self.examples)
+        return self
+
+
+class TenantUpdateBody(Strict):
+    examples: Optional[Examples] = None
+    version: Optional[Name] = None
+    epochs: Annotated[int, Field(ge=1, le=1000)] = 1
+    max_examples: Optional[Annotated[int, Field(ge=1, le=MAX_EXAMPLES)]] = None
+    lr: Optional[Annotated[float, Field(gt=0, le=1)]] = None
+    batch_size: Annotated[int, Field(ge=1, le=1024)] = 16
+    max_len: Optional[Annotated[int, Field(ge=8, le=512)]] = None
+    seed: Annotated[int, Field(ge=0, le=2**31 - 1)] = 0
+
+    @model_validator(mode="after")
+    def _kinds(self):
+        if self.examples:
+            kinds = {type(e) for e in self.examples}
+            if len(kinds) > 1:
+                raise ValueError("examples mix {text, label} and {tokens, tags}")
+        return self
+
+
+class JobView(BaseModel):
+    id: str
+    kind: str
+    state: Literal["queued", "running", "done", "failed"]
+    created: float
+    started: Optional[float] = None
+    finished: Optional[float] = None
+    attempts: int
+    params: dict
+    progress: dict
+    result: Optional[dict] = None
+    error: Optional[str] = None
+
+
+class JobAccepted(BaseModel):
+    job: JobView
+
+
+class TenantJobAccepted(BaseModel):
+    job: JobView
+    token: str = Field(description="the tenant's API token; shown only here, valid once the job is done")
+
+
+class JobList(BaseModel):
+    jobs: list[JobView]
+
+
+class Health(BaseModel):
+    status: str
+    device: str
+    mode: str
+    tenants: int
+    versions: int
+    queue_depth: int
+    jobs: dict
+    jobs_enabled: bool
