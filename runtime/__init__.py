@@ -117,7 +117,7 @@ class Runtime:
     def _setup(self, device, encoder, pet_cache_bytes, pipeline, prefetch, hot_tier_rows, host_cache_bytes, dtype,
                lora_kernel):
         from runtime.model import stored
-        from runtime.plot.retrieve import check_encoder
+        from runtime.model.stored import check_encoder
         from runtime.sched.pet_cache import PetCache
         from runtime.sched.scheduler import Scheduler
 

@@ -19,7 +19,8 @@ from formats.backoff import backoff, key_order, left
 from formats.xxh64 import checksum
 from hkstore.branch import create_branch
 from hkstore.errors import StoreError
-from runtime.plot.retrieve import check_encoder, lower_fingerprint, retrieve
+from runtime.model.stored import check_encoder, lower_fingerprint
+from runtime.plot.retrieve import retrieve
 from runtime.plot.window import corpus_windows, window_values
 
 BUILD_INFO = "build"  # the root's version-info field recording a (possibly unfinished) build

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
-from tqdm import tqdm
+import tqdm
 
 from runtime.build.data import IGNORE
 from runtime.model import pet as petlib
@@ -203,7 +203,7 @@ def _fit(params: list[torch.Tensor], n_examples: int, loss_of, cfg: TrainConfig,
         opt, lambda s: (s + 1) / (warm + 1) if s < warm else (total - s) / (total - warm)
     )
     log = []
-    with tqdm(total=total, desc=desc, unit="step", disable=not cfg.progress) as bar:
+    with tqdm.tqdm(total=total, desc=desc, unit="step", disable=not cfg.progress) as bar:
         for batch in _batches(n_examples, cfg.batch_size, total, g):
             loss = loss_of(batch)
             opt.zero_grad(set_to_none=True)

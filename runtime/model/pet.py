@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:  # annotations only: runtime.model.encoder imports this module
-    from runtime.model.encoder import Encoder
+# PET math takes the encoder as a plain nn.Module (runtime.model.encoder.Encoder, which applies
+# PETs and so imports this module): no import back, so no cycle.
+Encoder = torch.nn.Module
 
 TARGETS = ("q", "k", "v", "o", "ffn_in", "ffn_out")
 PET_TYPES = ("adapter", "lora", "bitfit", "diff", "mask", "head")

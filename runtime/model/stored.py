@@ -83,7 +83,6 @@ def base_encoder(store):
     """The store's base model (meta["model_path"], else the embedded default)."""
     meta = store.meta
     enc = load_model(meta.get("model_path") or default_model_path(), meta["lower_layers"])
-    from runtime.plot.retrieve import check_encoder
 
     check_encoder(meta, enc)
     return enc
@@ -125,3 +124,30 @@ def is_distilled(store, version) -> bool:
         if info.get("lower_weights"):
             return bool(info.get("distill"))
     return False
+
+
+def check_encoder(meta: dict, encoder) -> None:
+    """Refuse an encoder whose shape or vocabulary differs from the store's."""
+    c = encoder.config
+    problems = []
+    if c.d != meta["d"]:
+        problems.append(f"width {c.d} != store d {meta['d']}")
+    if meta.get("vocab_size") and c.vocab_size != meta["vocab_size"]:
+        problems.append(f"vocabulary {c.vocab_size} != store vocab_size {meta['vocab_size']}")
+    if c.pad_id != meta["pad_id"]:
+        problems.append(f"pad id {c.pad_id} != store pad_id {meta['pad_id']}")
+    if encoder.lower_layers != meta["lower_layers"]:
+        problems.append(f"lower_layers {encoder.lower_layers} != store lower_layers {meta['lower_layers']}")
+    fp = meta.get("tokenizer_fingerprint")
+    if fp and fp != encoder.tokenizer_fingerprint():
+        problems.append("its tokenizer differs from the store's (tokenizer fingerprint mismatch)")
+    if problems:
+        raise StoreError("the model does not match the store: " + "; ".join(problems))
+
+
+def lower_fingerprint(encoder) -> str:
+    """XXH64 (hex) over the lower layers' weights: which function a table's values come from."""
+    h = 0
+    for p in encoder.lower_parameters():
+        h = checksum(p.detach().contiguous().float().numpy().tobytes()) ^ ((h * 0x9E3779B97F4A7C15) & (2**64 - 1))
+    return f"{h:016x}"

@@ -14,8 +14,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from formats.xxh64 import checksum
-from hkstore.errors import StoreError
 from runtime.plot.window import aggregate_batch, corpus_windows
 
 
@@ -92,29 +90,3 @@ def retrieve_list(snapshot, version, seqs, batch_size: int = 256) -> list[torch.
         out += [inputs[b, :length].clone() for b, length in enumerate(served.lengths.tolist())]
     return out
 
-
-def check_encoder(meta: dict, encoder) -> None:
-    """Refuse an encoder whose shape or vocabulary differs from the store's."""
-    c = encoder.config
-    problems = []
-    if c.d != meta["d"]:
-        problems.append(f"width {c.d} != store d {meta['d']}")
-    if meta.get("vocab_size") and c.vocab_size != meta["vocab_size"]:
-        problems.append(f"vocabulary {c.vocab_size} != store vocab_size {meta['vocab_size']}")
-    if c.pad_id != meta["pad_id"]:
-        problems.append(f"pad id {c.pad_id} != store pad_id {meta['pad_id']}")
-    if encoder.lower_layers != meta["lower_layers"]:
-        problems.append(f"lower_layers {encoder.lower_layers} != store lower_layers {meta['lower_layers']}")
-    fp = meta.get("tokenizer_fingerprint")
-    if fp and fp != encoder.tokenizer_fingerprint():
-        problems.append("its tokenizer differs from the store's (tokenizer fingerprint mismatch)")
-    if problems:
-        raise StoreError("the model does not match the store: " + "; ".join(problems))
-
-
-def lower_fingerprint(encoder) -> str:
-    """XXH64 (hex) over the lower layers' weights: which function a table's values come from."""
-    h = 0
-    for p in encoder.lower_parameters():
-        h = checksum(p.detach().contiguous().float().numpy().tobytes()) ^ ((h * 0x9E3779B97F4A7C15) & (2**64 - 1))
-    return f"{h:016x}"

@@ -491,9 +491,7 @@ def job_worker(store_path, job_id, parent_pid=0, threads=1) -> int:
     tqdm.tqdm = _Progress
     import runtime.build.manager  # noqa: F401 - the imports a job needs, done before it comes
     import runtime.build.plot  # noqa: F401
-    import runtime.build.train
-
-    runtime.build.train.tqdm = _Progress
+    import runtime.build.train  # noqa: F401 - its bars look tqdm.tqdm up at call time: _Progress
     with contextlib.suppress(Exception):  # the optimizer's first use imports torch._dynamo (seconds)
         w = torch.zeros(4, requires_grad=True)
         opt = torch.optim.AdamW([w], lr=1e-3)
