@@ -55,3 +55,54 @@ def test_a_rerun_may_add_rows_but_not_change_settings():
     assert changed_settings(saved, {"lr_adapter": 2e-3, "lower_layers": 3, "rows": "hplm,dedicated"}, defaults) == []
     assert changed_settings(saved, {"lr_adapter": 2e-3, "lower_layers": 2, "rows": "hplm"}, defaults) == ["lower_layers"]
     assert changed_settings(saved, {"lr_adapter": 5e-3, "lower_layers": 3, "rows": "hplm"}, defaults) == ["lr_adapter"]
+
+
+def _suite(tmp_path):
+    """A two-task suite in the shared data's layout; train repeats one test sentence."""
+    import json
+
+    cls = tmp_path / "scibert" / "text_classification" / "citation_intent"
+    ner = tmp_path / "scibert" / "ner" / "NCBI-disease"
+    cls.mkdir(parents=True)
+    ner.mkdir(parents=True)
+    rows = {"train": ["we use the method of", "results follow prior work", "a test sentence seen twice"],
+            "dev": ["a dev sentence here"], "test": ["a test sentence seen twice", "another test line"]}
+    for split, texts in rows.items():
+        (cls / f"{split}.txt").write_text("".join(json.dumps({"text": t, "label": "x"}) + "\n" for t in texts))
+        words = {"train": "the gene mutation", "dev": "dev disease words", "test": "test disease words"}[split]
+        (ner / f"{split}.txt").write_text("".join(f"{w} O\n" for w in words.split()) + "\n")
+    general = tmp_path / "wikitext-2" / "valid.txt"
+    general.parent.mkdir()
+    general.write_text(" = Heading = \n\n A general paragraph of text . \n")
+    (general.parent / "test.txt").write_text(" held out general text \n")
+    return tmp_path / "scibert"
+
+
+def test_no_evaluation_text_enters_a_plot_corpus(tmp_path):
+    import argparse
+
+    from tools.hmi_accuracy import general_text, prepare_data
+
+    data = _suite(tmp_path)
+    args = argparse.Namespace(tasks=["citation_intent", "NCBI-disease"], data=str(data), max_train=10, max_test=10,
+                              max_domain_docs=10, seed=0, eval_split="dev",
+                              general=str(tmp_path / "wikitext-2" / "valid.txt"))
+    out = prepare_data(args, tmp_path / "out")
+    corpora = {k: open(p).read().splitlines() for k, p in out["corpora"].items()}
+    everything = [line for lines in corpora.values() for line in lines]
+    for held in ("a dev sentence here", "a test sentence seen twice", "another test line", "dev disease words",
+                 "test disease words", "held out general text"):
+        assert held not in everything
+    assert "we use the method of" in corpora["root"] and "the gene mutation" in corpora["root"]
+    assert "A general paragraph of text ." in corpora["root"] and not any("Heading" in x for x in everything)
+    assert out["dropped_eval_lines"]["root"] == 1 and out["dropped_eval_lines"]["cs"] == 1
+    assert open(out["tasks"]["citation_intent"]["eval"]).read().count("a dev sentence here") == 1
+    assert general_text(tmp_path / "wikitext-2" / "valid.txt") == ["A general paragraph of text ."]
+
+
+def test_coverage_table_in_the_markdown():
+    r = results([])
+    r["coverage"] = {"x@root": {"text": "citation_intent (dev)", "version": "root", "windows": 1200, "exact": 0.25,
+                                "by_order": {"3": 0.2, "2": 0.5, "1": 0.3}}}
+    md = markdown(r)
+    assert "| citation_intent (dev) | root | 1,200 | 20.0 | 50.0 | 30.0 | 25.0 |" in md

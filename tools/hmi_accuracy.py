@@ -96,43 +96,74 @@ def say(msg):
 
 
 def prepare_data(args, out: Path) -> dict:
-    """Sample each task's train/test examples (seeded) into OUT/data, plus the corpora."""
+    """Sample each task's train and evaluation examples (seeded) into OUT/data, plus the corpora.
+
+    The root corpus is the general text (--general: WikiText-2 valid) plus every task's sampled
+    train text; a domain corpus is its tasks' train text. No evaluation text (dev or test, of
+    any task) enters a corpus: a line equal to one is dropped and counted (the suite repeats a
+    few sentences across its splits), so every evaluation window is one no table was built from.
+    """
     from runtime.build.manager import _subsample, read_task
 
     data_dir = out / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
-    tasks, root_texts, domain_texts = {}, [], {}
+    tasks, root_texts, domain_texts, held_out = {}, [], {}, set()
     for name in args.tasks:
         kind, sub, domain = TASKS[name]
         files = {}
-        for split, cap in (("train", args.max_train), ("test", args.max_test)):
-            (x, y), _ = read_task(Path(args.data) / sub / f"{split}.txt", kind)
+        for split, cap in (("train", args.max_train), ("eval", args.max_test)):
+            source = "train" if split == "train" else args.eval_split
+            (x, y), _ = read_task(Path(args.data) / sub / f"{source}.txt", kind)
             pick = _subsample(len(x), cap, args.seed)
             x, y = [x[i] for i in pick], [y[i] for i in pick]
-            path = data_dir / f"{name}.{split}.{'jsonl' if kind == 'classification' else 'conll'}"
+            path = data_dir / f"{name}.{source}.{'jsonl' if kind == 'classification' else 'conll'}"
             write_task(path, kind, x, y)
             files[split] = str(path)
-            texts = x if kind == "classification" else [" ".join(words) for words in x]
-            root_texts += texts
+            if split == "train":
+                root_texts += texts_of(kind, x)
+        for source in ("dev", "test"):  # both held out, whichever is evaluated
+            (x, _), _ = read_task(Path(args.data) / sub / f"{source}.txt", kind)
+            held_out.update(" ".join(t.split()) for t in texts_of(kind, x))
         (full_x, _), _ = read_task(Path(args.data) / sub / "train.txt", kind)
         full_x = [full_x[i] for i in _subsample(len(full_x), args.max_domain_docs, args.seed)]
-        domain_texts.setdefault(domain, []).extend(
-            full_x if kind == "classification" else [" ".join(words) for words in full_x])
-        tasks[name] = {"kind": kind, "domain": domain, **files}
-    corpora = {"root": str(data_dir / "root.txt")}
-    write_lines(corpora["root"], root_texts)
+        domain_texts.setdefault(domain, []).extend(texts_of(kind, full_x))
+        tasks[name] = {"kind": kind, "domain": domain, "eval_split": args.eval_split, **files}
+    if args.general:
+        root_texts = general_text(args.general) + root_texts
+    corpora, dropped = {"root": str(data_dir / "root.txt")}, {}
+    dropped["root"] = write_lines(corpora["root"], root_texts, held_out)
     for domain, texts in domain_texts.items():
         corpora[domain] = str(data_dir / f"domain-{domain}.txt")
-        write_lines(corpora[domain], texts)
-    return {"tasks": tasks, "corpora": corpora}
+        dropped[domain] = write_lines(corpora[domain], texts, held_out)
+    return {"tasks": tasks, "corpora": corpora, "dropped_eval_lines": dropped}
 
 
-def write_lines(path, texts):
+def texts_of(kind, x) -> list[str]:
+    return list(x) if kind == "classification" else [" ".join(words) for words in x]
+
+
+def general_text(path) -> list[str]:
+    """WikiText paragraphs, one a line; headings (`= Title =`) and blank lines skipped."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if line and not (line.startswith("=") and line.endswith("=")):
+                out.append(line)
+    return out
+
+
+def write_lines(path, texts, held_out=frozenset()) -> int:
+    """Write one normalized text a line, skipping texts in held_out; the number skipped."""
+    dropped = 0
     with open(path, "w") as f:
         for t in texts:
             t = " ".join(t.split())
-            if t:
+            if t in held_out:
+                dropped += 1
+            elif t:
                 f.write(t + "\n")
+    return dropped
 
 
 def write_task(path, kind, x, y):
@@ -157,7 +188,7 @@ class Task:
         self.name, self.kind = name, info["kind"]
         (x, y), self.labels = read_task(info["train"], self.kind)
         self.train_ids, self.train_y = encode_task(encoder, (x, y), self.kind, self.labels, max_len)
-        (tx, ty), _ = read_task(info["test"], self.kind)
+        (tx, ty), _ = read_task(info["eval"], self.kind)
         self.test_words, self.test_gold = tx, ty
         self.test_ids, self.test_y = encode_eval(encoder, (tx, ty), self.kind, self.labels, max_len)
 
@@ -289,7 +320,7 @@ def row_tenant(args, ctx, t: Task, store, version, pet_type, tenant, **options):
                                 task=t.kind, pet_type=pet_type, epochs=args.epochs, lr=lr,
                                 batch_size=args.batch_size, max_len=args.max_len, seed=args.seed, replace=True,
                                 progress=args.progress, **options)
-    score = manager.tenant_eval(store, tenant, ctx["data"]["tasks"][t.name]["test"], max_len=args.max_len)
+    score = manager.tenant_eval(store, tenant, ctx["data"]["tasks"][t.name]["eval"], max_len=args.max_len)
     return score["score"], [out["loss_first"], out["loss_last"]], {"pet_bytes": out["pet_bytes"]}
 
 
@@ -345,6 +376,36 @@ def ensure_domain(args, ctx, domain, results, distill=True) -> str:
         f"{out['seconds']:.0f}s")
     save(args, results)
     return name
+
+
+def window_coverage(args, ctx, results):
+    """How each task's evaluation windows are served (by order) at its domain version and at the
+    root, and WikiText-2 test (general text no table saw) at the root: results["coverage"]."""
+    import hkstore
+    from runtime.build.manager import read_task, tokenize_corpus
+    from runtime.plot.window import corpus_windows
+    from tools.report import coverage
+
+    base = ctx["base"]
+    texts = {}
+    for name in args.tasks:
+        info = ctx["data"]["tasks"][name]
+        (x, _), _ = read_task(info["eval"], info["kind"])
+        texts[(f"{name} ({args.eval_split})", info["domain"])] = texts_of(info["kind"], x)
+    wikitest = Path(args.general).with_name("test.txt") if args.general else None
+    if wikitest and wikitest.exists():
+        texts[("WikiText-2 test", None)] = general_text(wikitest)
+    with hkstore.open(ctx["store"]) as st:
+        snap, meta = st.snapshot(), st.meta
+        for (label, domain), docs in texts.items():
+            seqs = tokenize_corpus(base, docs, args.max_len)
+            wins, _ = corpus_windows(seqs, meta["n"], meta["window"], meta["pad_id"])
+            for version in ([domain] if domain else []) + ["root"]:
+                c = coverage(snap, version, wins)
+                results["coverage"][f"{label}@{version}"] = {
+                    "text": label, "version": version, "windows": c["windows"], "exact": c["exact_share"],
+                    "by_order": {o: v["share"] for o, v in c["by_order"].items()}}
+    save(args, results)
 
 
 def ensure_alpha_branch(args, ctx, domain, alpha, results):
@@ -443,7 +504,8 @@ def seed_spread(results, tasks) -> list[str]:
 def markdown(results) -> str:
     tasks = [t for t in TASKS if t in results.get("config", {}).get("tasks", TASKS)]
     metric = {t: "acc" if TASKS[t][0] == "classification" else "F1" for t in tasks}
-    lines = ["## Table 3 analogue: accuracy (classification) / entity F1 (NER), %", "",
+    split = results.get("config", {}).get("eval_split", "test")
+    lines = [f"## Table 3 analogue: accuracy (classification) / entity F1 (NER), % ({split} split)", "",
              "| row | " + " | ".join(f"{t} ({metric[t]})" for t in tasks) + " | mean |",
              "|---|" + "---|" * (len(tasks) + 1)]
     for row in ROWS:
@@ -467,6 +529,20 @@ def markdown(results) -> str:
                   "| PLOT | task | score % |", "|---|---|---|"]
         for key, r in sorted(results["distill"].items(), key=lambda kv: (kv[1]["task"], list(VARIANTS).index(kv[1]["variant"]))):
             lines.append(f"| {VARIANTS[r['variant']]} | {r['task']} | {100 * r['score']:.1f} |")
+    if results.get("coverage"):
+        n = max(int(o) for r in results["coverage"].values() for o in r["by_order"])
+        lines += ["", "## Coverage: evaluation windows by served order (% of windows)", "",
+                  "| text | version | windows | " + " | ".join(f"order {o}" for o in range(n, 0, -1))
+                  + " | exact (no backoff) |", "|---|---|---|" + "---|" * (n + 1)]
+        for r in results["coverage"].values():
+            lines.append(f"| {r['text']} | {r['version']} | {r['windows']:,} | "
+                         + " | ".join(f"{100 * r['by_order'].get(str(o), 0):.1f}" for o in range(n, 0, -1))
+                         + f" | {100 * r['exact']:.1f} |")
+        dropped = results.get("dropped_eval_lines")
+        if dropped:
+            lines.append("")
+            lines.append("Corpus lines dropped because they equal an evaluation text: "
+                         + ", ".join(f"{k} {v}" for k, v in dropped.items()))
     c = results.get("construction", {})
     lines += ["", "## Construction", ""]
     for key, r in c.items():
@@ -503,6 +579,14 @@ def main(argv=None):
     p.add_argument("--alpha-tasks", default="citation_intent,sciie",
                    help="tasks of the alpha table ('' = none); the defaults share the cs branches")
     p.add_argument("--distill-tasks", default="citation_intent,NCBI-disease", help="tasks of the ablation rows")
+    p.add_argument("--general", default=None,
+                   help="general text for the root corpus, one paragraph a line (default: wikitext-2/valid.txt "
+                        "beside --data; '' = none); the root is built from it plus the tasks' train text")
+    p.add_argument("--eval-split", choices=("dev", "test"), default="dev",
+                   help="the split scored: choose settings on dev, report test once with the chosen ones")
+    p.add_argument("--fast", action="store_true",
+                   help="the quick table: tasks citation_intent,NCBI-disease; rows dedicated,adapter-only,hplm; "
+                        "no alpha or ablation rows (about a third of the full run)")
     p.add_argument("--max-domain-docs", type=int, default=3000,
                    help="train documents per task in a domain corpus (MLM + n-gram counts)")
     p.add_argument("--lower-layers", type=int, default=3,
@@ -531,6 +615,14 @@ def main(argv=None):
                    help="comma-separated training seeds to repeat the dedicated and hPLM rows under")
     p.add_argument("--progress", action="store_true", help="tqdm bars for every loop")
     args = p.parse_args(argv)
+    if args.fast:
+        args.tasks, args.rows, args.alpha_tasks, args.distill_tasks = ("citation_intent,NCBI-disease",
+                                                                       "dedicated,adapter-only,hplm", "", "")
+    if args.general is None:
+        default = Path(args.data).parent / "wikitext-2" / "valid.txt"
+        args.general = str(default) if default.exists() else ""
+    if args.general and Path(args.general).name == "test.txt":
+        p.error("--general must not be a test split: its text would be in the table evaluated on")
     args.tasks = [t for t in args.tasks.split(",") if t]
     rows = [r for r in args.rows.split(",") if r]
     for t in args.tasks:
@@ -557,7 +649,7 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     path = out / "results.json"
     results = json.loads(path.read_text()) if path.exists() else {}
-    config = {k: v for k, v in vars(args).items() if k not in ("out", "progress")}
+    config = {k: v for k, v in vars(args).items() if k not in ("out", "progress", "fast")}
     # A resumed run may pick other tasks or rows, but nothing that changes a finished row's meaning.
     if results.get("config"):
         differs = changed_settings(results["config"], config, {k: p.get_default(k) for k in config})
@@ -568,12 +660,14 @@ def main(argv=None):
     results.setdefault("distill", {})
     results.setdefault("seeds", {})
     results.setdefault("construction", {})
+    results.setdefault("coverage", {})
     results["config"] = config
     results["_elapsed_before"] = results.get("wall_s", 0.0)
     results["_cpu_before"] = results.get("cpu_s", 0.0)
 
     say(f"torch threads {torch.get_num_threads()}; sampling data")
     data = prepare_data(args, out)
+    results["dropped_eval_lines"] = data["dropped_eval_lines"]
     base = load_encoder(args.model, args.lower_layers)
     # "whole": every layer lower, so upper() is the identity (the shared row's frozen encoder)
     ctx = {"data": data, "store": str(out / "store"), "base": base,
@@ -581,6 +675,9 @@ def main(argv=None):
     ensure_root(args, ctx, ctx["store"], args.distill_steps, results, "root")
     for domain in dict.fromkeys(TASKS[t][2] for t in args.tasks):
         ensure_domain(args, ctx, domain, results)
+    if not results["coverage"]:
+        window_coverage(args, ctx, results)
+        say("coverage: " + "; ".join(f"{k} exact {100 * r['exact']:.1f}%" for k, r in results["coverage"].items()))
 
     cache = {}
 
