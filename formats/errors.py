@@ -7,3 +7,7 @@ class FormatError(Exception):
 
 class CorruptError(FormatError):
     """A checksum or length does not match: the file was damaged after it was written."""
+
+
+class RollbackError(CorruptError):
+    """CURRENT names an older manifest than one that exists: newer commits would vanish."""

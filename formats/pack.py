@@ -309,7 +309,7 @@ def _next_record_page(fd: int, offset: int, size: int) -> int:
     return min(page, size)
 
 
-def scan(path) -> Iterator[tuple[int, int | None, PetRecord | FormatError]]:
+def scan(path, end: int | None = None) -> Iterator[tuple[int, int | None, PetRecord | FormatError]]:
     """Walk every record of a pack file from offset 0, for verify and diagnostics.
 
     Yields (offset, length, record) for good records and (offset, length or None, error) for a
@@ -317,10 +317,11 @@ def scan(path) -> Iterator[tuple[int, int | None, PetRecord | FormatError]]:
     CorruptError for damage, a FormatError for bytes that are no v1 record. After an error
     the scan resyncs at the next page that starts with the record magic, so a damaged or
     torn record hides no later record. Records are read with pread: no mapping outlives it.
+    With `end`, only the first `end` bytes are walked (a pack's committed part).
     """
     with open(path, "rb") as f:
         fd = f.fileno()
-        size = os.fstat(fd).st_size
+        size = os.fstat(fd).st_size if end is None else min(end, os.fstat(fd).st_size)
         offset = 0
         while offset < size:
             length = None

@@ -211,6 +211,12 @@ class Segment:
             raise CorruptError(f"segment {self.name}: index does not name every entry exactly once")
         if self.count and (self.probe(np.asarray(self.keys)) != np.arange(self.count)).any():
             raise CorruptError(f"segment {self.name}: an entry cannot be found through the index")
+        # The bytes between sections must be zero (FORMAT.md section 3): every byte is checked.
+        start = HEADER_SIZE
+        for off, length, _ in sorted(self.sections.values()):
+            if off > start and any(self._mm[start:off]):
+                raise CorruptError(f"segment {self.name}: nonzero padding in bytes {start}..{off}")
+            start = max(start, off + length)
 
     def _check_once(self):
         # Index and keys are small (about 20 bytes an entry): check them in full on first use.

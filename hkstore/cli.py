@@ -66,16 +66,25 @@ def emit(obj, as_json, human):
         human(obj)
 
 
+READ_OPTIONS = {"allow_rollback": False}  # set by `hkstore --allow-rollback`
+
+
 def open_store(path, writable=False):
-    return hkstore.open(path, writable=writable)
+    if writable:
+        return hkstore.open(path, writable=True)
+    return hkstore.open(path, allow_rollback=READ_OPTIONS["allow_rollback"])
 
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 
 
 @click.group(cls=Group)
-def main():
+@click.option("--allow-rollback", is_flag=True,
+              help="Let read-only commands read a store whose CURRENT names an older manifest than one that "
+                   "exists (a rolled-back CURRENT; `hkstore verify` reports it). Writers always refuse.")
+def main(allow_rollback=False):
     """hkstore: the knowledge store for PLOT version trees and PET packs."""
+    READ_OPTIONS["allow_rollback"] = allow_rollback
 
 
 def embedded_model_dir():

@@ -51,9 +51,13 @@ def read_entries(segments, keys, seg, ent):
 
 
 def compact(store, version, tolerance=0.0):
-    """Rewrite `version` as one segment without shadowed entries, tombstones, or (in a branch)
-    entries whose vectors equal what the parent would serve for the same key within
-    `tolerance` (max abs difference). Atomic: readers see the old or the new version."""
+    """Rewrite `version` as one segment without shadowed entries and tombstones. Atomic:
+    readers see the old or the new version, and every answer stays the same.
+
+    In a branch, an entry whose vectors equal (within `tolerance`, max abs difference) what an
+    ancestor serves for the same key is dropped only if that ancestor and every version between
+    it and the branch are sealed (Store.seal): otherwise a later update of the ancestor would
+    change the branch's answer (FORMAT.md section 2, "Compaction")."""
     started = time.perf_counter()
     snap = store.snapshot()
     vi = snap.version_index(version)
@@ -66,7 +70,11 @@ def compact(store, version, tolerance=0.0):
     keys, seg, ent = keys[~tomb], seg[~tomb], ent[~tomb]
     values = read_entries(segments, keys, seg, ent)
     dropped_equal = 0
-    parent_chain = [snap.version_segments(v) for v in snap.ancestry(vi)[1:]]
+    ancestors = snap.ancestry(vi)[1:]
+    sealed = 0  # ancestors, nearest first, whose answers can no longer change
+    while sealed < len(ancestors) and snap.versions[ancestors[sealed]].get("sealed"):
+        sealed += 1
+    parent_chain = [snap.version_segments(v) for v in ancestors[:sealed]]
     if parent_chain and len(keys) and tolerance >= 0:
         pos, pseg, pent = find_exact(parent_chain, keys, hash_keys(keys))
         same = np.zeros(len(keys), dtype=bool)

@@ -7,18 +7,26 @@ import numpy as np
 from formats import manifest as mf
 from formats import pack
 from formats.backoff import left
-from formats.errors import CorruptError, FormatError
+from formats.errors import CorruptError, FormatError, RollbackError
 from formats.position import read_position
 from formats.segment import Segment
 from hkstore.store import open_store
 
 
 def verify(path):
-    """Check the manifest, every segment and every live PET record. Returns a report dict
-    whose `problems` list is empty for a healthy store."""
-    problems, checked = [], {"segments": 0, "entries": 0, "positions": 0, "pets": 0, "bytes": 0}
+    """Check CURRENT (and that no newer manifest exists: a rolled-back CURRENT), the manifest,
+    every segment and position table, and every pack record, live or dead, and every byte of
+    each pack. Returns a report dict whose `problems` list is empty for a healthy store."""
+    problems, checked = [], {"segments": 0, "entries": 0, "positions": 0, "pets": 0, "pack_records": 0,
+                             "bytes": 0}
     try:
         manifest = mf.load(path)
+    except RollbackError as e:
+        problems.append(f"rollback: {e}")
+        try:  # check what CURRENT names as well, so the report says whether that state is intact
+            manifest = mf.load(path, allow_rollback=True)
+        except (FormatError, OSError, ValueError) as e2:
+            return {"ok": False, "problems": problems + [f"manifest: {e2}"], "checked": checked}
     except (FormatError, OSError, ValueError) as e:
         return {"ok": False, "problems": [f"manifest: {e}"], "checked": checked}
     meta = manifest["meta"]
@@ -61,8 +69,32 @@ def verify(path):
             checked["bytes"] += loc["length"]
         except (FormatError, OSError) as e:
             problems.append(f"tenant {tenant}: {e}")
-    problems += _root_coverage(path, manifest)
+    problems += _walk_packs(path, manifest, checked)
+    if not any(p.startswith("rollback") for p in problems):
+        problems += _root_coverage(path, manifest)
     return {"ok": not problems, "problems": problems, "checked": checked}
+
+
+def _walk_packs(path, manifest, checked):
+    """Every record of every pack, dead ones included, and nothing after the last record. The
+    newest pack is walked up to the manifest's `pack_end`: bytes past it are an uncommitted
+    tail a killed writer left, which the next append cuts off."""
+    problems = []
+    for i, name in enumerate(manifest["packs"]):
+        full = os.path.join(path, "packs", name)
+        limit = manifest.get("pack_end") if i == len(manifest["packs"]) - 1 else None
+        try:
+            size = os.path.getsize(full)
+            if limit is not None and size < limit:
+                problems.append(f"pack {name}: {size} bytes, the manifest says {limit} are committed (truncated)")
+            for offset, length, record in pack.scan(full, limit):
+                if isinstance(record, FormatError):
+                    problems.append(f"pack {name}: {record}")
+                else:
+                    checked["pack_records"] += 1
+        except OSError as e:
+            problems.append(f"pack {name}: {e}")
+    return problems
 
 
 def _root_coverage(path, manifest):
@@ -92,8 +124,12 @@ def garbage(path):
     live_packs = set(manifest["packs"])
     live_positions = {v["position"]["file"] for v in manifest["versions"] if v.get("position")}
     current = mf.current_name(path)
+    generation = mf.generation_of(current)
     out = []
     for name in os.listdir(path):
+        other = mf.generation_of(name)
+        if other is not None and other > generation:
+            continue  # never: only a rolled-back CURRENT leaves newer manifests, and they hold the newer commits
         if (name.startswith("MANIFEST-") and name != current) or name.endswith(".tmp"):
             out.append(name)
     for sub, live in (("segments", live_segments), ("packs", live_packs), ("positions", live_positions)):

@@ -35,7 +35,7 @@ def check_name(kind, name):
 class Snapshot:
     """An immutable view of the store as one manifest describes it."""
 
-    def __init__(self, path, manifest, segments, positions):
+    def __init__(self, path, manifest, segments, positions, packs=None):
         self.path = path
         self.manifest = manifest
         self.meta = manifest["meta"]
@@ -44,6 +44,7 @@ class Snapshot:
         self._index = {name: i for i, name in enumerate(self.version_names)}
         self._segments = segments  # file name -> Segment, shared across snapshots
         self._positions = positions  # file name -> PositionFile, shared likewise
+        self._packs = packs  # file name -> PackFile (held open: gc cannot take a pack from us)
 
     def version_index(self, version):
         if isinstance(version, (int, np.integer)) and 0 <= version < len(self.versions):
@@ -84,11 +85,38 @@ class Snapshot:
         if tenant not in self.manifest["pets"]:
             raise UnknownTenant(f"unknown tenant {tenant!r}")
         loc = self.manifest["pets"][tenant]
-        with open(os.path.join(self.path, "packs", loc["file"]), "rb") as f:
-            data = os.pread(f.fileno(), loc["length"], loc["offset"])
+        if self._packs is not None and loc["file"] in self._packs:
+            data = self._packs[loc["file"]].read(loc["offset"], loc["length"])
+        else:
+            try:
+                with open(os.path.join(self.path, "packs", loc["file"]), "rb") as f:
+                    data = os.pread(f.fileno(), loc["length"], loc["offset"])
+            except FileNotFoundError:
+                raise CorruptError(f"pack {loc['file']} of tenant {tenant!r} is missing") from None
         if len(data) != loc["length"]:
             raise CorruptError(f"pack {loc['file']}: record of tenant {tenant!r} is truncated")
         return pack.decode_record(data, 0, loc["length"])
+
+
+class PackFile:
+    """A pack file named by a manifest, opened when the manifest is installed and held open
+    while any snapshot names it: gc may unlink it, the records stay readable (like segments)."""
+
+    def __init__(self, path):
+        self.path = path
+        self._file = open(path, "rb")
+
+    def read(self, offset, length):
+        return os.pread(self._file.fileno(), length, offset)
+
+    def __del__(self):
+        f = getattr(self, "_file", None)
+        if f is not None:
+            f.close()
+
+
+class _Missing(Exception):
+    """A file the manifest names is not there (gc racing with a refresh, or a damaged store)."""
 
 
 class PositionFile:
@@ -112,16 +140,22 @@ class PositionFile:
 class Store:
     """Open with hkstore.open() or hkstore.create()."""
 
-    def __init__(self, path, writable=False):
+    def __init__(self, path, writable=False, allow_rollback=False):
         self.path = os.fspath(path)
         self.writable = writable
+        if writable and allow_rollback:
+            raise StoreError("allow_rollback is for read-only opens: a writer must never commit over newer manifests")
+        self.allow_rollback = allow_rollback
         self._lock_fd = None
         self._segments = {}
         self._positions = {}
+        self._packs = {}
         self._mutex = threading.RLock()
         if writable:
             self._take_lock()
         try:
+            if writable:
+                self._drop_orphan()
             self.refresh()
         except BaseException:
             self.close()
@@ -138,6 +172,16 @@ class Store:
             raise StoreLocked(f"{self.path}: another writer holds the store lock; try again when it is done") from None
         self._lock_fd = fd
 
+    def _drop_orphan(self):
+        """Remove the uncommitted manifest a killed writer left (FORMAT.md section 1), so that
+        only a rolled-back CURRENT can leave a manifest newer than the live one."""
+        current = mf.current_name(self.path)
+        name = mf.orphan(self.path, current)
+        if name is not None:
+            os.remove(os.path.join(self.path, name))
+            os.remove(os.path.join(self.path, mf.CURRENT + ".tmp"))
+            fsync_dir(self.path)
+
     def close(self):
         if self._lock_fd is not None:
             os.close(self._lock_fd)
@@ -150,18 +194,27 @@ class Store:
         self.close()
 
     def refresh(self):
-        """Move to the newest committed manifest. Retries if gc removes a file under us."""
-        for attempt in range(5):
-            manifest = mf.load(self.path)
+        """Move to the newest committed manifest. Retries if gc removes a file under us; a file
+        that stays missing while CURRENT does not move is damage (CorruptError)."""
+        for attempt in range(20):
+            manifest = mf.load(self.path, allow_rollback=self.allow_rollback)
             try:
                 self._install(manifest)
                 return self._snapshot
-            except FileNotFoundError:
-                if attempt == 4:
-                    raise
-                time.sleep(0.01)
+            except _Missing as e:
+                missing = str(e)
+            if mf.current_name(self.path) == mf.manifest_name(manifest["generation"]):
+                break  # not a race with a commit: the live manifest names a file that is gone
+        raise CorruptError(f"{self.path}: {missing}, which the live manifest names: run hkstore verify")
 
     def _install(self, manifest):
+        try:
+            self._install_files(manifest)
+        except FileNotFoundError as e:
+            where = os.path.relpath(e.filename, self.path) if e.filename else "a file"
+            raise _Missing(f"{where} is missing") from None
+
+    def _install_files(self, manifest):
         with self._mutex:
             names = {s for v in manifest["versions"] for s in v["segments"]}
             segments = {}
@@ -175,10 +228,14 @@ class Store:
                 if entry:
                     positions[entry["file"]] = self._positions.get(entry["file"]) or PositionFile(
                         os.path.join(self.path, "positions", entry["file"]), entry, manifest["meta"]["d"])
+            packs = {}
+            for name in set(manifest["packs"]) | {loc["file"] for loc in manifest["pets"].values()}:
+                packs[name] = self._packs.get(name) or PackFile(os.path.join(self.path, "packs", name))
             self._segments = segments
             self._positions = positions
+            self._packs = packs
             self._manifest = manifest
-            self._snapshot = Snapshot(self.path, manifest, segments, positions)
+            self._snapshot = Snapshot(self.path, manifest, segments, positions, packs)
 
     def snapshot(self):
         """The current consistent view; it stays valid while writers commit and compact."""
@@ -209,7 +266,10 @@ class Store:
             result = change(new)
             new["generation"] += 1
             mf.commit(self.path, new)
-            self._install(new)
+            try:
+                self._install(new)
+            except _Missing as e:
+                raise CorruptError(f"{self.path}: {e}, which the live manifest names: run hkstore verify") from None
             return result
 
     def _new_file(self, manifest, suffix):
@@ -217,11 +277,21 @@ class Store:
         manifest["next_file"] += 1
         return f"{number:06d}{suffix}"
 
-    def _version(self, manifest, name):
+    def _version(self, manifest, name, write=False):
         for v in manifest["versions"]:
             if v["name"] == name:
+                if write and v.get("sealed"):
+                    raise StoreError(f"version {name!r} is sealed: its answers can no longer change "
+                                     "(create a branch under it instead)")
                 return v
         raise UnknownVersion(f"unknown version {name!r}")
+
+    def seal(self, version):
+        """Make `version` take no further entries, tombstones or position table (FORMAT.md
+        section 2). Irreversible. Compaction may then drop a child's entries that equal what a
+        sealed ancestry serves, as those answers can no longer change."""
+        self._snapshot.version_index(version)
+        self._commit(lambda m: self._version(m, version).__setitem__("sealed", True))
 
     def _check_keys_values(self, keys, values):
         meta = self.meta
@@ -242,10 +312,11 @@ class Store:
         self._snapshot.version_index(version)
 
         def change(m):
+            v = self._version(m, version, write=True)
             name = self._new_file(m, ".seg")
             write_segment(os.path.join(self.path, "segments", name), keys, values,
                           tombstone=tombstone, dtype=m["meta"]["dtype"])
-            self._version(m, version)["segments"].append(name)
+            v["segments"].append(name)
             return name
 
         return self._commit(change)
@@ -297,7 +368,7 @@ class Store:
                 raise StoreError("a position table must be finite")
 
         def change(m):
-            v = self._version(m, version)
+            v = self._version(m, version, write=True)
             if table is None:
                 v.pop("position", None)
                 return None
@@ -334,6 +405,12 @@ class Store:
         m = self._manifest
         active = m["packs"][-1] if m["packs"] else None
         end, new_files, locations = m["pack_end"], [], []
+        if active is not None:
+            # A writer killed mid-append leaves a torn tail past the committed end: cut it off
+            # now, before this pack may be rolled past and become immutable (verify walks it).
+            path = os.path.join(self.path, "packs", active)
+            if os.path.getsize(path) > end:
+                os.truncate(path, end)
         for record in records:
             if active is None or end >= PACK_ROLL_BYTES:
                 active = self.reserve_file(".pack")
@@ -457,12 +534,14 @@ def create(path, *, d, vocab_size, n=3, window="centered", lower_layers=3, dtype
     return Store(path, writable=True)
 
 
-def open_store(path, writable=False):
+def open_store(path, writable=False, allow_rollback=False):
+    """Open a store. allow_rollback=True (read-only) reads what CURRENT names even when newer
+    manifests exist (a rolled-back CURRENT, FORMAT.md section 1); otherwise that is a RollbackError."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise StoreError(f"{path}: no such store directory")
     try:
-        return Store(path, writable=writable)
+        return Store(path, writable=writable, allow_rollback=allow_rollback)
     except FormatError as e:
         if isinstance(e, CorruptError):
             raise

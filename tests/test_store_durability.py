@@ -1,13 +1,7 @@
 """Crash safety, corruption detection, snapshot isolation and the key hash."""
 
 import os
-import random
-import signal
-import subprocess
-import sys
-import textwrap
 import threading
-import time
 import zlib
 
 import numpy as np
@@ -18,9 +12,11 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 import hkstore
+import hkstore.store
 from formats import segment as sg
 from formats.pack import PetRecord
 from formats.xxh64 import hash_keys, xxh64_rows
+from tools import reliability
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 D, V = 8, 40
@@ -39,29 +35,6 @@ def position_table(i):
     return np.random.default_rng(10_000 + i).standard_normal((5 + i % 4, D)).astype(np.float32)
 
 
-WRITER = textwrap.dedent(f"""
-    import sys, numpy as np
-    sys.path.insert(0, {ROOT!r})
-    sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
-    import hkstore
-    from formats.pack import PetRecord
-    from test_store_durability import commit_keys, commit_values, position_table
-    store = hkstore.open(sys.argv[1], writable=True)
-    start = int(sys.argv[2])
-    for i in range(start, start + 1000):
-        version = "root" if i % 2 else "dom"
-        store.add_segment(version, commit_keys(i), commit_values(i))
-        store.put_pet(PetRecord(f"t{{i}}", {{"i": i}}, {{"w": commit_values(i)}}))
-        if i % 3 == 0:
-            store.set_position("dom", position_table(i))
-        if i % 5 == 0:
-            hkstore.compact(store, version)
-        if i % 11 == 0:
-            hkstore.gc(store)
-        print(i, flush=True)
-""")
-
-
 def make_store(path):
     store = hkstore.create(path, d=D, vocab_size=V)
     uni = np.zeros((V, 3), dtype=np.uint32)
@@ -71,40 +44,23 @@ def make_store(path):
     return store
 
 
+def check_crash_campaign(path, kills):
+    """SIGKILLs during commits, compactions and gc (tools/reliability.py's writer); packs roll
+    at 48 KiB, so gc rewrites them between (and under) the kills."""
+    result = reliability.crash_campaign(path, kills, seed=1, max_delay=0.3)
+    assert result["kills"] == kills and not result["problems"], result["problems"]
+    assert result["losses"] == 0 and result["verify_failures"] == 0, result
+    assert result["acknowledged"] > kills and result["packs_retired"] > 0, result
+    return result
+
+
 def test_sigkill_during_commits_and_compactions_loses_no_acknowledged_write(tmp_path):
-    path = str(tmp_path / "s")
-    make_store(path).close()
-    script = tmp_path / "writer.py"
-    script.write_text(WRITER)
-    rng = random.Random(1)
-    acked, start = [], 0
-    for _ in range(25):
-        proc = subprocess.Popen([sys.executable, str(script), path, str(start)], stdout=subprocess.PIPE, text=True)
-        # Wait until the writer is committing, then kill it somewhere in the middle of its work.
-        first = proc.stdout.readline()
-        time.sleep(rng.uniform(0, 0.15))
-        proc.send_signal(signal.SIGKILL)
-        out = first + proc.stdout.read()
-        proc.wait()
-        done = [int(line) for line in out.split()]
-        acked += done
-        start = (done[-1] + 1) if done else start
-        report = hkstore.verify(path)
-        assert report["ok"], report["problems"]
-    assert len(acked) > 25
-    store = hkstore.open(path)
-    for i in acked:
-        version = "root" if i % 2 else "dom"
-        got = store.lookup(version, commit_keys(i))
-        assert (got.order == 3).all() and got.version_names[got.version[0]] == version
-        np.testing.assert_array_equal(got.values, commit_values(i))
-        np.testing.assert_array_equal(store.get_pet(f"t{i}").tensors["w"], commit_values(i))
-    # The newest acknowledged table, or the next one if its commit landed before the kill cut
-    # off its acknowledgement.
-    last = max(i for i in acked if i % 3 == 0)
-    got = store.snapshot().position("dom")
-    assert any(np.array_equal(got, position_table(j)) for j in (last, last + 3))
-    assert store.snapshot().position("root") is None
+    check_crash_campaign(str(tmp_path / "s"), 30)
+
+
+@pytest.mark.slow
+def test_sigkill_campaign_long(tmp_path):
+    check_crash_campaign(str(tmp_path / "s"), 120)
 
 
 def test_second_writer_is_refused(tmp_path):
@@ -193,17 +149,24 @@ def test_damaged_manifest_current_and_pack_are_caught(tmp_path):
     assert any("tenant t" in p for p in hkstore.verify(path)["problems"])
 
 
-def test_snapshot_lookups_are_stable_while_compaction_and_gc_run(tmp_path):
+def test_snapshot_lookups_are_stable_while_compaction_and_gc_run(tmp_path, monkeypatch):
+    # Packs roll at 16 KiB and every tenant is rewritten, so gc rewrites (and deletes) packs
+    # while the readers work: a snapshot reads its PETs from pack files it holds open.
+    monkeypatch.setattr(hkstore.store, "PACK_ROLL_BYTES", 16 << 10)
     store = make_store(tmp_path / "s")
     rng = np.random.default_rng(3)
     for i in range(6):
         keys = np.unique(rng.integers(1, V, (300, 3)).astype(np.uint32), axis=0)
         store.add_segment("dom", keys, rng.standard_normal((len(keys), 3, D)))
+    for i in range(3):
+        store.put_pets([PetRecord(f"t{j}", {"i": i}, {"w": commit_values(10 * i + j)}) for j in range(8)])
     reader = hkstore.open(tmp_path / "s")
     snap = reader.snapshot()
     windows = rng.integers(0, V, (2000, 3)).astype(np.uint32)
     expected = snap.lookup("dom", windows)
-    errors = []
+    pets = {t: snap.read_pet(t).tensors["w"] for t in snap.pets}
+    packs_before = set(snap.manifest["packs"])
+    errors, refreshes = [], [0]
 
     def read():
         try:
@@ -211,23 +174,41 @@ def test_snapshot_lookups_are_stable_while_compaction_and_gc_run(tmp_path):
                 got = snap.lookup("dom", windows)
                 np.testing.assert_array_equal(got.values, expected.values)
                 np.testing.assert_array_equal(got.version, expected.version)
+                for t, w in pets.items():
+                    np.testing.assert_array_equal(snap.read_pet(t).tensors["w"], w)
+        except Exception as e:  # noqa: BLE001 - reported to the main thread
+            errors.append(e)
+
+    def refreshing():
+        # A reader that follows the writer: every refresh lands on a whole manifest.
+        try:
+            follower = hkstore.open(tmp_path / "s")
+            while not stop.is_set():
+                s = follower.refresh()
+                for t in s.pets:
+                    s.read_pet(t)
+                refreshes[0] += 1
         except Exception as e:  # noqa: BLE001 - reported to the main thread
             errors.append(e)
 
     stop = threading.Event()
-    threads = [threading.Thread(target=read) for _ in range(2)]
+    threads = [threading.Thread(target=read) for _ in range(2)] + [threading.Thread(target=refreshing)]
     for t in threads:
         t.start()
-    for version in ("dom", "root", "dom"):
+    for i, version in enumerate(("dom", "root", "dom")):
         hkstore.compact(store, version)
+        store.put_pets([PetRecord(f"t{j}", {"i": 3 + i}, {"w": commit_values(100 + j)}) for j in range(8)])
         hkstore.gc(store)
     stop.set()
     for t in threads:
         t.join()
     assert not errors, errors[0]
+    assert refreshes[0] > 0
     assert len(os.listdir(tmp_path / "s" / "segments")) == 2  # old files really were deleted
-    fresh = hkstore.open(tmp_path / "s").lookup("dom", windows)
-    np.testing.assert_array_equal(fresh.values, expected.values)
+    assert not packs_before & set(os.listdir(tmp_path / "s" / "packs"))  # and so were the old packs
+    fresh = hkstore.open(tmp_path / "s")
+    np.testing.assert_array_equal(fresh.lookup("dom", windows).values, expected.values)
+    np.testing.assert_array_equal(fresh.get_pet("t3").tensors["w"], commit_values(103))
 
 
 @settings(max_examples=200, deadline=None)
