@@ -15,6 +15,13 @@ the tenants' edits follow through runtime.exec.ops_cpu on the batch plan's segme
 With ``prefetch=True`` the stacked weights of layer i+1 are built on a helper thread while
 layer i computes (the CPU counterpart of the GPU executor's layer-wise prefetch).
 
+``kernels="batched"`` (the default) runs the same edits through runtime.exec.cpu_batched
+instead: the plan puts tenants with equal request counts next to each other, and every run
+of such segments is one bmm/baddbmm on a view of the activations and a slice of the stacked
+weights (stacked into reused buffers), attention is torch's fused scaled_dot_product_attention,
+and residual + LayerNorm (+ the tenants' deltas) run as one pass. ``kernels="reference"``
+keeps the per-segment ops_cpu calls (the specification; tests compare the two).
+
 Attention and GELU are shared, and so are the LayerNorms unless a PET of the batch edits them.
 The result for a request equals ``runtime.model.encoder.Encoder.upper`` + ``runtime.model.pet.head`` run on
 that request alone, whatever else is in its batch (tests/test_executor_cpu.py), up to float
@@ -30,7 +37,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from runtime.exec import ops_cpu
+from runtime.exec import cpu_batched, ops_cpu
 from runtime.exec.plan import BatchPlan, Prepared, plan_batch, prepare_pet, stack_group
 from runtime.exec.threads import helper_thread_setup
 from runtime.plot.mixed import retrieve_mixed
@@ -39,9 +46,14 @@ from runtime.plot.mixed import retrieve_mixed
 class CpuExecutor:
     device = "cpu"
 
-    def __init__(self, encoder, *, lora_kernel: str = "auto", prefetch: bool = True):
+    def __init__(self, encoder, *, lora_kernel: str = "auto", prefetch: bool = True, kernels: str = "batched"):
         if lora_kernel not in ("auto", "sgmv", "bgmv"):
             raise ValueError(f"lora_kernel must be auto, sgmv or bgmv, got {lora_kernel!r}")
+        if kernels not in ("batched", "reference"):
+            raise ValueError(f"kernels must be batched or reference, got {kernels!r}")
+        self.kernels = kernels
+        self._buffers: dict = {}  # cpu_batched.stack_into's reused buffers
+        self.profile: dict | None = None  # set to {} to accumulate seconds per stage (batched)
         self.encoder = encoder
         self.config = encoder.config
         self.lora_kernel = lora_kernel
@@ -56,7 +68,14 @@ class CpuExecutor:
         return prepare_pet(self.encoder, pet, key, token)
 
     def plan(self, pets, keys=None) -> BatchPlan:
-        return plan_batch(pets, keys, self.lora_kernel)
+        if self.kernels == "reference":
+            return plan_batch(pets, keys, self.lora_kernel)
+        if keys is None:
+            keys = [p.key if p.key is not None else id(p) for p in pets]
+        order = cpu_batched.order_by_count(keys)
+        plan = plan_batch([pets[j] for j in order], [keys[j] for j in order], self.lora_kernel)
+        plan.perm = order[plan.perm]
+        return plan
 
     # -- the scheduler's interface ---------------------------------------------------------
 
@@ -91,9 +110,22 @@ class CpuExecutor:
         x = inputs[perm].reshape(B * L, d).contiguous()
         m = mask[perm]
         seg_rows = plan.seg_starts * L
+        batched = self.kernels == "batched"
+        prof = self.profile
+        t_start = time.perf_counter()
 
         def stack(i):
-            return [(g, stack_group(plan, g)) for g in plan.layer_groups(i)]
+            if not batched:
+                return [(g, stack_group(plan, g)) for g in plan.layer_groups(i)]
+            t0 = time.perf_counter()
+            out = [(g, (*cpu_batched.segment_runs(plan.seg_starts, g.seg_ids, L),
+                        cpu_batched.stack_group_into(self._buffers, plan, g))) for g in plan.layer_groups(i)]
+            if prof is not None:
+                prof["PET stacking (prefetch thread)"] = prof.get("PET stacking (prefetch thread)", 0.0) + \
+                    time.perf_counter() - t0
+            return out
+
+        layer = self.layer_batched if batched else self.layer
 
         if self.prefetch and len(self.layers) > 1:
             # Layer-wise prefetch: layer i+1's stacked PET weights are built on a helper
@@ -106,11 +138,69 @@ class CpuExecutor:
                 stacked = pending.result()
                 if idx + 1 < len(self.layers):
                     pending = self._pool.submit(stack, self.layers[idx + 1])
-                x = self.layer(i, x, m, B, L, plan, stacked, seg_rows)
+                x = layer(i, x, m, B, L, plan, stacked, seg_rows)
         else:
             for i in self.layers:
-                x = self.layer(i, x, m, B, L, plan, stack(i), seg_rows)
-        return self.heads(x.view(B, L, d), m, plan)
+                x = layer(i, x, m, B, L, plan, stack(i), seg_rows)
+        t0 = time.perf_counter()
+        out = self.heads(x.view(B, L, d), m, plan)
+        if prof is not None:
+            end = time.perf_counter()
+            prof["heads"] = prof.get("heads", 0.0) + end - t0
+            prof["upper layers + heads (wall)"] = prof.get("upper layers + heads (wall)", 0.0) + end - t_start
+        return out
+
+    def layer_batched(self, i, x, m, B, L, plan, stacked, seg_rows):
+        """One upper layer with runtime.exec.cpu_batched (kernels="batched")."""
+        blk, c = self.encoder.layers[i], self.config
+        d = c.d
+        heads, dh = c.heads, d // c.heads
+        groups = {(g.kind, g.target): w for g, w in stacked}
+        prof = self.profile
+        clock = [time.perf_counter()]
+
+        def tick(stage):
+            if prof is not None:
+                now = time.perf_counter()
+                prof[stage] = prof.get(stage, 0.0) + now - clock[0]
+                clock[0] = now
+
+        def proj(target, inp, lin):
+            y = F.linear(inp, lin.weight, lin.bias)
+            tick("shared GEMMs")
+            if ("bias", target) in groups:
+                runs, _, w = groups[("bias", target)]
+                cpu_batched.bias(y, runs, w["delta"])
+            if ("diff", target) in groups:
+                runs, _, w = groups[("diff", target)]
+                cpu_batched.diff(y, inp, runs, w["index"], w["value"], w["offsets"])
+            if ("lora", target) in groups:
+                runs, _, w = groups[("lora", target)]
+                cpu_batched.lora(y, inp, runs, w["A"], w["B"], w["scales"])
+            if ("adapter", target) in groups:  # last: it wraps the edited output
+                runs, _, w = groups[("adapter", target)]
+                cpu_batched.adapter(y, runs, w["down"], w["down_bias"], w["up"], w["up_bias"])
+            tick("PET ops")
+            return y
+
+        def norm(y, residual, name, ln):
+            if ("norm", name) in groups:
+                runs, gaps, w = groups[("norm", name)]
+                y = cpu_batched.layernorm(y, residual, ln, runs, gaps, w["weight"], w["bias"])
+                tick("PET ops")
+            else:
+                y = cpu_batched.layernorm(y, residual, ln)
+                tick("LayerNorm, GELU")
+            return y
+
+        q, k, v = (proj(t, x, getattr(blk, t)).view(B, L, heads, dh).transpose(1, 2) for t in ("q", "k", "v"))
+        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=m[:, None, None, :])
+        ctx = ctx.transpose(1, 2).reshape(B * L, d)
+        tick("attention")
+        h = norm(proj("o", ctx, blk.o), x, "ln_attn", blk.ln_attn)
+        f = F.gelu(proj("ffn_in", h, blk.ffn_in))
+        tick("LayerNorm, GELU")
+        return norm(proj("ffn_out", f, blk.ffn_out), h, "ln_ffn", blk.ln_ffn)
 
     def layer(self, i, x, m, B, L, plan, stacked, seg_rows):
         blk, c = self.encoder.layers[i], self.config

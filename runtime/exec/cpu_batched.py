@@ -1,0 +1,187 @@
+"""Batched PET operations for the CPU executor: the segment loops of runtime.exec.ops_cpu as
+a few batched GEMMs (issue 17).
+
+The reference ops (runtime.exec.ops_cpu) loop over a batch's segments: one small GEMM per
+tenant per projection, each a parallel region of its own. Here the segments of a group are
+cut into *runs*: maximal stretches of consecutive segments that all carry the part, have the
+same number of requests and consecutive stacked indices. A run of n segments of c requests
+(L rows each) is one ``(n, c*L, d)`` view of the activations, and its weights are the slice
+``[t0, t0 + n)`` of the stacked tensors (``runtime.exec.plan.stack_group`` stacks the members
+in segment order), so a run is one ``bmm`` / ``baddbmm`` with no gather and no padding.
+``order_by_count`` puts tenants with equal request counts next to each other (the CPU
+executor's plan does), so a batch of 64 tenants with one request each is one run, and so is
+a batch of one tenant.
+
+Every function here equals its ops_cpu counterpart up to fp32 rounding
+(tests/test_cpu_batched.py); the reference functions stay the specification.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+__all__ = ["adapter", "bias", "diff", "layernorm", "lora", "order_by_count", "segment_runs", "stack_into"]
+
+
+def order_by_count(keys: list) -> np.ndarray:
+    """A stable order of the items that puts tenants (keys) with the same number of requests
+    together, most requests first, tenants otherwise in first-appearance order."""
+    first: dict = {}
+    counts: dict = {}
+    for k in keys:
+        first.setdefault(k, len(first))
+        counts[k] = counts.get(k, 0) + 1
+    rank = np.array([(-counts[k], first[k]) for k in keys], dtype=[("c", np.int64), ("f", np.int64)])
+    return np.argsort(rank, order=("c", "f"), kind="stable")
+
+
+def segment_runs(seg_starts, seg_ids, L: int) -> tuple[list, list]:
+    """(runs, gaps) of one group on a plan's segment table (in requests; L rows a request).
+
+    runs: [(row0, row1, n, t0)]: n consecutive segments of equal size, stacked indices
+    t0 .. t0+n-1, rows row0 .. row1 (so rows (row1 - row0) // n per segment).
+    gaps: [(row0, row1)]: rows of segments without the part (seg_ids < 0)."""
+    starts = np.asarray(seg_starts, dtype=np.int64)
+    ids = np.asarray(seg_ids, dtype=np.int64)
+    counts = np.diff(starts)
+    runs, gaps = [], []
+    s, S = 0, len(ids)
+    while s < S:
+        if counts[s] == 0:
+            s += 1
+            continue
+        if ids[s] < 0:
+            e = s + 1
+            while e < S and (ids[e] < 0 or counts[e] == 0):
+                e += 1
+            gaps.append((int(starts[s]) * L, int(starts[e]) * L))
+            s = e
+            continue
+        e = s + 1
+        while e < S and ids[e] == ids[e - 1] + 1 and counts[e] == counts[s]:
+            e += 1
+        runs.append((int(starts[s]) * L, int(starts[e]) * L, e - s, int(ids[s])))
+        s = e
+    return runs, gaps
+
+
+def _view(t: torch.Tensor, r0: int, r1: int, n: int) -> torch.Tensor:
+    return t[r0:r1].view(n, (r1 - r0) // n, t.shape[1])
+
+
+def stack_into(buffers: dict, key, tensors: list, pad_dim: int | None = None) -> torch.Tensor:
+    """torch.stack(tensors) into a reused buffer of buffers[key] (grown as needed), zero-padding
+    dimension pad_dim (of each tensor) to the largest. A reused buffer avoids the page faults of
+    a fresh multi-megabyte allocation per batch; callers must not keep the result past the
+    next call with the same key."""
+    shape = list(tensors[0].shape)
+    if pad_dim is not None:
+        shape[pad_dim] = max(t.shape[pad_dim] for t in tensors)
+    shape = [len(tensors), *shape]
+    numel = int(np.prod(shape))
+    buf = buffers.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(max(numel, int(1.25 * numel)), dtype=tensors[0].dtype)
+        buffers[key] = buf
+    out = buf[:numel].view(shape)
+    if pad_dim is None or all(t.shape[pad_dim] == shape[pad_dim + 1] for t in tensors):
+        torch.stack(tensors, out=out)
+    else:
+        out.zero_()
+        for j, t in enumerate(tensors):
+            out[j].narrow(pad_dim, 0, t.shape[pad_dim]).copy_(t)
+    return out
+
+
+# -- the operations (in place on y, like ops_cpu) -------------------------------------------------
+
+
+def lora(y, x, runs, A, B, scales) -> torch.Tensor:
+    """ops_cpu.sgmv on runs: y[rows] += scale_t * (x[rows] @ A[t].T) @ B[t].T."""
+    for r0, r1, n, t0 in runs:
+        v = torch.bmm(_view(x, r0, r1, n), A[t0:t0 + n].transpose(1, 2))
+        v.mul_(scales[t0:t0 + n].view(n, 1, 1))
+        yv = _view(y, r0, r1, n)
+        yv.baddbmm_(v, B[t0:t0 + n].transpose(1, 2))
+    return y
+
+
+def bias(y, runs, delta) -> torch.Tensor:
+    """ops_cpu.bias_gather on runs."""
+    for r0, r1, n, t0 in runs:
+        _view(y, r0, r1, n).add_(delta[t0:t0 + n].unsqueeze(1))
+    return y
+
+
+def diff(y, x, runs, index, value, offsets) -> torch.Tensor:
+    """ops_cpu.sparse_add on runs: one block-diagonal sparse product per run (block j is the
+    sparse delta of tenant t0 + j) instead of one sparse product per segment."""
+    d_out, d_in = y.shape[1], x.shape[1]
+    offs = offsets.tolist()
+    for r0, r1, n, t0 in runs:
+        lo, hi = offs[t0], offs[t0 + n]
+        if lo == hi:
+            continue
+        f = index[lo:hi].long()
+        block = torch.repeat_interleave(torch.arange(n), torch.tensor(np.diff(offs[t0:t0 + n + 1])))
+        rows, cols = block * d_out + f // d_in, block * d_in + f % d_in
+        delta = torch.sparse_coo_tensor(torch.stack([rows, cols]), value[lo:hi], (n * d_out, n * d_in),
+                                        check_invariants=False)
+        m = (r1 - r0) // n
+        xt = _view(x, r0, r1, n).transpose(1, 2).reshape(n * d_in, m)
+        _view(y, r0, r1, n).add_(torch.sparse.mm(delta, xt).view(n, d_out, m).transpose(1, 2))
+    return y
+
+
+def adapter(y, runs, down, down_bias, up, up_bias) -> torch.Tensor:
+    """ops_cpu.segmented_adapter in place on y (out=y): y += up(relu(down(y))) on runs."""
+    for r0, r1, n, t0 in runs:
+        yv = _view(y, r0, r1, n)
+        # bmm + add: baddbmm with a broadcast bias materializes the bias first (2x slower here)
+        h = torch.bmm(yv, down[t0:t0 + n].transpose(1, 2)).add_(down_bias[t0:t0 + n].unsqueeze(1)).relu_()
+        yv.baddbmm_(h, up[t0:t0 + n].transpose(1, 2))
+        yv.add_(up_bias[t0:t0 + n].unsqueeze(1))
+    return y
+
+
+def layernorm(y, residual, ln, runs=None, gaps=None, gain=None, shift=None) -> torch.Tensor:
+    """LayerNorm(y + residual) with ln's gain and shift, plus per-tenant deltas on runs
+    (ops_cpu.segmented_layernorm; without runs, F.layer_norm). y is overwritten and returned."""
+    y.add_(residual)
+    if runs is None:
+        return F.layer_norm(y, ln.normalized_shape, ln.weight, ln.bias, ln.eps)
+    nrm = F.layer_norm(y, ln.normalized_shape, None, None, ln.eps)
+    for r0, r1 in gaps:
+        torch.addcmul(ln.bias, nrm[r0:r1], ln.weight, out=y[r0:r1])
+    for r0, r1, n, t0 in runs:
+        g = (ln.weight + gain[t0:t0 + n]).unsqueeze(1)
+        b = (ln.bias + shift[t0:t0 + n]).unsqueeze(1)
+        torch.addcmul(b, _view(nrm, r0, r1, n), g, out=_view(y, r0, r1, n))
+    return y
+
+
+def stack_group_into(buffers: dict, plan, group) -> dict:
+    """runtime.exec.plan.stack_group into reused buffers (stack_into), fp32; same keys."""
+    part = (group.kind, group.layer, group.target)
+    arrays = [plan.tenants[m].parts[part] for m in group.members]
+
+    def st(j, name, pad=None):
+        return stack_into(buffers, (*part, name), [a[j] for a in arrays], pad)
+
+    if group.kind == "lora":
+        scales = torch.tensor([plan.tenants[m].scale for m in group.members], dtype=torch.float32)
+        return {"A": st(0, "A", 0), "B": st(1, "B", 1), "scales": scales}
+    if group.kind == "bias":
+        return {"delta": st(0, "delta")}
+    if group.kind == "diff":
+        sizes = [len(a[0]) for a in arrays]
+        return {"index": torch.cat([a[0] for a in arrays]), "value": torch.cat([a[1] for a in arrays]),
+                "offsets": torch.tensor(np.concatenate([[0], np.cumsum(sizes)]), dtype=torch.int64)}
+    if group.kind == "adapter":
+        return {"down": st(0, "down", 0), "down_bias": st(1, "down_bias", 0), "up": st(2, "up", 1),
+                "up_bias": st(3, "up_bias")}
+    if group.kind == "norm":
+        return {"weight": st(0, "weight"), "bias": st(1, "bias")}
+    raise ValueError(f"unknown part kind {group.kind!r}")
