@@ -1,0 +1,381 @@
+"""hkstore on a Ray Serve cluster: N replicas over one shared store, routed by tenant.
+
+    hkstore serve STORE --ray --replicas 2                      # a local Ray cluster, or RAY_ADDRESS's
+    serve run runtime.serve.ray_app:build_app store=/shared/STORE replicas=8 router=punica
+
+Three deployments make the application ``hkstore``:
+
+- ``TenantWorker`` (N replicas, or autoscaled on queue length): each opens the same store
+  path (a shared filesystem: immutable segments + an atomically swapped manifest, so readers on
+  many machines are safe) and runs the app of ``hkstore serve`` (runtime.serve.app.create_app)
+  in-process, manage jobs off. Every replica serves every tenant. A tenant's PET is the
+  multiplexed "model" (``@serve.multiplexed``, up to ``max_models`` per replica, default 4096,
+  LRU): loading it decodes the PET into the runtime's host cache, and Ray learns which replica
+  holds which tenant.
+- ``Ingress`` (the HTTP entry; Ray's proxy sends every request here): an infer request for
+  ``/v1/tenants/{tenant}/infer`` goes to the workers with ``multiplexed_model_id=tenant`` (what
+  the ``serve_multiplexed_model_id`` header does for direct callers), so it reaches a replica
+  that already holds the tenant's PET, and any replica when none does or those are full. Reads
+  that fail because a replica died are retried on another (infer has no side effect). Ray's
+  backpressure (``max_queued_requests``) answers 429, like the single server's queue bound.
+- ``Manager`` (one replica): the same app with manage jobs on. It alone holds STORE/jobs/LOCK
+  and runs jobs, so a job runs once across the cluster and only one place writes; a Manager
+  replica that dies is restarted by Ray and resumes its jobs from STORE/jobs (runtime/serve/jobs.py).
+
+Store changes reach every worker within about a second: each polls STORE/CURRENT (the app's
+watcher) and refreshes its snapshot when it changes; a tenant unknown to a worker's snapshot
+makes it refresh at once (runtime.Runtime.pet).
+
+Routing policy among worker replicas (``router=``): ``multiplex`` (Ray's default: replicas holding
+the tenant, then those holding fewest, power of two choices on queue length), ``punica`` (Punica
+§5: the busiest replica that still has room, runtime/serve/ray_router.py), ``round_robin``.
+
+Responses carry ``x-hkstore-replica`` (which worker answered) and ``x-hkstore-pet`` (``warm``:
+the replica held the tenant's PET before this request; ``cold``: it loaded it now). A request
+with header ``x-hkstore-route: any`` skips tenant routing (tests and benchmarks use it).
+"""
+
+import asyncio
+import json
+import logging
+import os
+import re
+import time
+
+from runtime.serve import asgi_call
+
+log = logging.getLogger("hkstore.serve.ray")
+
+APP_NAME = "hkstore"
+INFER_PATH = re.compile(r"^/v1/tenants/([^/]+)/infer$")
+TENANT_PATH = re.compile(r"^/v1/tenants/([^/]+)$")
+ROUTERS = ("multiplex", "punica", "round_robin")
+HOP_HEADERS = {b"content-length", b"transfer-encoding", b"connection", b"keep-alive"}
+DEFAULT_MAX_MODELS = 4096
+
+
+def _serve():
+    from ray import serve
+
+    return serve
+
+
+class _Pet:
+    """What Ray's multiplexing holds per tenant: the PET lives in the runtime's host cache; this
+    handle marks the tenant held by this replica (evicted LRU past max_models)."""
+
+    def __init__(self, tenant, held):
+        self.tenant, self._held = tenant, held
+        held.add(tenant)
+
+    def __del__(self):
+        self._held.discard(self.tenant)
+
+
+class _AppReplica:
+    """The app of `hkstore serve`, run in-process in a Ray replica."""
+
+    jobs = False
+
+    async def _open(self, store, admin_token, options):
+        from runtime.serve.app import create_app
+
+        self.app = create_app(store, admin_token=admin_token, **options)
+        self.service = self.app.state.service
+        if not self.jobs:
+            # Manage jobs run in the Manager deployment only (one writer, jobs run once).
+            self.service.jobs.start = lambda: False
+        self.lifespan = asgi_call.Lifespan(self.app)
+        await self.lifespan.startup()
+        try:
+            self.replica = _serve().get_replica_context().replica_id.unique_id
+        except Exception:  # noqa: BLE001 - outside a replica (unit use)
+            self.replica = f"pid{os.getpid()}"
+
+    async def _call(self, method, path, query, headers, body, extra=()):
+        status, out_headers, out_body = await asgi_call.call(self.app, method, path, query, headers, body)
+        out_headers = [(k, v) for k, v in out_headers if k.lower() not in HOP_HEADERS]
+        out_headers.append((b"x-hkstore-replica", self.replica.encode()))
+        out_headers.extend(extra)
+        return status, out_headers, out_body
+
+    async def __del__(self):
+        lifespan = getattr(self, "lifespan", None)
+        if lifespan is not None:
+            await lifespan.shutdown()
+
+
+class TenantWorker(_AppReplica):
+    """A worker replica: every tenant, infer and reads; its held PETs are Ray multiplexed models."""
+
+    async def __init__(self, store, admin_token, options, max_models=DEFAULT_MAX_MODELS):
+        await self._open(store, admin_token, options)
+        self.held = set()
+        held, rt = self.held, self.service.rt
+
+        async def load_pet(tenant):
+            await asyncio.to_thread(rt.pet, tenant)
+            return _Pet(tenant, held)
+
+        self._load = _serve().multiplexed(max_num_models_per_replica=int(max_models))(load_pet)
+
+    async def handle(self, method, path, query, headers, body):
+        extra = []
+        tenant = _serve().get_multiplexed_model_id()
+        if tenant:
+            warm = tenant in self.held
+            if not warm and tenant in self.service.rt.store.snapshot().pets:
+                try:
+                    await self._load(tenant)
+                except Exception:  # noqa: BLE001 - the app answers the error (404, 409, 422)
+                    log.debug("loading tenant %r's PET failed", tenant, exc_info=True)
+            extra.append((b"x-hkstore-pet", b"warm" if warm else b"cold"))
+        return await self._call(method, path, query, headers, body, extra)
+
+    def held_tenants(self):
+        return sorted(self.held)
+
+
+class Manager(_AppReplica):
+    """The one replica that runs manage jobs (and answers their reads)."""
+
+    jobs = True
+
+    async def __init__(self, store, admin_token, options):
+        await self._open(store, admin_token, options)
+
+    async def handle(self, method, path, query, headers, body):
+        return await self._call(method, path, query, headers, body)
+
+
+class Ingress:
+    """HTTP entry: tenant-routed infer to the workers, manage to the Manager."""
+
+    def __init__(self, workers, manager, request_timeout_s=30.0, retries=2, max_body=None):
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+
+        from runtime.serve.metrics import LATENCY_BUCKETS
+        from runtime.serve.schemas import MAX_UPLOAD_BODY
+
+        self.workers, self.manager = workers, manager
+        self.timeout_s = float(request_timeout_s) + 5.0
+        self.retries = int(retries)
+        self.max_body = int(max_body or MAX_UPLOAD_BODY)
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.m_requests = Counter("hkstore_ray_requests", "Requests through the ingress by target and status",
+                                  ["target", "code"], registry=r)
+        self.m_latency = Histogram("hkstore_ray_request_latency_seconds", "Latency through the ingress",
+                                   ["target"], buckets=LATENCY_BUCKETS, registry=r)
+        self.m_pet = Counter("hkstore_ray_pet_routing", "Infer requests by whether the replica held the PET",
+                             ["pet"], registry=r)
+        self.m_replica = Counter("hkstore_ray_replica_requests", "Requests answered per worker replica",
+                                 ["replica"], registry=r)
+        self.m_retries = Counter("hkstore_ray_retries", "Requests retried after a replica died", registry=r)
+        self.m_rejected = Counter("hkstore_ray_rejected", "Requests rejected by the ingress", ["reason"], registry=r)
+
+    def _target(self, method, path, headers):
+        """(handle, tenant or "", target name, idempotent)."""
+        route_any = headers.get("x-hkstore-route", "").lower() == "any"
+        m = INFER_PATH.match(path)
+        if m and method == "POST":
+            return self.workers, "" if route_any else m.group(1), "infer", True
+        m = TENANT_PATH.match(path)
+        if m and method == "GET":
+            return self.workers, "" if route_any else m.group(1), "read", True
+        if path == "/healthz" and method == "GET":
+            return self.workers, "", "health", True
+        return self.manager, "", "manage", method in ("GET", "HEAD")
+
+    async def __call__(self, request):
+        from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+        from ray.serve.exceptions import BackPressureError
+        from starlette.responses import JSONResponse, Response
+
+        t0 = time.perf_counter()
+        method, path = request.method, request.url.path
+        if path == "/metrics" and method == "GET":
+            return await self._metrics(request)
+        handle, tenant, target, idempotent = self._target(method, path, request.headers)
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > self.max_body:
+            self.m_requests.labels(target, "413").inc()
+            return JSONResponse({"detail": f"request body of {length} bytes exceeds {self.max_body} bytes"}, 413)
+        body = await request.body()
+        headers = [(k.encode(), v.encode()) for k, v in request.headers.items() if k.lower() != "x-hkstore-route"]
+        args = (method, path, request.url.query.encode(), headers, body)
+        opts = {"method_name": "handle"}
+        if tenant:
+            opts["multiplexed_model_id"] = tenant
+        attempt = 0
+        while True:
+            try:
+                resp = handle.options(**opts).remote(*args)
+                status, out_headers, out_body = await asyncio.wait_for(_result(resp), self.timeout_s)
+                break
+            except BackPressureError:
+                self.m_rejected.labels("backpressure").inc()
+                self.m_requests.labels(target, "429").inc()
+                return JSONResponse({"detail": "every replica's queue is full; retry later"}, 429,
+                                    headers={"Retry-After": "1"})
+            except asyncio.TimeoutError:
+                self.m_rejected.labels("timeout").inc()
+                self.m_requests.labels(target, "504").inc()
+                return JSONResponse({"detail": "no answer from the replicas in time"}, 504)
+            except (ActorDiedError, ActorUnavailableError, RayActorError) as e:
+                if not idempotent or attempt >= self.retries:
+                    self.m_requests.labels(target, "503").inc()
+                    log.warning("%s %s: replica lost (%s)", method, path, type(e).__name__)
+                    return JSONResponse({"detail": "the replica serving this request died; retry"}, 503,
+                                        headers={"Retry-After": "1"})
+                attempt += 1
+                self.m_retries.inc()
+        headers_out = {}
+        for k, v in out_headers:
+            headers_out[k.decode("latin-1")] = v.decode("latin-1")
+        if target in ("infer", "read", "health") and "x-hkstore-replica" in headers_out:
+            self.m_replica.labels(headers_out["x-hkstore-replica"]).inc()
+        if "x-hkstore-pet" in headers_out:
+            self.m_pet.labels(headers_out["x-hkstore-pet"]).inc()
+        self.m_requests.labels(target, str(status)).inc()
+        self.m_latency.labels(target).observe(time.perf_counter() - t0)
+        media = headers_out.pop("content-type", None)
+        return Response(out_body, status_code=status, headers=headers_out, media_type=media)
+
+    async def _metrics(self, request):
+        """The Manager's /metrics (its app decides who may read them: the same auth as `hkstore
+        serve`), after the ingress's routing metrics."""
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+        from starlette.responses import JSONResponse, Response
+
+        headers = [(k.encode(), v.encode()) for k, v in request.headers.items()]
+        try:
+            status, out_headers, body = await asyncio.wait_for(_result(self.manager.options(
+                method_name="handle").remote("GET", "/metrics", request.url.query.encode(), headers, b"")), 10.0)
+        except Exception:  # noqa: BLE001
+            log.warning("the manager's metrics did not answer", exc_info=True)
+            return JSONResponse({"detail": "the manager did not answer"}, 503, headers={"Retry-After": "1"})
+        if status != 200:
+            keep = {k.decode("latin-1"): v.decode("latin-1") for k, v in out_headers
+                    if k.lower() in (b"www-authenticate", b"retry-after")}
+            return Response(body, status_code=status, headers=keep, media_type="application/json")
+        text = await asyncio.to_thread(generate_latest, self.registry)
+        return Response(text + body, media_type=CONTENT_TYPE_LATEST)
+
+
+async def _result(resp):
+    return await resp
+
+
+# -- building the application ---------------------------------------------------------------------
+
+def _app_options():
+    """The keyword options of runtime.serve.app.create_app (what workers and the Manager take)."""
+    import inspect
+
+    from runtime.serve.app import create_app
+
+    params = inspect.signature(create_app).parameters
+    return {k for k, p in params.items() if p.kind == p.KEYWORD_ONLY and k != "admin_token"}
+
+
+def router_config(router, max_models=DEFAULT_MAX_MODELS):
+    """Ray's RequestRouterConfig for a routing policy name (None: Ray's default)."""
+    from ray.serve.config import RequestRouterConfig
+
+    if router not in ROUTERS:
+        raise ValueError(f"router must be one of {', '.join(ROUTERS)}, got {router!r}")
+    if router == "multiplex":
+        return None
+    if router == "punica":
+        from runtime.serve.ray_router import PunicaRouter
+
+        return RequestRouterConfig(request_router_class=PunicaRouter,
+                                   request_router_kwargs={"max_models": int(max_models)})
+    from ray.serve.experimental.round_robin_router import RoundRobinRouter
+
+    return RequestRouterConfig(request_router_class=RoundRobinRouter)
+
+
+def application(store, admin_token, *, replicas=2, router="multiplex", max_models=DEFAULT_MAX_MODELS,
+                autoscale=None, replica_cpus=1.0, max_ongoing=None, max_queued=-1, retries=2, **options):
+    """The Ray Serve application (bind it with serve.run). autoscale: (min, max) replicas,
+    scaled on ongoing requests per replica (Ray's queue-length autoscaling, target max_batch)."""
+    serve = _serve()
+    store = os.path.abspath(store)
+    if not os.path.exists(os.path.join(store, "CURRENT")):
+        raise ValueError(f"{store}: no store here (no CURRENT file)")
+    unknown = set(options) - _app_options()
+    if unknown:
+        raise ValueError(f"unknown options: {', '.join(sorted(unknown))}")
+    if len(admin_token or "") < 16:
+        raise ValueError("the admin token must be a string of at least 16 characters")
+    max_batch = int(options.get("max_batch", 32))
+    # A replica takes a few batches at once (its dispatcher batches them); more waits in the router.
+    max_ongoing = int(max_ongoing or 4 * max_batch)
+    quiet = {"log_level": "WARNING", "enable_access_log": False}
+    worker_opts = dict(name="TenantWorker", max_ongoing_requests=max_ongoing, max_queued_requests=int(max_queued),
+                       ray_actor_options={"num_cpus": float(replica_cpus)}, graceful_shutdown_timeout_s=10,
+                       logging_config=quiet)
+    if autoscale:
+        lo, hi = (int(x) for x in autoscale)
+        worker_opts["autoscaling_config"] = {"min_replicas": lo, "max_replicas": hi, "initial_replicas": lo,
+                                             "target_ongoing_requests": max_batch,
+                                             "upscale_delay_s": 5, "downscale_delay_s": 60}
+    else:
+        worker_opts["num_replicas"] = int(replicas)
+    config = router_config(router, max_models)
+    if config is not None:
+        worker_opts["request_router_config"] = config
+    workers = serve.deployment(TenantWorker).options(**worker_opts).bind(store, admin_token, options, int(max_models))
+    manager = serve.deployment(Manager).options(name="Manager", num_replicas=1,
+                                                ray_actor_options={"num_cpus": 0}, logging_config=quiet,
+                                                graceful_shutdown_timeout_s=15).bind(store, admin_token, options)
+    ingress = serve.deployment(Ingress).options(name="Ingress", num_replicas=1, max_ongoing_requests=100_000,
+                                                ray_actor_options={"num_cpus": 0}, logging_config=quiet)
+    return ingress.bind(workers, manager, float(options.get("request_timeout_s", 30.0)), int(retries))
+
+
+def build_app(args: dict):
+    """`serve run runtime.serve.ray_app:build_app store=PATH [replicas=N] [router=punica]
+    [max_models=4096] [autoscale=MIN:MAX] [admin_token_file=F] [max_batch=32] [max_wait_ms=5]
+    [queue_limit=1024] [request_timeout_s=30] [max_len=128] [device=auto] [replica_cpus=1]`"""
+    from runtime.serve.cli import resolve_admin_token
+
+    args = dict(args)
+    store = args.pop("store")
+    token = resolve_admin_token(store, args.pop("admin_token_file", None))
+    kw = {}
+    for key in ("replicas", "max_models", "max_batch", "queue_limit", "max_len", "torch_threads", "max_ongoing",
+                "max_queued", "retries"):
+        if key in args:
+            kw[key] = int(args.pop(key))
+    for key in ("max_wait_ms", "request_timeout_s", "replica_cpus"):
+        if key in args:
+            kw[key] = float(args.pop(key))
+    if "autoscale" in args:
+        kw["autoscale"] = tuple(int(x) for x in str(args.pop("autoscale")).split(":"))
+    if "runtime_options" in args:
+        kw["runtime_options"] = json.loads(args.pop("runtime_options"))
+    kw.update(args)  # router, device, mode
+    return application(store, token, **kw)
+
+
+def run(store, admin_token, *, host="127.0.0.1", port=8080, address=None, blocking=True, **kw):
+    """Start (or join) a Ray cluster, deploy the application on host:port, and (blocking) serve
+    until interrupted. address: a Ray cluster ("auto", "ray://..."), else a local one."""
+    import ray
+
+    serve = _serve()
+    if not ray.is_initialized():
+        ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
+    serve.start(http_options={"host": host, "port": int(port)})
+    serve.run(application(store, admin_token, **kw), name=APP_NAME, route_prefix="/", blocking=False)
+    if not blocking:
+        return
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()

@@ -1,0 +1,234 @@
+"""runtime.serve.ray_app on a real local Ray cluster (127.0.0.1): 2 TenantWorker replicas over one
+store, a Manager, the Ingress. Many tenants, tenant affinity, a tenant added through a manage job
+and served by every replica, a replica killed under load with no request lost. Also the pure
+Punica ordering of runtime/serve/ray_router.py. Slow (a Ray cluster starts: ~20 s here); the
+cluster tests skip when ray[serve] is not installed (pip install -e '.[ray]').
+"""
+
+import json
+import os
+import shutil
+import tempfile
+import threading
+import time
+
+import httpx
+import pytest
+
+from test_manager import make_data
+from test_serve import free_port
+
+ADMIN = "admin-token-for-tests-0123456789"
+TENANTS = [f"t{i:02d}" for i in range(16)]
+DEADLINE_S = 120.0  # any wait in this module gives up after this
+
+pytestmark = pytest.mark.slow
+
+
+def auth(token=ADMIN):
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+# -- the pure policy (no cluster) -----------------------------------------------------------------------
+
+
+def test_punica_order_prefers_busiest_warm_then_fitting_then_migrates():
+    pytest.importorskip("ray.serve")
+    from runtime.serve.ray_router import punica_order
+
+    load = {"a": 3, "b": 7, "c": 1, "d": 8, "e": 0}
+    cap = 8
+    holds = {"a": {"x"}, "b": {"x"}, "c": set(), "d": {"x"}, "e": {"y", "z"}}
+    full = {"e"}  # working set at capacity
+
+    order = punica_order(list(load), "x", load.get, room=lambda r: load[r] < cap, holds=lambda r, t: t in holds[r],
+                         fits=lambda r: r not in full)
+    # warm with room (busiest first), then cold with room and space (busiest first); d is full of requests
+    assert order[:3] == ["b", "a", "c"]
+    assert set(order[3:]) == {"d", "e"} and order[3] == "e"  # the rest least busy first
+    # a tenant no replica holds goes to the busiest replica that still fits: consolidation
+    assert punica_order(list(load), "new", load.get, room=lambda r: load[r] < cap, holds=lambda r, t: False,
+                        fits=lambda r: r not in full)[0] == "b"
+
+
+# -- the cluster ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    pytest.importorskip("ray.serve")
+    import logging
+
+    import ray
+    from ray import serve
+
+    from runtime.build import manager
+    from runtime.model.tiny import make_tiny_model
+    from runtime.serve import ray_app
+
+    root = str(tmp_path_factory.mktemp("ray"))
+    data = make_data(root)
+    model = make_tiny_model(os.path.join(root, "model"), data["texts"])
+    store = os.path.join(root, "store")
+    manager.build(store, model_path=model, corpus_paths=[data["corpus"]], max_len=32, chunk=200, progress=False)
+    for i, tenant in enumerate(TENANTS):
+        manager.tenant_create(store, tenant, version="root", train_path=data["cls"], epochs=1, max_len=32,
+                              progress=False, seed=i)
+    # Ray's socket paths must stay short: its session lives under a short /tmp directory.
+    temp = tempfile.mkdtemp(prefix="hkray", dir="/tmp")
+    port = free_port()
+    ray.init(num_cpus=4, include_dashboard=False, logging_level=logging.WARNING, _temp_dir=temp,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    try:
+        ray_app.run(store, ADMIN, port=port, blocking=False, replicas=2, device="cpu", max_len=32, max_wait_ms=5,
+                    replica_cpus=1)
+        client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60.0)
+        yield {"client": client, "store": store, "data": data}
+        client.close()
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def infer(client, tenant, token=ADMIN, text="Return the sum of a list.", any_replica=False):
+    headers = auth(token)
+    if any_replica:
+        headers["x-hkstore-route"] = "any"
+    return client.post(f"/v1/tenants/{tenant}/infer", json={"text": text}, headers=headers)
+
+
+def worker_replicas():
+    import ray
+
+    return [a for a in ray.util.list_named_actors(all_namespaces=True) if "#TenantWorker#" in a["name"]]
+
+
+def wait_until(check, what, timeout=DEADLINE_S, every=0.25):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        out = check()
+        if out:
+            return out
+        time.sleep(every)
+    raise AssertionError(f"{what}: not within {timeout} s")
+
+
+def test_many_tenants_are_routed_to_the_replica_holding_their_pet(cluster):
+    c = cluster["client"]
+    h = c.get("/healthz")
+    assert h.status_code == 200 and h.json()["tenants"] == len(TENANTS)
+    assert h.json()["jobs_enabled"] is False  # workers run no jobs: the Manager does
+    first = {}
+    for t in TENANTS:
+        r = infer(c, t)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["tenant"] == t and out["results"][0]["label"] in ("math", "path")
+        first[t] = r.headers["x-hkstore-replica"]
+    assert len(set(first.values())) == 2, f"the cold tenants spread over both replicas: {first}"
+    time.sleep(1.5)  # replicas push their held tenants to Ray's routers
+    served, warm = {t: set() for t in TENANTS}, 0
+    for _ in range(3):
+        for t in TENANTS:
+            r = infer(c, t)
+            assert r.status_code == 200, r.text
+            served[t].add(r.headers["x-hkstore-replica"])
+            warm += r.headers["x-hkstore-pet"] == "warm"
+    assert warm == 3 * len(TENANTS), "every request went to a replica holding the tenant's PET"
+    assert all(served[t] == {first[t]} for t in TENANTS), (first, served)
+    assert c.get("/metrics").status_code == 401  # the same rule as hkstore serve: admin only
+    m = c.get("/metrics", headers=auth()).text
+    assert 'hkstore_ray_pet_routing_total{pet="warm"}' in m and "hkstore_ray_replica_requests_total" in m, m
+    assert "hkstore_queue_depth" in m, m  # the Manager's app metrics follow the ingress's
+
+
+def test_same_api_errors_and_bounds(cluster):
+    c = cluster["client"]
+    assert infer(c, "t00", token="").status_code == 401
+    assert infer(c, "t00", token="nobody~secret").status_code == 401
+    assert infer(c, "nosuch").status_code == 404
+    r = c.post("/v1/tenants/t00/infer", json={"txt": "x"}, headers=auth())
+    assert r.status_code == 422
+    r = c.post("/v1/tenants/t00/infer", json={"texts": ["a b"] * 5000}, headers=auth())
+    assert r.status_code in (413, 422)
+    assert c.get("/v1/jobs", headers=auth("t00~wrong")).status_code == 401
+    r = c.get("/v1/tenants", headers=auth())
+    assert r.status_code == 200 and {t["tenant"] for t in r.json()["tenants"]} == set(TENANTS)
+
+
+def test_new_tenant_reaches_every_replica(cluster):
+    c = cluster["client"]
+    with open(cluster["data"]["cls"]) as f:
+        examples = [json.loads(line) for line in f]
+    r = c.post("/v1/tenants", json={"tenant": "fresh", "examples": examples, "epochs": 1, "max_len": 32},
+               headers=auth())
+    assert r.status_code == 202, r.text
+    job, token = r.json()["job"]["id"], r.json()["token"]
+
+    def done():
+        j = c.get(f"/v1/jobs/{job}", headers=auth()).json()
+        return j if j["state"] in ("done", "failed") else None
+
+    j = wait_until(done, "the tenant job")
+    assert j["state"] == "done" and j["attempts"] == 1, j
+    t_done = time.monotonic()
+    # Within a bounded time (the replicas poll STORE/CURRENT each second) every replica lists it.
+    seen = {}
+
+    def everyone_knows():
+        r = c.get("/healthz", headers={"x-hkstore-route": "any"})
+        seen[r.headers["x-hkstore-replica"]] = r.json()["tenants"]
+        return len(seen) == 2 and all(n == len(TENANTS) + 1 for n in seen.values())
+
+    wait_until(everyone_knows, "both replicas see the new tenant", timeout=10.0, every=0.05)
+    assert time.monotonic() - t_done < 5.0
+    replicas = set()
+    for _ in range(40):
+        r = infer(c, "fresh", token=token, any_replica=True)
+        assert r.status_code == 200, r.text
+        replicas.add(r.headers["x-hkstore-replica"])
+        if len(replicas) == 2:
+            break
+    assert len(replicas) == 2, "the new tenant is served by every replica"
+    assert infer(c, "t00", token=token).status_code == 403  # its token reaches only itself
+
+
+def test_replica_killed_under_load_loses_no_request(cluster):
+    import ray
+
+    c = cluster["client"]
+    replicas = worker_replicas()
+    assert len(replicas) == 2
+    victim = replicas[0]
+    victim_id = victim["name"].rsplit("#", 1)[-1]
+    statuses, stop = [], threading.Event()
+
+    def load(k):
+        with httpx.Client(base_url=str(c.base_url), timeout=60.0) as cl:
+            i = k
+            while not stop.is_set():
+                r = infer(cl, TENANTS[i % len(TENANTS)])
+                statuses.append((r.status_code, r.headers.get("x-hkstore-replica"), time.monotonic()))
+                i += 3
+
+    threads = [threading.Thread(target=load, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    t_kill = time.monotonic()
+    ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
+    time.sleep(4.0)
+    stop.set()
+    for t in threads:
+        t.join(DEADLINE_S)
+    codes = [s for s, _, _ in statuses]
+    assert codes and all(s == 200 for s in codes), f"{len(codes)} requests, not all 200: {sorted(set(codes))}"
+    after = [rep for s, rep, t in statuses if t > t_kill + 1.0]
+    assert after and victim_id not in after, "nothing is answered by the dead replica"
+    # every tenant is still served (the survivor loads the PETs the dead one held)
+    for t in TENANTS:
+        assert infer(c, t).status_code == 200
+    # Ray replaces the replica
+    wait_until(lambda: len(worker_replicas()) == 2 and victim["name"] not in {a["name"] for a in worker_replicas()},
+               "Ray starts a replacement replica")
