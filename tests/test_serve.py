@@ -23,6 +23,7 @@ import pytest
 from runtime.build import manager
 from runtime.model.tiny import make_tiny_model
 from test_manager import make_data
+from tools import reliability_http
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ADMIN = "admin-token-for-tests-0123456789"
@@ -161,7 +162,7 @@ def env(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(env):
-    s = Server(env["main"], env["token_file"], "--max-wait-ms", 20)
+    s = Server(env["main"], env["token_file"], "--max-wait-ms", 20, "--header-timeout", 3)
     yield s
     s.stop()
 
@@ -194,7 +195,8 @@ def test_health_metrics_and_schema(server):
     assert h["status"] == "ok" and h["tenants"] >= 1 and h["jobs_enabled"] and h["mode"] == "shared"
     r = server.client.post("/v1/tenants/base/infer", json={"text": "Return the sum of a list."}, headers=auth(ADMIN))
     assert r.status_code == 200, r.text
-    m = server.client.get("/metrics")
+    assert server.client.get("/metrics").status_code == 401  # the admin token, unless --metrics-public
+    m = server.client.get("/metrics", headers=auth(ADMIN))
     assert m.status_code == 200 and m.headers["content-type"].startswith("text/plain")
     for name in ("hkstore_queue_depth", "hkstore_batch_size_bucket", "hkstore_request_latency_seconds_bucket",
                  "hkstore_queue_wait_seconds_bucket", 'hkstore_pet_cache_hits_total{cache="host"}', "hkstore_tenants",
@@ -374,7 +376,7 @@ def test_queue_full_429_and_timeout_504(server, env):
         t.join(30)
         assert first["r"].status_code == 504, first["r"].text
         assert s.client.get("/healthz").json()["queue_depth"] == 0  # the timed-out text left the queue
-        m = s.client.get("/metrics").text
+        m = s.client.get("/metrics", headers=h).text
         assert 'hkstore_rejected_total{reason="queue_full"} 1.0' in m
         assert 'hkstore_rejected_total{reason="timeout"} 1.0' in m
         r = s.client.post("/v1/tenants", json={"tenant": "t9", "examples": [{"text": "a", "label": "b"}]}, headers=h)
@@ -382,6 +384,86 @@ def test_queue_full_429_and_timeout_504(server, env):
         assert s.client.get("/healthz").json()["jobs_enabled"] is False
     finally:
         s.stop()
+
+
+# -- hardening (issue 14) ------------------------------------------------------------------------------
+
+
+def test_unauthenticated_bodies_are_refused_before_they_are_read(server):
+    """60 MB declared (Content-Length or chunked), 1 MiB sent, no token: 401 at once, and no
+    422 that would show the schema; a tenant token on a manage route: 403."""
+    for path, framing, line, seconds in reliability_http.unauthenticated_bodies(server.url):
+        assert " 401 " in line + " " and seconds < 5, (path, framing, line, seconds)
+    for token in (None, "nope-nope"):
+        r = server.client.post("/v1/tenants", content=b'{"tenant": 5}', headers=auth(token) if token else {})
+        assert r.status_code == 401 and "tenant" not in r.text and r.headers["connection"] == "close", r.text
+    r = server.client.post("/v1/tenants/base/update", json={"epochs": 1, "x": "a" * (100 << 10)}, headers=auth(ADMIN))
+    assert r.status_code == 422  # an upload route: a body past the manage limit still reaches validation
+    r = server.client.request("DELETE", "/v1/tenants/nobody", content=b"x" * (100 << 10), headers=auth(ADMIN))
+    assert r.status_code == 413  # any other manage body is bounded by what a manage request needs
+
+
+def test_probes_never_get_a_5xx(server):
+    result = reliability_http.run_probes(server.url, ADMIN, tenant="base")
+    assert result["5xx"] == 0 and not result["failures"], result["failures"]
+    assert result["probes"] >= 100 and result["unauthenticated_fast"] == 10
+
+
+def test_half_open_connection_is_closed_by_the_header_timeout(server):
+    seconds = reliability_http.half_open(server.url, bound=20)
+    assert 2 < seconds < 8, seconds  # --header-timeout 3
+    assert server.client.get("/healthz").status_code == 200
+
+
+def test_damaged_pet_answers_503_others_are_served_and_healthz_degrades(server, env):
+    import hkstore
+    from formats.pack import PetRecord
+
+    def writer():
+        deadline = time.monotonic() + JOB_TIMEOUT
+        while True:
+            try:
+                return hkstore.open(env["main"], writable=True)
+            except hkstore.StoreLocked:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+
+    with writer() as st:
+        base = st.get_pet("base")
+        st.put_pet(PetRecord("dmg", dict(base.meta, tenant="dmg"), base.tensors))
+        loc = st.pets()["dmg"]
+    pack_path = os.path.join(env["main"], "packs", loc["file"])
+    at = loc["offset"] + loc["length"] // 2
+    with open(pack_path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x10]))
+    try:
+        c, h = server.client, auth(ADMIN)
+        deadline = time.monotonic() + 10
+        while c.get("/v1/tenants/dmg", headers=h).status_code == 404 and time.monotonic() < deadline:
+            time.sleep(0.2)  # the server picks the commit up within a second
+        r = c.post("/v1/tenants/dmg/infer", json={"text": "Return the sum."}, headers=h)
+        assert r.status_code == 503 and "store damaged: run hkstore verify" in r.json()["detail"], r.text
+        assert c.get("/v1/tenants/dmg", headers=h).status_code == 503
+        ok = c.post("/v1/tenants/base/infer", json={"text": "Return the sum."}, headers=h)
+        assert ok.status_code == 200, ok.text  # tenants whose data is intact are served
+        health = c.get("/healthz").json()
+        assert health["status"] == "degraded" and "dmg" in health["reason"], health
+        metrics = c.get("/metrics", headers=h).text
+        assert "hkstore_store_degraded 1.0" in metrics and "hkstore_store_damaged_total" in metrics
+    finally:
+        with open(pack_path, "r+b") as f:
+            f.seek(at)
+            f.write(byte)
+        with writer() as st:
+            st.delete_pet("dmg")
+    deadline = time.monotonic() + 10
+    while server.client.get("/healthz").json()["status"] != "ok" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert server.client.get("/healthz").json()["status"] == "ok"
 
 
 def test_restart_in_the_middle_of_a_job(env):

@@ -163,7 +163,8 @@ class ServerProcess:
                "--admin-token-file", token_file, "--mode", "shared" if mode == "hplm" else "dedicated",
                "--device", args.device, "--max-len", str(args.max_len), "--max-batch", str(args.max_batch),
                "--max-wait-ms", str(args.max_wait_ms), "--queue-limit", str(args.queue_limit),
-               "--request-timeout", str(args.request_timeout), "--dedicated-resident", str(args.dedicated_resident)]
+               "--request-timeout", str(args.request_timeout), "--dedicated-resident", str(args.dedicated_resident),
+               "--metrics-public"]  # a loopback benchmark server: its scraper needs no token
         with open(self.log_path, "wb") as out:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                                          preexec_fn=_end_with_parent)

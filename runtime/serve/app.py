@@ -58,9 +58,12 @@ swap); every batch also runs the lower layers (no PLOT) before the upper ones.
 import asyncio
 import contextlib
 import hmac
+import io
 import json
 import logging
 import os
+import re
+import tempfile
 import threading
 import time
 from typing import Annotated, Literal, Optional
@@ -70,13 +73,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from hkstore.errors import StoreError, UnknownTenant
+from hkstore.errors import CorruptError, StoreError, UnknownTenant
 from hkstore.store import check_name
 from runtime.serve.dispatcher import Dispatcher, Expired
 from runtime.serve.jobs import Jobs, JobsUnavailable
 from runtime.serve.metrics import Metrics
 from runtime.serve.schemas import (
     MAX_INFER_BODY,
+    MAX_MANAGE_BODY,
     MAX_UPLOAD_BODY,
     NAME_PATTERN,
     ClassificationExample,
@@ -124,6 +128,7 @@ class Service:
         self._current = None
         self._watch_task = None
         self._refresh = threading.Lock()
+        self.damage = None  # (reason, unix time) of the last CorruptError seen, until the store changes
 
     async def start(self):
         import runtime
@@ -176,8 +181,17 @@ class Service:
         with self._refresh:
             current = self._read_current()
             if current != self._current:
-                self.rt.refresh()
+                try:
+                    self.rt.refresh()
+                except CorruptError as e:
+                    # Keep serving the snapshot we hold; report the damage until CURRENT moves.
+                    self._current = current
+                    self.note_damage("refresh", e)
+                    return
                 self._current = current
+                if self.damage is not None:  # the store changed (repaired?): requests re-report what is left
+                    self.damage = None
+                    self.metrics.degraded.set(0)
 
     def _committed(self, job):
         self.refresh()
@@ -193,6 +207,36 @@ class Service:
                 log.exception("refreshing the store snapshot failed")
 
     # -- auth --
+
+    def header_denial(self, authorization, admin):
+        """Authenticate from the Authorization header alone, before any body is read: None if
+        it may go on, else (status, detail). admin: the route needs the admin token."""
+        scheme, _, token = (authorization or b"").decode("latin-1").strip().partition(" ")
+        creds = HTTPAuthorizationCredentials(scheme="Bearer", credentials=token.strip()) \
+            if scheme.lower() == "bearer" else None
+        try:
+            who = self.principal(creds)
+        except HTTPError as e:
+            return e.status, e.detail
+        if admin and who != "admin":
+            return 403, "this operation needs the admin token"
+        return None
+
+    # -- damage --
+
+    def note_damage(self, where, error):
+        """A CorruptError reached a request (or a refresh): /healthz says degraded until the
+        store changes; the request gets 503."""
+        reason = f"{where}: {error}"
+        if self.damage is None or self.damage[0] != reason:
+            log.error("store damaged (%s); run hkstore verify", reason)
+        self.damage = (reason, time.time())
+        self.metrics.damaged.labels(where.split(" ")[0]).inc()
+        self.metrics.degraded.set(1)
+
+    def damaged_error(self, where, error):
+        self.note_damage(where, error)
+        return HTTPError(503, f"store damaged: run hkstore verify ({error})", {"Retry-After": "60"})
 
     def principal(self, creds):
         """"admin", a tenant name, or an HTTPError 401."""
@@ -272,69 +316,101 @@ def _result_view(r) -> dict:
     return out
 
 
-class _BodyLimit:
-    """ASGI middleware: 413 for bodies over the limit (uploads get the larger one); bodies
-    without Content-Length are read up to the limit and replayed."""
+_INFER_PATH = re.compile(r"^/v1/tenants/[^/]+/infer$")
+_UPLOAD_PATH = re.compile(r"^/v1/(domains|tenants)(/[^/]+/update)?$")  # POSTs carrying documents or examples
+_SPOOL_IN_MEMORY = 1 << 20  # an upload past this goes to a temporary file while it arrives
 
-    def __init__(self, app, infer_limit=MAX_INFER_BODY, upload_limit=MAX_UPLOAD_BODY):
-        self.app, self.infer_limit, self.upload_limit = app, infer_limit, upload_limit
+
+class _Gate:
+    """ASGI middleware in front of every route that takes a body (POST, PUT, PATCH, DELETE):
+
+    1. authentication from the Authorization header before one byte of the body is read
+       (401 or 403 at once, and the connection is closed: an unauthenticated caller can make
+       the server read, buffer or parse nothing, and learns nothing of the schema);
+    2. a body limit by route: infer MAX_INFER_BODY, the manage requests that carry documents or
+       examples MAX_UPLOAD_BODY (streamed into a temporary file while it arrives), any other
+       MAX_MANAGE_BODY; 413 from Content-Length before reading, or as soon as a body without
+       one passes its limit."""
+
+    def __init__(self, app, service=None, infer_limit=MAX_INFER_BODY, upload_limit=MAX_UPLOAD_BODY,
+                 manage_limit=MAX_MANAGE_BODY):
+        self.app, self.service = app, service
+        self.infer_limit, self.upload_limit, self.manage_limit = infer_limit, upload_limit, manage_limit
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
-        limit = self.infer_limit if path.endswith("/infer") else self.upload_limit
         headers = dict(scope.get("headers") or [])
+        infer = bool(_INFER_PATH.match(path))
+        if self.service is not None and path.startswith("/v1/"):
+            denied = self.service.header_denial(headers.get(b"authorization"), admin=not infer)
+            if denied is not None:
+                status, detail = denied
+                extra = [(b"www-authenticate", b"Bearer")] if status == 401 else []
+                return await _send_json(send, status, {"detail": detail}, extra + [(b"connection", b"close")])
+        upload = scope["method"] == "POST" and bool(_UPLOAD_PATH.match(path))
+        limit = self.infer_limit if infer else self.upload_limit if upload else self.manage_limit
         length = headers.get(b"content-length")
         if length is not None:
             try:
                 n = int(length)
             except ValueError:
-                return await _send_json(send, 400, {"detail": "invalid Content-Length"})
+                return await _send_json(send, 400, {"detail": "invalid Content-Length"}, [(b"connection", b"close")])
             if n > limit:
-                return await _send_json(send, 413, {"detail": f"request body of {n} bytes exceeds {limit} bytes"})
-            return await self.app(scope, receive, send)
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                return await _send_json(send, 413, {"detail": f"request body exceeds {limit} bytes"})
-            chunks.append(chunk)
-            if not message.get("more_body"):
-                break
-        body, sent = b"".join(chunks), False
+                return await _send_json(send, 413, {"detail": f"request body of {n} bytes exceeds {limit} bytes"},
+                                        [(b"connection", b"close")])
+        spool = tempfile.SpooledTemporaryFile(max_size=_SPOOL_IN_MEMORY) if upload else io.BytesIO()
+        try:
+            size = 0
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > limit:
+                    return await _send_json(send, 413, {"detail": f"request body exceeds {limit} bytes"},
+                                            [(b"connection", b"close")])
+                if chunk:
+                    spool.write(chunk)  # a page-cache write: no need to leave the loop
+                if not message.get("more_body"):
+                    break
+            spool.seek(0)
+            done = False
 
-        async def replay():
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
+            async def replay():
+                nonlocal done
+                if done:
+                    return await receive()
+                chunk = spool.read(_SPOOL_IN_MEMORY)
+                done = spool.tell() >= size
+                return {"type": "http.request", "body": chunk, "more_body": not done}
 
-        return await self.app(scope, replay, send)
+            return await self.app(scope, replay, send)
+        finally:
+            spool.close()
 
 
-async def _send_json(send, status, obj):
+async def _send_json(send, status, obj, headers=()):
     body = json.dumps(obj).encode()
     await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *headers]})
     await send({"type": "http.response.body", "body": body})
 
 
 def create_app(store_path, *, admin_token, max_batch=32, max_wait_ms=5, queue_limit=1024, request_timeout_s=30,
                device="auto", max_len=128, mode="shared", dedicated_resident=4, job_threads=1,
-               torch_threads=1, runtime_options=None) -> FastAPI:
+               torch_threads=1, runtime_options=None, metrics_public=False) -> FastAPI:
     """The serving app over the store at store_path (see the module doc). The runtime opens
     when the app starts (uvicorn's lifespan) and closes when it stops.
 
     mode: "shared" (hPLM: one shared encoder, mixed-tenant batches) or "dedicated" (the
     baseline emulation). torch_threads: torch's intra-op threads in the server (0: torch's
     default); job_threads: in each job worker. runtime_options go to runtime.open
-    (pet_cache_bytes, pipeline, ...).
+    (pet_cache_bytes, pipeline, ...). metrics_public: serve /metrics without a token (by default it
+    needs the admin token, as a Prometheus scrape config's bearer token).
     """
     from contextlib import asynccontextmanager
 
@@ -363,7 +439,7 @@ def create_app(store_path, *, admin_token, max_batch=32, max_wait_ms=5, queue_li
                   description="Multi-tenant inference over one shared encoder, with durable manage jobs (HMI §4).",
                   lifespan=lifespan)
     app.state.service = svc
-    app.add_middleware(_BodyLimit)
+    app.add_middleware(_Gate, service=svc)
     bearer = HTTPBearer(auto_error=False, description="The admin token, or a tenant's API token")
 
     @app.exception_handler(HTTPError)
@@ -376,6 +452,11 @@ def create_app(store_path, *, admin_token, max_batch=32, max_wait_ms=5, queue_li
         status = 400 if any(e.get("type") == "json_invalid" for e in errors) else 422
         detail = [{"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")} for e in errors]
         return JSONResponse({"detail": detail}, status_code=status)
+
+    @app.exception_handler(CorruptError)
+    async def _damaged(request, exc: CorruptError):
+        e = svc.damaged_error(f"{request.method} {request.url.path}", exc)
+        return JSONResponse({"detail": e.detail}, status_code=e.status, headers=e.headers)
 
     @app.exception_handler(JobsUnavailable)
     async def _no_jobs(request, exc):
@@ -397,18 +478,24 @@ def create_app(store_path, *, admin_token, max_batch=32, max_wait_ms=5, queue_li
                      409: {"description": "the name is taken"}, 413: {"description": "body too large"},
                      503: {"description": "another server runs this store's jobs"}}
 
-    @app.get("/healthz", response_model=Health, tags=["observability"])
+    @app.get("/healthz", response_model=Health, response_model_exclude_none=True, tags=["observability"])
     async def healthz():
         snap = svc.rt.store.snapshot()
-        return {"status": "ok", "device": svc.rt.device, "mode": svc.mode, "tenants": len(snap.pets),
+        damage = svc.damage
+        return {"status": "degraded" if damage else "ok", "reason": damage[0] if damage else None,
+                "device": svc.rt.device, "mode": svc.mode, "tenants": len(snap.pets),
                 "versions": len(snap.versions), "queue_depth": svc.dispatcher.depth, "jobs": svc.jobs.counts(),
                 "jobs_enabled": svc.jobs.enabled}
 
     @app.get("/metrics", tags=["observability"], response_class=Response,
-             responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}})
-    async def metrics():
+             responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"},
+                        401: {"description": "missing or invalid token (unless the server was started with "
+                                             "--metrics-public)"}, 403: {"description": "not the admin token"}})
+    async def metrics(creds: HTTPAuthorizationCredentials = Depends(bearer)):
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+        if not metrics_public:
+            svc.require_admin(creds)
         data = await asyncio.to_thread(generate_latest, svc.metrics.registry)
         return Response(data, media_type=CONTENT_TYPE_LATEST)
 
@@ -452,6 +539,8 @@ def create_app(store_path, *, admin_token, max_batch=32, max_wait_ms=5, queue_li
                 where = f"texts[{j}]: " if body.texts is not None else ""
                 if isinstance(out, UnknownTenant):
                     raise HTTPError(404, f"unknown tenant {tenant!r}")
+                if isinstance(out, CorruptError):
+                    raise svc.damaged_error(f"infer {tenant}", out)
                 if isinstance(out, runtime.IncompatiblePet):
                     raise HTTPError(409, where + str(out))
                 if isinstance(out, (runtime.BadRequest, StoreError)):

@@ -52,11 +52,16 @@ def resolve_admin_token(store, token_file=None) -> str:
               help="Torch threads of a job worker.")
 @click.option("--torch-threads", type=click.IntRange(0, 256), default=1, show_default=True,
               help="Torch intra-op threads of the server (0: torch's default).")
+@click.option("--metrics-public", is_flag=True,
+              help="Serve /metrics without a token (default: it needs the admin token as a bearer token).")
+@click.option("--header-timeout", type=click.FloatRange(0.1, 3600), default=10, show_default=True,
+              help="Seconds a connection may take to send a request's headers before it is closed.")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="warning",
               show_default=True)
 @click.option("--access-log/--no-access-log", default=False, show_default=True)
 def serve(store, host, port, admin_token_file, device, max_batch, max_wait_ms, queue_limit, request_timeout, max_len,
-          mode, dedicated_resident, job_threads, torch_threads, log_level, access_log):
+          mode, dedicated_resident, job_threads, torch_threads, metrics_public, header_timeout, log_level,
+          access_log):
     """Serve STORE over HTTP: infer for every tenant, manage jobs (see runtime/serve/app.py)."""
     import uvicorn
 
@@ -67,10 +72,48 @@ def serve(store, host, port, admin_token_file, device, max_batch, max_wait_ms, q
         app = create_app(store, admin_token=resolve_admin_token(store, admin_token_file), max_batch=max_batch,
                          max_wait_ms=max_wait_ms, queue_limit=queue_limit, request_timeout_s=request_timeout,
                          device=device, max_len=max_len, mode=mode, dedicated_resident=dedicated_resident,
-                         job_threads=job_threads, torch_threads=torch_threads)
+                         job_threads=job_threads, torch_threads=torch_threads, metrics_public=metrics_public)
     except (StoreError, ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=access_log, timeout_graceful_shutdown=5)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=access_log, timeout_graceful_shutdown=5,
+                http=header_timeout_protocol(header_timeout))
+
+
+def header_timeout_protocol(seconds):
+    """uvicorn's HTTP protocol, plus a deadline for request headers: a connection that has not
+    sent a whole request head `seconds` after it opened (or after its last response) is closed.
+    uvicorn alone waits forever for a half-sent head (its keep-alive timeout stops at the first
+    byte), so half-open connections could pile up."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class HeaderTimeoutProtocol(AutoHTTPProtocol):
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._arm_header_timer()
+
+        def on_response_complete(self):
+            super().on_response_complete()
+            self._arm_header_timer()
+
+        def connection_lost(self, exc):
+            timer = getattr(self, "_header_timer", None)
+            if timer is not None:
+                timer.cancel()
+            super().connection_lost(exc)
+
+        def _arm_header_timer(self):
+            timer = getattr(self, "_header_timer", None)
+            if timer is not None:
+                timer.cancel()
+            if not self.transport.is_closing():
+                self._header_timer = self.loop.call_later(seconds, self._header_deadline, self.cycle)
+
+        def _header_deadline(self, cycle):
+            # Still the cycle of the timer's start: no new request head has come in since.
+            if self.cycle is cycle and (cycle is None or cycle.response_complete) and not self.transport.is_closing():
+                self.transport.close()
+
+    return HeaderTimeoutProtocol
 
 
 def main(argv=None):

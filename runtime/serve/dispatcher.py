@@ -9,7 +9,7 @@ import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from hkstore.errors import StoreError
+from hkstore.errors import CorruptError, StoreError
 
 log = logging.getLogger("hkstore.serve")
 
@@ -191,9 +191,10 @@ class Dispatcher:
 
         try:
             return self.rt.infer([{"tenant": t, "text": x} for t, x in requests])
-        except (runtime.BadRequest, StoreError) as e:
-            # infer checks every request before it runs any: one bad request fails the whole
-            # batch. Split it to find the culprits; the others are answered.
+        except (runtime.BadRequest, StoreError, CorruptError) as e:
+            # infer checks every request before it runs any: one bad request (or one tenant's
+            # damaged PET) fails the whole batch. Split it to find the culprits; the others are
+            # answered.
             if len(requests) == 1:
                 return [e]
             half = len(requests) // 2

@@ -29,6 +29,9 @@ class Metrics:
         self.texts = Counter("hkstore_infer_texts", "Texts answered", registry=r)
         self.rejected = Counter("hkstore_rejected", "Infer requests rejected", ["reason"], registry=r)
         self.swaps = Counter("hkstore_dedicated_swaps", "Full-model swaps (dedicated mode)", registry=r)
+        self.damaged = Counter("hkstore_store_damaged", "Requests (or refreshes) that met a damaged store: answered 503",
+                               ["where"], registry=r)
+        self.degraded = Gauge("hkstore_store_degraded", "1 while /healthz reports the store damaged", registry=r)
         r.register(_RuntimeCollector(service))
 
 

@@ -27,7 +27,10 @@ MAX_EXAMPLES = 100_000
 MAX_INFER_BODY = 1 << 20  # bytes
 
 
-MAX_UPLOAD_BODY = 64 << 20
+MAX_UPLOAD_BODY = 64 << 20  # the manage requests that carry documents or examples (spooled to disk)
+
+
+MAX_MANAGE_BODY = 64 << 10  # every other request body (a tenant update without examples, a delete)
 
 
 Name = Annotated[str, StringConstraints(pattern=NAME_PATTERN, min_length=1, max_length=64)]
@@ -216,7 +219,8 @@ class JobList(BaseModel):
 
 
 class Health(BaseModel):
-    status: str
+    status: str = Field(description="ok, or degraded: the store is damaged (see reason; run hkstore verify)")
+    reason: Optional[str] = None
     device: str
     mode: str
     tenants: int
