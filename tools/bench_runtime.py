@@ -16,6 +16,11 @@
       prefetch vs synchronized (both off).
   (c) Punica Fig. 8: the LoRA operator (rank 16) as SGMV vs a per-tenant loop vs gather-BMM
       (and BGMV) for the Distinct, Uniform, Skewed and Identical workloads, batch 1..64.
+  (d) The CPU executor at the GEMM rate (issue 17): the upper layers of one batch with the
+      batched kernels (runtime.exec.cpu_batched) and the reference ops, at 1 and 10K tenants,
+      against torch.matmul on the same GEMM shapes (achieved GFLOP/s), the FLOP bound of
+      hPLM vs dedicated, and where a batch's time goes (tokenization, lookup, aggregation,
+      shared GEMMs, PET ops, ...) as a table and a PNG (--figures DIR).
 
 CPU always; the GPU executor and kernels too when CuPy and a GPU are present. What is
 synthetic, and why: tenants' PETs are random adapters (bottleneck 64) and heads (training
@@ -27,7 +32,8 @@ values for the request corpus's windows, their backoff keys and every uni-gram (
 path is what is timed, and values from the lower layers would cost minutes to compute).
 Memory per tenant is (shared weights + the sum of per-tenant state) / tenants.
 
-Usage: python tools/bench_runtime.py [--quick] [--device auto|cpu|cuda] [--out FILE]
+Usage: python tools/bench_runtime.py [--quick] [--device auto|cpu|cuda] [--out FILE] [--skip a,b,c,d]
+       [--tenants 1,16,10000] [--repeats-a N] [--figures DIR]
 """
 
 from __future__ import annotations
@@ -609,6 +615,156 @@ def section_c(args, gpu, out):
         run("GPU", gpu_impls, gpu_timer)
 
 
+# -- (d) the CPU executor at the GEMM rate ----------------------------------------------------
+
+
+def upper_gemms(c, B, L, layers, bottleneck):
+    """(m, k, n, count) of the upper layers' GEMMs for a batch of B x L tokens: the six
+    projections, attention's two batched products (as B*heads GEMMs) and two adapters (last)."""
+    R, d, f, H = B * L, c.d, c.ffn, c.heads
+    dh = d // H
+    per_layer = [(R, d, d, 4), (R, d, f, 1), (R, f, d, 1), (L, dh, L, B * H), (L, L, dh, B * H),
+                 (R, d, bottleneck, 2), (R, bottleneck, d, 2)]
+    return [(m, k, n, cnt * layers) for m, k, n, cnt in per_layer]
+
+
+def gemm_flops(shapes) -> float:
+    return float(sum(2 * m * k * n * cnt for m, k, n, cnt in shapes))
+
+
+def section_d(w, out, figures=None):
+    from runtime.exec.cpu import CpuExecutor
+    from runtime.plot.mixed import retrieve_mixed
+    from runtime.plot.retrieve import corpus_windows
+
+    args, c = w.args, w.enc.config
+    B, L = args.batch, args.seq_len
+    upper = c.num_layers - w.enc.lower_layers
+    shapes = upper_gemms(c, B, L, upper, 64)
+    flops = gemm_flops(shapes)
+    adapters = gemm_flops(shapes[-2:])
+    layer = (flops - adapters) / upper
+    bound = c.num_layers * layer / (upper * layer + adapters)
+    snap = w.store.snapshot()
+    batches = {T: w.requests(T, B, 40 + T) for T in (1, 10000)}
+    inputs = {}
+    for T, reqs in batches.items():
+        x, m, _ = retrieve_mixed(snap, [s for _, s in reqs], ["root"] * B)
+        inputs[T] = (x, m, [w.pet("adapter", t) for t, _ in reqs])
+    execs = {"batched": CpuExecutor(w.enc, kernels="batched"), "reference": CpuExecutor(w.enc, kernels="reference")}
+    mats = [(torch.randn(m, k), torch.randn(k, n), cnt) for m, k, n, cnt in shapes]
+
+    def matmul():
+        for a, b, cnt in mats:
+            for _ in range(cnt if a.shape[0] > L else 1):
+                if a.shape[0] > L:
+                    torch.matmul(a, b)
+            if a.shape[0] == L:  # the attention GEMMs as one batched matmul, as the executors do
+                torch.matmul(a.expand(cnt, *a.shape), b.expand(cnt, *b.shape))
+
+    runs = {"torch.matmul, same GEMMs": matmul}
+    for name, ex in execs.items():
+        for T, (x, m, pets) in inputs.items():
+            runs[f"{name} @{T:,}"] = (lambda ex=ex, x=x, m=m, pets=pets: ex.run(x, m, pets))
+    log("(d) warm-up")
+    for fn in runs.values():
+        fn()
+    seen = {k: [] for k in runs}
+    load0 = os.getloadavg()[0]
+    for rep in range(args.repeats_d):
+        log(f"(d) round {rep + 1}/{args.repeats_d}")
+        for k, fn in runs.items():
+            seen[k].append(timed(fn))
+    load1 = os.getloadavg()[0]
+    med = {k: float(np.median(v)) for k, v in seen.items()}
+    mm = med["torch.matmul, same GEMMs"]
+    rows = [[k, f"{med[k] * 1e3:.0f}", f"{flops / med[k] / 1e9:.1f}", f"{mm / med[k]:.2f}",
+             f"{max(seen[k]) / min(seen[k]):.2f}"] for k in runs]
+    out.append(f"### CPU: the upper layers of one batch ({B} x {L} tokens, {upper} layers, two adapters a layer "
+               f"b = 64 + LayerNorm deltas + heads), median of {args.repeats_d} interleaved rounds; load average "
+               f"{load0:.1f} -> {load1:.1f}\n")
+    out.append(md_table(["run", "ms", "GFLOP/s (GEMM FLOPs / time)", "vs torch.matmul", "max/min"], rows))
+    b10k, b1 = med["batched @10,000"], med["batched @1"]
+    out.append(f"\n- GEMM FLOPs of a batch's upper layers: {flops / 1e9:.1f} GFLOP (adapters {adapters / 1e9:.2f}); "
+               f"torch.matmul on the same shapes: {flops / mm / 1e9:.1f} GFLOP/s")
+    out.append(f"- batched @10K / batched @1 (time ratio, 1 = no cost of mixing tenants): **{b1 / b10k:.2f}**; "
+               f"reference: {med['reference @1'] / med['reference @10,000']:.2f}")
+    out.append(f"- batched / reference speed-up: {med['reference @1'] / b1:.2f}x @1, "
+               f"{med['reference @10,000'] / b10k:.2f}x @10K")
+    out.append(f"- FLOP bound of hPLM vs dedicated: {c.num_layers} layers vs {upper} + adapters = **{bound:.2f}x** "
+               "fewer GEMM FLOPs (lower layers become lookups)")
+
+    # where a batch's time goes
+    texts = [w.enc.tokenizer.decode(s[1:-1]) for _, s in batches[10000]]
+    prof_rows = {}
+    for T, (x, m, pets) in inputs.items():
+        seqs = [s for _, s in batches[T]]
+        stages = {"tokenization": [], "lookup": [], "aggregation": []}
+        ex = execs["batched"]
+        ex.profile = {}
+        for _ in range(args.repeats_d):
+            stages["tokenization"].append(timed(lambda: w.enc.tokenizer.encode_batch(texts)))
+
+            def lookup():
+                wins, _ = corpus_windows(seqs, snap.meta["n"], snap.meta["window"], snap.meta["pad_id"])
+                snap.lookup("root", wins)
+
+            t_lookup = timed(lookup)
+            t_retrieve = timed(lambda: retrieve_mixed(snap, seqs, ["root"] * B))
+            stages["lookup"].append(t_lookup)
+            stages["aggregation"].append(max(0.0, t_retrieve - t_lookup))
+            ex.run(x, m, pets)
+        prof = {k: v / args.repeats_d for k, v in ex.profile.items()}
+        ex.profile = None
+        wall = prof.pop("upper layers + heads (wall)")
+        stack = prof.pop("PET stacking (prefetch thread)", 0.0)
+        row = {k: float(np.median(v)) for k, v in stages.items()}
+        row.update(prof)
+        row["Python and other"] = max(0.0, wall - sum(prof.values()))
+        row["PET stacking (prefetch thread, overlapped)"] = stack
+        prof_rows[T] = row
+    names = list(prof_rows[1])
+    total = {T: sum(v for k, v in r.items() if "overlapped" not in k) for T, r in prof_rows.items()}
+    out.append(f"\n### CPU: where a batch's time goes ({B} requests of {L} tokens, batched kernels; ms per batch, "
+               f"mean of {args.repeats_d})\n")
+    out.append(md_table(["stage", "1 tenant", "share", "10K tenants", "share"],
+                        [[k, f"{prof_rows[1][k] * 1e3:.1f}", f"{prof_rows[1][k] / total[1]:.0%}",
+                          f"{prof_rows[10000][k] * 1e3:.1f}", f"{prof_rows[10000][k] / total[10000]:.0%}"]
+                         for k in names]))
+    out.append(f"\n(shares of the serial total: {total[1] * 1e3:.0f} ms at 1 tenant, {total[10000] * 1e3:.0f} ms at "
+               "10K; tokenization is of the same requests' text, which the runtime does on the caller's thread; "
+               "lookup + aggregation run on the preparation thread, overlapped with the previous batch's compute)")
+    if figures:
+        profile_png(prof_rows, os.path.join(figures, "runtime_cpu_profile.png"), B, L)
+        out.append(f"\n![where a batch's time goes]({os.path.join(figures, 'runtime_cpu_profile.png')})")
+    for ex in execs.values():
+        ex.close()
+    return med
+
+
+def profile_png(prof_rows, path, B, L):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    names = [k for k in prof_rows[1] if "overlapped" not in k]
+    fig, ax = plt.subplots(figsize=(8, 2.8))
+    colors = plt.get_cmap("tab10").colors
+    for yi, (T, row) in enumerate(sorted(prof_rows.items())):
+        left = 0.0
+        for j, k in enumerate(names):
+            ax.barh(yi, row[k] * 1e3, left=left, color=colors[j % 10], label=k if yi == 0 else None)
+            left += row[k] * 1e3
+    ax.set_yticks(range(len(prof_rows)), [f"{T:,} tenant{'s' if T > 1 else ''}" for T in sorted(prof_rows)])
+    ax.set_xlabel(f"ms per batch ({B} requests x {L} tokens), CPU, batched kernels")
+    ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.3))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 # -- main -------------------------------------------------------------------------------------
 
 
@@ -618,8 +774,12 @@ def main(argv=None):
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     ap.add_argument("--out", help="also write the markdown report to this file")
     ap.add_argument("--tmp", help="directory for the synthetic store (default: a temporary one)")
-    ap.add_argument("--skip", default="", help="comma-separated sections to skip: a, b, c")
+    ap.add_argument("--skip", default="", help="comma-separated sections to skip: a, b, c, d")
+    ap.add_argument("--tenants", help="(a): comma-separated tenant counts (default 1,10,100,1000,10000)")
+    ap.add_argument("--repeats-a", type=int, help="(a): passes per cell (default 3)")
+    ap.add_argument("--figures", help="(d): write runtime_cpu_profile.png into this directory")
     args = ap.parse_args(argv)
+    tenants_arg, repeats_a_arg = args.tenants, args.repeats_a
     if args.quick:
         args.seq_len, args.batch, args.requests, args.dedicated_requests = 32, 16, 32, 8
         args.tenants, args.corpus, args.ablation_requests, args.repeats = [1, 10, 100], 32, 48, 1
@@ -630,6 +790,11 @@ def main(argv=None):
         args.tenants, args.corpus, args.ablation_requests, args.repeats = [1, 10, 100, 1000, 10000], 256, 192, 2
         args.repeats_a = 3
         args.punica_hidden, args.punica_batches, args.repeats_c = 4096, [1, 2, 4, 8, 16, 32, 64], 10
+    args.repeats_d = 2 if args.quick else 5
+    if tenants_arg:
+        args.tenants = [int(t) for t in tenants_arg.split(",")]
+    if repeats_a_arg:
+        args.repeats_a = repeats_a_arg
     skip = set(filter(None, args.skip.split(",")))
     gpu = gpu_module(args.device)
     out = ["# hkstore runtime benchmark" + (" (--quick)" if args.quick else ""), ""]
@@ -637,7 +802,7 @@ def main(argv=None):
     out.append("")
     tmp = tempfile.mkdtemp(prefix="bench_runtime_", dir=args.tmp)
     try:
-        if not skip >= {"a", "b"}:
+        if not skip >= {"a", "b", "d"}:
             log("building the workload (model, synthetic PETs, synthetic PLOT store)")
             w = Workload(args, tmp)
             log(f"store: {w.store_stats['keys']:,} keys, {fmt_bytes(w.store_stats['bytes'])}")
@@ -652,6 +817,10 @@ def main(argv=None):
             for dev in devices:
                 section_b(w, dev, out)
                 out.append("")
+        if "d" not in skip:
+            out.append("## (d) The CPU executor at the GEMM rate (issue 17)\n")
+            section_d(w, out, args.figures)
+            out.append("")
         if "c" not in skip:
             out.append("## (c) LoRA operator: SGMV vs per-tenant loop vs gather-BMM (Punica Fig. 8)\n")
             out.append("Workloads: Distinct (each request its own LoRA), Uniform (ceil(sqrt(batch)) LoRAs, "

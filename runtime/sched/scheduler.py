@@ -7,6 +7,12 @@ host-to-device staging) while a compute thread runs ``compute`` on the previous 
 receives an ``Output``: its logits and the timings. The compute thread takes the torch thread
 count of the thread that made the scheduler; helper threads run single-threaded
 (runtime.exec.threads). The scheduler decides what runs together; the executor computes.
+
+By default a batch is what arrived first (FIFO, at most ``max_batch`` items). With a
+``batcher`` (e.g. runtime.sched.coordinated.CoordinatedBatcher, PetS's coordinated batching)
+the preparation thread takes everything queued, up to ``window`` items, asks the batcher how
+to cut it (lists of indices, each at most ``max_batch`` long), and runs those batches in
+order before it looks at the queue again.
 """
 
 from __future__ import annotations
@@ -48,9 +54,13 @@ _STOP = object()
 class Scheduler:
     """Submission queue -> preparation (retrieval, plan, staging) -> compute, see module doc."""
 
-    def __init__(self, executor, snapshot_fn, *, max_batch: int = 64, pipeline: bool = True, name: str = "hkstore"):
+    def __init__(self, executor, snapshot_fn, *, max_batch: int = 64, pipeline: bool = True, name: str = "hkstore",
+                 batcher=None, window: int | None = None):
         if max_batch < 1:
             raise ValueError(f"max_batch must be positive, got {max_batch}")
+        self.batcher = batcher
+        self.window = int(window or 4 * max_batch)
+        self._planned: list = []  # batches the batcher cut that have not run yet
         self.executor = executor
         self.snapshot_fn = snapshot_fn
         self.max_batch = int(max_batch)
@@ -106,6 +116,8 @@ class Scheduler:
     # -- worker loops --------------------------------------------------------------------
 
     def _next_batch(self):
+        if self.batcher is not None:
+            return self._next_planned()
         batch, self._carry = self._carry, []
         if not batch:
             batch = self._inbox.get()
@@ -122,6 +134,30 @@ class Scheduler:
             batch = batch + nxt
         batch, self._carry = batch[: self.max_batch], batch[self.max_batch:]
         return batch
+
+    def _next_planned(self):
+        if self._planned:
+            return self._planned.pop(0)
+        entries, self._carry = self._carry, []
+        if not entries:
+            entries = self._inbox.get()
+            if entries is _STOP:
+                return None
+        while len(entries) < self.window:
+            try:
+                nxt = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if nxt is _STOP:
+                self._inbox.put(_STOP)
+                break
+            entries = entries + nxt
+        entries, self._carry = entries[: self.window], entries[self.window:]
+        cuts = self.batcher([item for item, _, _ in entries])
+        if sorted(k for c in cuts for k in c) != list(range(len(entries))) or any(len(c) > self.max_batch for c in cuts):
+            raise RuntimeError("the batcher must cut the queue into batches of at most max_batch, each item once")
+        self._planned = [[entries[k] for k in c] for c in cuts if c]
+        return self._planned.pop(0)
 
     def _prepare(self, batch):
         t0 = time.perf_counter()
