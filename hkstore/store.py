@@ -501,8 +501,10 @@ def model_meta(model_dir):
 
 
 def create(path, *, d, vocab_size, n=3, window="centered", lower_layers=3, dtype="fp16", pad_id=0,
-           base_model="unknown", tokenizer_fingerprint="", model_path=None, num_layers=None, root="root"):
-    """Create an empty store whose root version holds nothing yet; returns it open for writing."""
+           base_model="unknown", tokenizer_fingerprint="", model_path=None, num_layers=None, root="root",
+           architecture="encoder"):
+    """Create an empty store whose root version holds nothing yet; returns it open for writing.
+    architecture: "encoder" (averaged windows) or "decoder" (causal windows, hGPT)."""
     path = os.fspath(path)
     if dtype not in DTYPES:
         raise StoreError(f"unknown value dtype {dtype!r} (expected fp16 or int8)")
@@ -510,6 +512,10 @@ def create(path, *, d, vocab_size, n=3, window="centered", lower_layers=3, dtype
         raise StoreError(f"unknown window kind {window!r} (expected centered or causal)")
     if not 2 <= n <= 5:
         raise StoreError(f"n must be between 2 and 5, got {n}")
+    if architecture not in ("encoder", "decoder"):
+        raise StoreError(f"unknown architecture {architecture!r} (expected encoder or decoder)")
+    if architecture == "decoder" and window != "causal":
+        raise StoreError("a decoder store needs causal windows (a token cannot see the tokens after it)")
     if os.path.exists(os.path.join(path, mf.CURRENT)):
         raise StoreError(f"{path}: a store already exists here")
     check_name("version", root)
@@ -517,7 +523,8 @@ def create(path, *, d, vocab_size, n=3, window="centered", lower_layers=3, dtype
         os.makedirs(os.path.join(path, sub), exist_ok=True)
     meta = {"base_model": base_model, "tokenizer_fingerprint": tokenizer_fingerprint, "d": int(d), "n": int(n),
             "window": window, "lower_layers": int(lower_layers), "dtype": dtype, "pad_id": int(pad_id),
-            "vocab_size": int(vocab_size), "model_path": model_path, "num_layers": num_layers}
+            "vocab_size": int(vocab_size), "model_path": model_path, "num_layers": num_layers,
+            "architecture": architecture}
     manifest = {"format": mf.FORMAT_VERSION, "generation": 1, "next_file": 1, "meta": meta,
                 "versions": [{"name": root, "parent": None, "segments": [], "created": time.time(), "info": {}}],
                 "pets": {}, "packs": [], "pack_end": 0}

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from runtime.plot.causal import is_decoder_store, last_slot
 from runtime.plot.window import aggregate_batch, corpus_windows
 
 
@@ -43,8 +44,8 @@ def retrieve(snapshot, version, seqs) -> tuple[torch.Tensor, torch.Tensor, Serve
     hkstore Snapshot or Store): (inputs float32 (B, L, d), mask bool (B, L), served).
 
     Windows of every sequence, ONE lookup for the whole batch, then runtime.plot.window's
-    normalized aggregation plus the version's position table (snapshot.position); positions
-    past a sequence's length are zero and masked out.
+    normalized aggregation (a decoder store: runtime.plot.causal's last slot) plus the version's
+    position table (snapshot.position); positions past a sequence's length are zero and masked out.
     """
     meta = snapshot.meta
     n, kind, pad_id, d = meta["n"], meta["window"], meta["pad_id"], meta["d"]
@@ -52,14 +53,18 @@ def retrieve(snapshot, version, seqs) -> tuple[torch.Tensor, torch.Tensor, Serve
         raise ValueError("retrieve needs at least one sequence")
     wins, lengths = corpus_windows(seqs, n, kind, pad_id)
     vocab = meta.get("vocab_size")
-    if vocab and len(wins) and int(wins.max()) >= vocab:
-        raise ValueError(f"token id {int(wins.max())} is outside the store's vocabulary of {vocab}")
+    ids = wins[wins != pad_id]  # a decoder's pad_id may be vocab_size (runtime.model.decoder_config)
+    if vocab and len(ids) and int(ids.max()) >= vocab:
+        raise ValueError(f"token id {int(ids.max())} is outside the store's vocabulary of {vocab}")
     result = snapshot.lookup(version, wins)
     B, L = len(seqs), int(lengths.max())
     real = np.arange(L)[None, :] < lengths[:, None]
     values = np.zeros((B, L, n, d), dtype=np.float32)
     values[real] = result.values
-    inputs = aggregate_batch(torch.from_numpy(values), torch.from_numpy(lengths), n, kind)
+    if is_decoder_store(meta):  # runtime.plot.causal: the window ending at each token, its last slot
+        inputs = last_slot(torch.from_numpy(values), torch.from_numpy(lengths))
+    else:
+        inputs = aggregate_batch(torch.from_numpy(values), torch.from_numpy(lengths), n, kind)
     add_position(inputs, real, snapshot.position(version))
     served_windows = np.full((B, L, n), pad_id, dtype=np.uint32)
     served_windows[real] = wins

@@ -1,0 +1,118 @@
+"""Causal PLOT for decoder stores: construction with the encoder stores' code, retrieval of the
+upper layers' inputs (runtime.plot.causal), exactness at full coverage."""
+
+import numpy as np
+import pytest
+import torch
+
+import hkstore
+from hkstore.errors import StoreError
+from runtime.build.decoder_store import base_decoder, build_decoder
+from runtime.model.decoder import load_decoder
+from runtime.model.tiny_decoder import make_tiny_decoder
+from runtime.plot.causal import causal_values, is_decoder_store, windowed_lower
+from runtime.plot.retrieve import retrieve
+
+TEXTS = ["the cat sat on the mat .", "a dog ran in the park and the cat ran too .",
+         "storage engines keep tables of vectors , versions and packs .", "the dog sat on the cat ."]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_tiny_decoder(tmp_path_factory.mktemp("dec") / "m", TEXTS, d=32, layers=4)
+
+
+@pytest.fixture(scope="module", params=[2, 3, 5])
+def store(request, model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(f"n{request.param}")
+    corpus = tmp / "corpus.txt"
+    corpus.write_text("\n".join(TEXTS) + "\n")
+    out = build_decoder(tmp / "s", model_path=model, corpus_paths=[corpus], n=request.param, lower_layers=2,
+                        position=False, progress=False)
+    assert out["architecture"] == "decoder" and out["window"] == "causal"
+    return hkstore.open(tmp / "s")
+
+
+def _close(a, b, tol=2e-3):
+    """fp16 storage: equal to a relative 2e-3 of the largest magnitude."""
+    return (a - b).abs().max().item() <= tol * max(b.abs().max().item(), 1.0)
+
+
+def test_meta_records_a_decoder_store(store):
+    meta = store.meta
+    assert meta["architecture"] == "decoder" and meta["window"] == "causal" and is_decoder_store(meta)
+    assert not is_decoder_store({"n": 3})  # an old store: an encoder store
+    dec = base_decoder(store)
+    assert dec.lower_layers == 2
+
+
+def test_full_coverage_inputs_equal_the_windowed_lower_layers(store, model):
+    dec = load_decoder(model, lower_layers=2)
+    n = store.meta["n"]
+    seqs = dec.tokenize(TEXTS)
+    inputs, mask, served = retrieve(store.snapshot(), "root", seqs)
+    exact = windowed_lower(dec, seqs, n)
+    for b, seq in enumerate(seqs):
+        L = len(seq)
+        assert _close(inputs[b, :L], exact[b])
+        # every window is a full hit: its order is the number of real tokens in it
+        assert served.order[b, :L].tolist() == [min(i + 1, n) for i in range(L)]
+        # the first n - 1 positions see their whole prefix: exactly the full decoder's lower layers
+        with torch.no_grad():
+            full = dec.lower(torch.tensor([seq]))[0]
+        assert _close(inputs[b, :n - 1], full[:n - 1])
+        assert not _close(inputs[b, n:L], full[n:]) or L <= n  # further on, the window is a truncation
+    assert (inputs[~mask] == 0).all()
+
+
+def test_backoff_drops_the_farthest_left_token(store, model):
+    dec = load_decoder(model, lower_layers=2)
+    n, pad = store.meta["n"], store.meta["pad_id"]
+    # "mat cat dog" never occurs: the window ending at "dog" backs off to [.., cat, dog]?
+    # No: "cat dog" never occurs either, so it ends at the uni-gram of "dog".
+    seq = dec.tokenize(["park vectors the cat"])[0]
+    inputs, _, served = retrieve(store.snapshot(), "root", [seq])
+    # position of "the" (index 3): window [.., park, vectors, the] unseen; "the" alone is a uni-gram
+    i = 3
+    assert served.order[0, i] == 1
+    key = np.full((1, n), pad, dtype=np.uint32)
+    key[0, -1] = seq[i]
+    with torch.no_grad():
+        uni = causal_values(dec, key)[0, -1]
+    assert _close(inputs[0, i], uni)
+    # "the cat" occurs: the window ending at "cat" backs off to the bi-gram [.., the, cat]
+    assert served.order[0, 4] == 2
+    key = np.full((1, n), pad, dtype=np.uint32)
+    key[0, -2:] = seq[3:5]
+    with torch.no_grad():
+        bi = causal_values(dec, key)[0, -1]
+    assert _close(inputs[0, 4], bi)
+
+
+def test_hgpt_equals_the_decoder_on_sequences_no_longer_than_n(store, model):
+    dec = load_decoder(model, lower_layers=2)
+    n = store.meta["n"]
+    seqs = [s[:n] for s in dec.tokenize(TEXTS)]
+    inputs, mask, _ = retrieve(store.snapshot(), "root", seqs)
+    with torch.no_grad():
+        hgpt = dec.logits(dec.upper(inputs, mask))
+        x, m = dec.pad(seqs)
+        full = dec(x, m)
+    assert _close(hgpt[mask], full[m], tol=5e-3)
+
+
+def test_a_decoder_store_needs_causal_windows(tmp_path):
+    with pytest.raises(StoreError, match="causal"):
+        hkstore.create(tmp_path / "s", d=4, vocab_size=5, window="centered", architecture="decoder")
+    with pytest.raises(StoreError, match="architecture"):
+        hkstore.create(tmp_path / "t", d=4, vocab_size=5, architecture="seq2seq")
+
+
+def test_rebuild_with_other_settings_is_refused(store, model, tmp_path):
+    from runtime.model.stored import ManagerError
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n".join(TEXTS))
+    with pytest.raises(ManagerError, match="other settings"):
+        build_decoder(store.path, model_path=model, corpus_paths=[corpus], n=store.meta["n"], lower_layers=1,
+                      position=False, progress=False)
