@@ -1,0 +1,1 @@
+"""Generation for decoder stores (hGPT): the PLOT path with per-sequence KV caches."""

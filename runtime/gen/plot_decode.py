@@ -1,0 +1,114 @@
+"""Generation through the PLOT path (hGPT, HMI §3.2): the lower layers never run at serving time.
+
+    gen = PlotDecoder(store.snapshot(), "root", decoder)
+    seq = gen.prefill(prompt_ids)                  # one lookup for the prompt's windows
+    while not done:
+        token = gen.step([seq])[0]                 # greedy; the new token's window is looked up next
+
+Prefill: runtime.plot.retrieve gives the prompt's upper-layer inputs (each token's causal window,
+its last slot, plus the position table); the upper layers run once over the prompt, keeping
+their keys and values in the sequence's own KVCache. Decode step: each sequence's newest token
+gets its window [x(t-n+1) .. x(t)] (left-padded near the start), ONE lookup serves every
+sequence of the step, and the upper layers run on one position per sequence against its cache.
+The lower layers keep no cache: a window's value does not depend on anything before it.
+
+Sequences of a step share the lookup; their upper layers run one after another, each with its
+own cache and PET (a batched pool and continuous batching are the next steps of #15).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from formats.backoff import windows as causal_windows
+from runtime.model.decoder import KVCache
+from runtime.plot.causal import is_decoder_store
+from runtime.plot.retrieve import retrieve
+
+
+@dataclass
+class Sequence:
+    ids: list[int]  # prompt + generated so far
+    prompt_len: int
+    pet: object = None
+    cache: KVCache = field(default_factory=KVCache)
+    logits: torch.Tensor | None = None  # (vocab,) next-token logits after the last step
+    orders: list[int] = field(default_factory=list)  # served order of each token's window
+
+    @property
+    def generated(self) -> list[int]:
+        return self.ids[self.prompt_len:]
+
+
+class PlotDecoder:
+    def __init__(self, snapshot, version, decoder):
+        meta = snapshot.meta
+        if not is_decoder_store(meta):
+            raise ValueError("generation needs a decoder store (this one serves an encoder)")
+        self.snapshot, self.version, self.decoder = snapshot, version, decoder
+        self.n, self.pad_id = meta["n"], meta["pad_id"]
+        self.position = snapshot.position(version)
+
+    def _check_room(self, length: int) -> None:
+        c = self.decoder.config
+        if not c.rotary and length > c.max_len:
+            raise ValueError(f"the sequence would be {length} tokens, beyond the model's context of {c.max_len}")
+
+    @torch.no_grad()
+    def prefill(self, prompt: list[int], pet=None) -> Sequence:
+        """A new sequence with the prompt run through lookups + the upper layers."""
+        if not prompt:
+            raise ValueError("an empty prompt: at least one token (most tokenizers add a BOS)")
+        self._check_room(len(prompt))
+        seq = Sequence(list(prompt), len(prompt), pet)
+        h, mask, served = retrieve(self.snapshot, self.version, [seq.ids])
+        out = self.decoder.upper(h, mask, pet, kv_cache=seq.cache)
+        seq.logits = self.decoder.logits(out[0, -1])
+        seq.orders = served.order[0, :len(prompt)].tolist()
+        return seq
+
+    def _step_inputs(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Upper-layer inputs (B, d) of each sequence's newest token: one lookup for all."""
+        keys = np.stack([causal_windows(np.asarray(s.ids[-self.n:]), self.n, "causal", self.pad_id)[-1]
+                         for s in seqs])
+        result = self.snapshot.lookup(self.version, keys)
+        h = torch.from_numpy(np.asarray(result.values, dtype=np.float32)[:, -1].copy())
+        for b, s in enumerate(seqs):
+            s.orders.append(int(result.order[b]))
+            at = len(s.ids) - 1
+            if self.position is not None and at < len(self.position):
+                h[b] += torch.from_numpy(np.array(self.position[at]))
+        return h
+
+    @torch.no_grad()
+    def append(self, seqs: list[Sequence], tokens: list[int]) -> None:
+        """Add one token to each sequence: look up its window, run the upper layers one position."""
+        for s, t in zip(seqs, tokens):
+            self._check_room(len(s.ids) + 1)
+            s.ids.append(int(t))
+        h = self._step_inputs(seqs)
+        for b, s in enumerate(seqs):
+            out = self.decoder.upper(h[b][None, None], pet=s.pet, kv_cache=s.cache)
+            s.logits = self.decoder.logits(out[0, -1])
+
+    def step(self, seqs: list[Sequence]) -> list[int]:
+        """One greedy decode step for every sequence: the argmax of its logits is appended."""
+        tokens = [int(s.logits.argmax()) for s in seqs]
+        self.append(seqs, tokens)
+        return tokens
+
+    def greedy(self, prompt: list[int], max_new_tokens: int, pet=None, stop: int | None = None) -> list[int]:
+        """The greedy continuation of one prompt through the PLOT path (new ids only). The last
+        token is chosen from the final logits without being looked up (nothing follows it)."""
+        seq = self.prefill(prompt, pet)
+        out = []
+        for k in range(max_new_tokens):
+            token = int(seq.logits.argmax())
+            out.append(token)
+            if token == stop or k == max_new_tokens - 1:
+                break
+            self.append([seq], [token])
+        return out
