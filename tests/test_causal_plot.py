@@ -116,3 +116,21 @@ def test_rebuild_with_other_settings_is_refused(store, model, tmp_path):
     with pytest.raises(ManagerError, match="other settings"):
         build_decoder(store.path, model_path=model, corpus_paths=[corpus], n=store.meta["n"], lower_layers=1,
                       position=False, progress=False)
+
+
+def test_hkstore_build_makes_a_decoder_store_from_a_decoder_model(model, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from hkstore.cli import main
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n".join(TEXTS))
+    r = CliRunner().invoke(main, ["build", str(tmp_path / "s"), "--corpus", str(corpus), "--model", model, "--n", "3",
+                                  "--lower-layers", "1", "--quiet", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["architecture"] == "decoder"
+    with hkstore.open(tmp_path / "s") as st:
+        assert st.meta["architecture"] == "decoder" and st.meta["window"] == "causal"
+        assert st.snapshot().position("root") is not None  # fitted by default

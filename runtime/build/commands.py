@@ -61,7 +61,8 @@ def _store_arg(f):
 @click.option("--model", "model_path", type=click.Path(file_okay=False), default=None,
               help="HF BERT-format model directory (default: the embedded all-MiniLM-L6-v2).")
 @click.option("--n", type=int, default=3, show_default=True, help="Window size.")
-@click.option("--window", "kind", type=click.Choice(["centered", "causal"]), default="centered", show_default=True)
+@click.option("--window", "kind", type=click.Choice(["centered", "causal"]), default="centered", show_default=True,
+              help="Window kind of an encoder store (a decoder store's windows are always causal).")
 @click.option("--lower-layers", type=int, default=3, show_default=True)
 @click.option("--dtype", type=click.Choice(["fp16", "int8"]), default="fp16", show_default=True)
 @click.option("--distill-steps", type=int, default=0, show_default=True,
@@ -73,7 +74,19 @@ def _store_arg(f):
 @_json_option
 def build(store, corpus_paths, model_path, n, kind, lower_layers, dtype, distill_steps, max_len, chunk,
           corpus_format, quiet, as_json):
-    """Create STORE and build its root PLOT from corpora (resumes an interrupted build)."""
+    """Create STORE and build its root PLOT from corpora (resumes an interrupted build). A
+    decoder --model (GPT-2, OPT, Llama layout) makes a decoder store: causal windows always."""
+    from runtime.model.decoder_config import is_decoder_dir
+
+    if model_path and is_decoder_dir(model_path):
+        from runtime.build.decoder_store import build_decoder
+
+        if distill_steps:
+            raise click.ClickException("window distillation is not available for decoder stores yet")
+        _run(build_decoder, store, model_path=model_path, corpus_paths=list(corpus_paths), n=n,
+             lower_layers=lower_layers, dtype=dtype, max_len=max_len, chunk=chunk, corpus_format=corpus_format,
+             progress=not quiet, as_json=as_json)
+        return
     _run(manager.build, store, model_path=model_path, corpus_paths=list(corpus_paths), n=n, kind=kind,
          lower_layers=lower_layers, dtype=dtype, distill_steps=distill_steps, max_len=max_len, chunk=chunk,
          corpus_format=corpus_format, progress=not quiet, as_json=as_json)
