@@ -95,3 +95,28 @@ def test_refusals(dec, tmp_path):
         gen.prefill([])
     with pytest.raises(ValueError, match="context"):
         gen.prefill([2] * (dec.config.max_len + 1))
+
+
+@pytest.mark.parametrize("pet_type", ["lora", "adapter", "bitfit"])
+def test_a_tenants_pet_applies_in_the_upper_layers(dec, tmp_path, pet_type):
+    """The encoder's PETs apply to decoder layers unchanged (same projection names); the PLOT
+    path with a PET equals store-free hGPT with it."""
+    from runtime.model import pet as petlib
+
+    seqs = dec.tokenize(TEXTS)
+    store = _store(tmp_path / "s", dec, seqs, 3)
+    pet = petlib.create_pet(dec, pet_type, "classification", ["lm"], seed=1)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for t in pet.tensors.values():
+            t.add_(torch.randn(t.shape, generator=g) * 0.3)
+    gen = PlotDecoder(store.snapshot(), "root", dec)
+    s = gen.prefill(seqs[1][:5], pet=pet)
+    for t in seqs[1][5:9]:
+        gen.append([s], [t])
+    with torch.no_grad():
+        h = windowed_lower(dec, [seqs[1][:9]], 3)[0][None]
+        want = dec.logits(dec.upper(h, pet=pet))[0, -1]
+        plain = dec.logits(dec.upper(h))[0, -1]
+    assert (s.logits - want).abs().max().item() <= 3e-3 * want.abs().max().item()  # fp16 values
+    assert (plain - want).abs().max().item() > 1e-2

@@ -5,8 +5,8 @@
 
 Same construction code as encoder stores (runtime.build.plot.build_root: resumable chunks,
 backoff closure, every uni-gram; fit_position), with a decoder's lower layers valuing causal
-windows (runtime.plot.causal). The store's meta records architecture "decoder" and the
-checkpoint's model_type; its window kind is always causal.
+windows (runtime.plot.causal). The store's meta records architecture "decoder" (its window
+kind is always causal); the root's info records the checkpoint's model_type with the corpus.
 """
 
 from __future__ import annotations
