@@ -30,6 +30,7 @@ rounding.
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -52,7 +53,7 @@ class CpuExecutor:
         if kernels not in ("batched", "reference"):
             raise ValueError(f"kernels must be batched or reference, got {kernels!r}")
         self.kernels = kernels
-        self._buffers: dict = {}  # cpu_batched.stack_into's reused buffers
+        self._local = threading.local()  # per calling thread: cpu_batched.stack_into's reused buffers
         self.profile: dict | None = None  # set to {} to accumulate seconds per stage (batched)
         self.encoder = encoder
         self.config = encoder.config
@@ -112,6 +113,9 @@ class CpuExecutor:
         seg_rows = plan.seg_starts * L
         batched = self.kernels == "batched"
         prof = self.profile
+        if batched and not hasattr(self._local, "buffers"):
+            self._local.buffers = {}
+        buffers = self._local.buffers if batched else None
         t_start = time.perf_counter()
 
         def stack(i):
@@ -119,7 +123,7 @@ class CpuExecutor:
                 return [(g, stack_group(plan, g)) for g in plan.layer_groups(i)]
             t0 = time.perf_counter()
             out = [(g, (*cpu_batched.segment_runs(plan.seg_starts, g.seg_ids, L),
-                        cpu_batched.stack_group_into(self._buffers, plan, g))) for g in plan.layer_groups(i)]
+                        cpu_batched.stack_group_into(buffers, plan, g))) for g in plan.layer_groups(i)]
             if prof is not None:
                 prof["PET stacking (prefetch thread)"] = prof.get("PET stacking (prefetch thread)", 0.0) + \
                     time.perf_counter() - t0
