@@ -145,7 +145,8 @@ def gc(store, dry_run=False):
     """Delete unreferenced files, then rewrite pack files that are mostly dead records.
 
     Readers that still hold an old snapshot keep working: their segments stay memory-mapped
-    (the kernel frees a deleted file only when its last map goes away).
+    and their packs and position tables open (the kernel frees a deleted file only when its
+    last map or descriptor goes away). Manifests newer than the live one are never deleted.
     """
     removed, freed = [], 0
     rewritten = [] if dry_run else _rewrite_packs(store)

@@ -38,9 +38,22 @@ jobs (STORE/jobs/LOCK); a second one serves and answers 503 to manage requests.
 **Security.** Manage operations need the admin token (``Authorization: Bearer``). Each tenant
 gets its own token at creation, ``<tenant>~<secret>``; STORE/tokens.json keeps only a salted
 SHA-256 of it. A tenant token reaches only its own tenant (403 otherwise); the admin token
-reaches every tenant. Names follow hkstore.store.check_name.
+reaches every tenant. Names follow hkstore.store.check_name. Every request with a body is
+authenticated from its Authorization header before one byte of the body is read (401 or 403,
+and the connection closes): unauthenticated callers cannot make the server read, buffer or
+parse anything, nor see a validation error. Bodies are bounded per route: infer 1 MiB, manage
+requests carrying documents or examples 64 MiB (spooled to a temporary file while they
+arrive), other manage requests 64 KiB. ``hkstore serve --header-timeout`` (10 s) closes
+connections that do not send a whole request head in time.
 
-**Observability.** ``/healthz``; ``/metrics`` in the Prometheus text format: queue depth,
+**Damage.** A CorruptError (a damaged or missing store file, a rolled-back CURRENT) answers
+the requests it affects 503 "store damaged: run hkstore verify"; tenants and versions whose
+data is intact keep being served (a batch that fails is split to find the damaged requests).
+``/healthz`` reports ``degraded`` with the reason until the store changes, and ``/metrics``
+counts it (``hkstore_store_damaged``, ``hkstore_store_degraded``).
+
+**Observability.** ``/healthz`` (open); ``/metrics`` (the admin token as a bearer token, or
+open with ``--metrics-public``) in the Prometheus text format: queue depth,
 batch sizes, latencies, rejections, jobs, PET cache hits and any counters the runtime reports
 (``Runtime.stats()``: the GPU executor's PLOT hot tier among them).
 
