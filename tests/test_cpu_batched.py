@@ -125,6 +125,11 @@ def test_order_by_count_groups_equal_counts():
     order = cpu_batched.order_by_count(keys)
     assert [keys[j] for j in order] == ["a", "a", "a", "b", "b", "c", "d"]
     assert sorted(order.tolist()) == list(range(len(keys)))
+    kinds = ["x", "y", "x", "y", "x", "z", "x"]  # b and d have 2 requests; c (y) and d (z): 1
+    keys = ["a", "b", "a", "c", "b", "d", "a"]
+    order = cpu_batched.order_by_count(["a", "c", "d", "e"], ["x", "y", "x", "y"])
+    assert order.tolist() == [0, 2, 1, 3]
+    assert [keys[j] for j in cpu_batched.order_by_count(keys, kinds)] == ["a", "a", "a", "b", "b", "c", "d"]
 
 
 def test_stack_into_pads_and_reuses():

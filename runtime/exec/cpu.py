@@ -73,7 +73,7 @@ class CpuExecutor:
             return plan_batch(pets, keys, self.lora_kernel)
         if keys is None:
             keys = [p.key if p.key is not None else id(p) for p in pets]
-        order = cpu_batched.order_by_count(keys)
+        order = cpu_batched.order_by_count(keys, [tuple(sorted(p.parts, key=str)) for p in pets])
         plan = plan_batch([pets[j] for j in order], [keys[j] for j in order], self.lora_kernel)
         plan.perm = order[plan.perm]
         return plan

@@ -25,16 +25,24 @@ import torch.nn.functional as F
 __all__ = ["adapter", "bias", "diff", "layernorm", "lora", "order_by_count", "segment_runs", "stack_into"]
 
 
-def order_by_count(keys: list) -> np.ndarray:
+def order_by_count(keys: list, kinds: list | None = None) -> np.ndarray:
     """A stable order of the items that puts tenants (keys) with the same number of requests
-    together, most requests first, tenants otherwise in first-appearance order."""
+    together, most requests first; among those, tenants of the same kind (kinds[b], any
+    hashable, e.g. the PET's set of parts) together, so that a group's runs are not cut by
+    tenants without its part; tenants otherwise in first-appearance order."""
     first: dict = {}
     counts: dict = {}
-    for k in keys:
-        first.setdefault(k, len(first))
+    kind_ids: dict = {}
+    kind_of: dict = {}
+    for b, k in enumerate(keys):
+        if k not in first:
+            first[k] = len(first)
+            kind = kinds[b] if kinds is not None else None
+            kind_of[k] = kind_ids.setdefault(kind, len(kind_ids))
         counts[k] = counts.get(k, 0) + 1
-    rank = np.array([(-counts[k], first[k]) for k in keys], dtype=[("c", np.int64), ("f", np.int64)])
-    return np.argsort(rank, order=("c", "f"), kind="stable")
+    rank = np.array([(-counts[k], kind_of[k], first[k]) for k in keys],
+                    dtype=[("c", np.int64), ("s", np.int64), ("f", np.int64)])
+    return np.argsort(rank, order=("c", "s", "f"), kind="stable")
 
 
 def segment_runs(seg_starts, seg_ids, L: int) -> tuple[list, list]:
