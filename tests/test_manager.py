@@ -248,6 +248,25 @@ def test_tenant_tagging_update_and_rm(env):
         manager.tenant_update(env["store"], "tagger", progress=False)
 
 
+def test_tenants_create_trains_several_in_one_pass(env):
+    specs = [dict(tenant="pass-a", version="root", train_path=env["cls"], pet_type="lora", epochs=1, max_len=32),
+             dict(tenant="pass-b", version="root", train_path=env["tag"], task="tagging", pet_type="bitfit",
+                  epochs=1, max_len=32)]
+    outs = manager.tenants_create(env["store"], specs, progress=False)
+    assert [o["tenant"] for o in outs] == ["pass-a", "pass-b"] and outs[1]["task"] == "tagging"
+    with hkstore.open(env["store"]) as st:
+        snap = st.snapshot()
+        # pet_bytes is the record's size in the pack, the figure `hkstore pack ls` shows.
+        assert [o["pet_bytes"] for o in outs] == [snap.pets["pass-a"]["length"], snap.pets["pass-b"]["length"]]
+    # All or nothing: a tenant that exists fails the pass before anything is stored.
+    with pytest.raises(hkstore.StoreError, match="already exists"):
+        manager.tenants_create(env["store"], [dict(specs[0], tenant="pass-c"), specs[1]], progress=False)
+    with hkstore.open(env["store"]) as st:
+        assert "pass-c" not in st.pets()
+    for t in ("pass-a", "pass-b"):
+        manager.tenant_rm(env["store"], t)
+
+
 def test_diff_pet_survives_update(env):
     manager.tenant_create(env["store"], "differ", version="root", train_path=env["cls"], pet_type="diff", epochs=1,
                           max_len=32, progress=False, density=0.05)

@@ -351,8 +351,8 @@ def _record(tenant, store, version, exported, extra) -> PetRecord:
     return PetRecord(tenant=tenant, meta=meta, tensors=tensors)
 
 
-def _summary(tenant, version, record, log, n_examples, t0):
-    size = sum(v.nbytes for v in record.tensors.values())
+def _summary(tenant, version, record, log, n_examples, t0, size):
+    """size: the record's bytes in the PET pack, as `hkstore pack ls` reports them."""
     return {"tenant": tenant, "version": version, "pet_type": record.meta["pet_type"], "task": record.meta["task"],
             "labels": record.meta["labels"], "examples": n_examples, "steps": len(log), "loss_first": log[0],
             "loss_last": log[-1], "pet_bytes": int(size), "seconds": round(time.perf_counter() - t0, 3)}
@@ -375,22 +375,63 @@ def tenant_create(store_path, tenant, *, version, train_path, task: str = "class
     # Train on a read-only snapshot (no writer lock: tenants can be trained in parallel), then
     # take the lock only to append the record; the checks run again under it.
     with hkstore.open(store_path) as store:
-        _tenant_checks(store, tenant, version, replace)
-        data, labels = read_task(train_path, task)
-        encoder = base_encoder(store)
-        pick = _subsample(len(data[0]), max_examples, seed)
-        ids, targets = encode_task(encoder, data, task, labels, max_len, pick)
-        pet = petlib.create_pet(encoder, pet_type, task, labels, bottleneck=bottleneck, rank=rank, density=density,
-                                norms=norms, seed=seed)
-        cfg = _train_cfg(pet_type, lr, epochs, batch_size, seed, progress)
-        exported, log = _fit_pet(store, encoder, pet, version, ids, targets, cfg)
-        extra = {"train": {"path": os.path.abspath(train_path), "examples": len(ids), "epochs": epochs, "lr": cfg.lr,
-                           "max_len": max_len, "loss_last": log[-1], "updates": 0}}
-        record = _record(tenant, store, version, exported, extra)
+        record, log, n_examples = _train_new(store, base_encoder(store), tenant, version=version,
+                                             train_path=train_path, task=task, pet_type=pet_type, epochs=epochs,
+                                             max_examples=max_examples, lr=lr, batch_size=batch_size, max_len=max_len,
+                                             bottleneck=bottleneck, rank=rank, density=density, norms=norms, seed=seed,
+                                             replace=replace, progress=progress)
     with _open_writable(store_path) as store:
         _tenant_checks(store, tenant, version, replace)
         store.put_pet(record)
-    return _summary(tenant, version, record, log, len(ids), t0)
+        size = store.snapshot().pets[tenant]["length"]
+    return _summary(tenant, version, record, log, n_examples, t0, size)
+
+
+def tenants_create(store_path, specs, *, progress: bool = True) -> list[dict]:
+    """Several tenant_create calls in one pass: one snapshot and one loaded base model train
+    them all, one commit stores them all (none if any fails). specs: tenant_create's keyword
+    arguments per tenant (``tenant`` among them; not ``progress``)."""
+    t0 = time.perf_counter()
+    specs = [dict(s) for s in specs]
+    if len({s["tenant"] for s in specs}) != len(specs):
+        raise ValueError("tenants_create: a tenant is named twice")
+    trained = []
+    with hkstore.open(store_path) as store:
+        encoder = base_encoder(store)
+        for spec in specs:
+            t1 = time.perf_counter()
+            record, log, n_examples = _train_new(store, encoder, progress=progress, **spec)
+            trained.append((spec, record, log, n_examples, time.perf_counter() - t1))
+    with _open_writable(store_path) as store:
+        for spec, record, *_ in trained:
+            _tenant_checks(store, spec["tenant"], spec["version"], spec.get("replace", False))
+        store.put_pets([record for _, record, *_ in trained])
+        sizes = {t: loc["length"] for t, loc in store.snapshot().pets.items()}
+    out = [dict(_summary(spec["tenant"], spec["version"], record, log, n, 0, sizes[spec["tenant"]]), seconds=round(dt, 3))
+           for spec, record, log, n, dt in trained]
+    return [dict(o, pass_seconds=round(time.perf_counter() - t0, 3)) for o in out]
+
+
+def _train_new(store, encoder, tenant, *, version, train_path, task="classification", pet_type="adapter", epochs=3,
+               max_examples=None, lr=None, batch_size=16, max_len=128, bottleneck=64, rank=8, density=0.005,
+               norms=None, seed=0, replace=False, progress=True):
+    """(record, loss log, examples) of a new tenant trained on store's snapshot (not stored)."""
+    from runtime.model import pet as petlib
+
+    hkstore.store.check_name("tenant", tenant)
+    if pet_type not in petlib.PET_TYPES:
+        raise ValueError(f"unknown PET type {pet_type!r}; expected one of {', '.join(petlib.PET_TYPES)}")
+    _tenant_checks(store, tenant, version, replace)
+    data, labels = read_task(train_path, task)
+    pick = _subsample(len(data[0]), max_examples, seed)
+    ids, targets = encode_task(encoder, data, task, labels, max_len, pick)
+    pet = petlib.create_pet(encoder, pet_type, task, labels, bottleneck=bottleneck, rank=rank, density=density,
+                            norms=norms, seed=seed)
+    cfg = _train_cfg(pet_type, lr, epochs, batch_size, seed, progress)
+    exported, log = _fit_pet(store, encoder, pet, version, ids, targets, cfg)
+    extra = {"train": {"path": os.path.abspath(train_path), "examples": len(ids), "epochs": epochs, "lr": cfg.lr,
+                       "max_len": max_len, "loss_last": log[-1], "updates": 0}}
+    return _record(tenant, store, version, exported, extra), log, len(ids)
 
 
 def _tenant_checks(store, tenant, version, replace):
@@ -478,7 +519,8 @@ def tenant_update(store_path, tenant, *, train_path=None, version=None, epochs: 
             raise ManagerError(f"tenant {tenant!r} was changed or removed while this update trained; run it again")
         snap.version_index(version)
         store.put_pet(record)
-    return _summary(tenant, version, record, log, len(ids), t0)
+        size = store.snapshot().pets[tenant]["length"]
+    return _summary(tenant, version, record, log, len(ids), t0, size)
 
 
 def tenant_rm(store_path, tenant) -> dict:
@@ -549,5 +591,6 @@ def status(store_path) -> dict:
         store.close()
 
 
-__all__ = ["ManagerError", "build", "domain_create", "domain_update", "tenant_create", "tenant_update", "tenant_rm",
+__all__ = ["ManagerError", "build", "domain_create", "domain_update", "tenant_create", "tenants_create", "tenant_update",
+           "tenant_rm",
            "tenant_eval", "version_encoder", "base_encoder", "status"]

@@ -202,12 +202,21 @@ def fit_position(store, version, reference, seqs, *, max_seqs: int = 4096, batch
     rows, d = reference.config.max_len, store.meta["d"]
     total, count = torch.zeros(rows, d, dtype=torch.float64), torch.zeros(rows, dtype=torch.float64)
     before = store.snapshot()
+    # Batches of similar lengths (little padding); the targets of the first 512 sequences are
+    # kept for the cosines below.
+    by_length = sorted(range(len(seqs)), key=lambda j: len(seqs[j]))
+    targets = {}
     with torch.no_grad():
-        for batch in _chunks(seqs, batch_size):
+        for picked in _chunks(by_length, batch_size):
+            batch = [seqs[j] for j in picked]
             served, mask, _ = retrieve(before, version, batch)
-            residual = (reference.lower(*reference.pad(batch)) - served) * mask[..., None]
+            full = reference.lower(*reference.pad(batch))
+            residual = (full - served) * mask[..., None]
             total[:served.shape[1]] += residual.sum(0).double()
             count[:served.shape[1]] += mask.sum(0).double()
+            for b, j in enumerate(picked):
+                if j < 512:
+                    targets[j] = full[b, :len(seqs[j])]
     seen = count >= min(min_count, len(seqs))
     mean = (total / count.clamp(min=1)[:, None]).float()
     last_seen = torch.cummax(torch.where(seen, torch.arange(rows), 0), 0).values
@@ -219,10 +228,13 @@ def fit_position(store, version, reference, seqs, *, max_seqs: int = 4096, batch
     after = store.snapshot()
     cosines = {"before": [], "after": []}
     with torch.no_grad():
-        for batch in _chunks(seqs[:512], batch_size):
-            target = reference.lower(*reference.pad(batch))
+        for start in range(0, min(len(seqs), 512), batch_size):
+            batch = seqs[start:start + batch_size]
             for key, snap in (("before", before), ("after", after)):
                 served, mask, _ = retrieve(snap, version, batch)
+                target = torch.zeros_like(served)
+                for b in range(len(batch)):
+                    target[b, :len(batch[b])] = targets[start + b]
                 cosines[key].append(F.cosine_similarity(served, target, dim=-1)[mask])
     return {"rows": rows, "sequences": len(seqs),
             **{f"cosine_{k}": round(torch.cat(v).mean().item(), 4) for k, v in cosines.items()}}

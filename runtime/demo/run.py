@@ -1,4 +1,4 @@
-"""The README's main job on the embedded default: ``hkstore demo [STORE_DIR]``.
+"""The README's main job on the embedded default: ``hkstore demo [STORE_DIR] [--full]``.
 
 Everything comes with the install: the bundled all-MiniLM-L6-v2 and, as text, the docstrings
 of Python's standard library (first paragraph of each public class, function and method of
@@ -21,8 +21,16 @@ of Python's standard library (first paragraph of each public class, function and
 4. **serve** a mixed-tenant batch of held-out docstrings through ``runtime.infer``: printed
    predictions, held-out accuracy per tenant, and throughput with the timing breakdown.
 
-Data files go to ``STORE_DIR/demo/`` (the store's gc leaves them alone). About 3-5 minutes on
-two CPU cores the first time, seconds after that.
+Two sizes (PRESETS), the same model, text, steps and tenants:
+
+- **quick** (the default, under a minute on two idle CPU cores): the domain gets fewer MLM
+  steps, each tenant trains on at most QUICK_EXAMPLES examples of at most 48 tokens for fewer
+  epochs, and the four tenants are trained in one pass (manager.tenants_create: one loaded
+  model, one commit). Held-out accuracies are lower than the full run's; the output says so.
+- **full** (``--full``, about 2-4 minutes): every example, the longer schedules.
+
+A store remembers its size (STORE_DIR/demo/preset.json); the other size needs another
+directory. Data files go to ``STORE_DIR/demo/`` (the store's gc leaves them alone).
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import time
 
 import click
@@ -56,6 +65,15 @@ TENANTS = {  # tenant -> (pet type, version, task, data file)
 # more epochs on their small data sets (BitFit's rate is higher: biases move slowly).
 TRAINING = {"which-module": (4, None), "class-or-function": (3, None), "type-words": (6, 1e-2),
             "raises": (6, 1e-3)}
+QUICK_EXAMPLES = 96
+# The two sizes of the demo (see the module doc): MLM steps of the domain, per-tenant
+# (epochs, learning rate), the most training examples per tenant and tokens per example.
+PRESETS = {
+    "quick": {"mlm_steps": 6, "training": {"which-module": (3, 2e-3), "class-or-function": (3, 2e-3),
+                                           "type-words": (6, 1e-2), "raises": (3, 2e-3)},
+              "max_examples": QUICK_EXAMPLES, "max_len": 48},
+    "full": {"mlm_steps": 20, "training": TRAINING, "max_examples": None, "max_len": 64},
+}
 
 
 # -- data -------------------------------------------------------------------------------------
@@ -74,9 +92,14 @@ def _balanced(pos, neg):
     return out
 
 
+def type_tags(words) -> list:
+    """The type-words task's tag per word."""
+    return ["B-TYPE" if w.lower() in TYPE_WORDS else "O" for w in words]
+
+
 def tasks(docs) -> dict:
     """tenant -> (train examples, test examples); classification (text, label), tagging
-    (words, tags)."""
+    (words, tags, text)."""
     per_module = {m: [(t, m) for t, mod, _ in docs if mod == m][:50] for m in MODULE_LABELS}
     modules = [e for group in zip(*per_module.values()) for e in group]
     classes = [(t, "class") for t, _, k in docs if k == "class"]
@@ -87,9 +110,9 @@ def tasks(docs) -> dict:
     tagged = []
     for t, _, _ in docs[::2]:
         words = re.findall(r"[A-Za-z0-9]+|[^\sA-Za-z0-9]", t)  # BERT's word split
-        tags = ["B-TYPE" if w.lower() in TYPE_WORDS else "O" for w in words]
+        tags = type_tags(words)
         if "B-TYPE" in tags:
-            tagged.append((words, tags))
+            tagged.append((words, tags, t))
     return {"which-module": _split(modules), "class-or-function": _split(kinds), "type-words": _split(tagged[:240]),
             "raises": _split(raises)}
 
@@ -103,7 +126,7 @@ def write_data(data_dir, docs, task_data):
         if task == "classification":
             text = "".join(json.dumps({"text": t, "label": y}) + "\n" for t, y in train)
         else:
-            text = "".join("".join(f"{w}\t{y}\n" for w, y in zip(words, tags)) + "\n" for words, tags in train)
+            text = "".join("".join(f"{w}\t{y}\n" for w, y in zip(words, tags)) + "\n" for words, tags, _ in train)
         _write(os.path.join(data_dir, name), text)
 
 
@@ -118,25 +141,55 @@ def _write(path, text):
     os.replace(path + ".tmp", path)
 
 
+def _check_preset(data_dir, preset):
+    """Record the store's demo size; refuse to mix sizes in one store."""
+    path = os.path.join(data_dir, "preset.json")
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            had = json.load(f).get("preset")
+        if had != preset:
+            flag = "--full" if had == "full" else "no --full"
+            raise DemoError(f"{os.path.dirname(data_dir)} holds the {had} demo; run with {flag}, or give another "
+                            f"directory for the {preset} one")
+        return
+    _write(path, json.dumps({"preset": preset}) + "\n")
+
+
+class DemoError(ValueError):
+    pass
+
+
 # -- the job ----------------------------------------------------------------------------------
 
 
-def main(store_dir="hkstore-demo", echo=print, progress=True) -> dict:
+def main(store_dir="hkstore-demo", echo=print, progress=True, full=False) -> dict:
     """Build (or resume) the demo store in store_dir and serve a mixed-tenant batch; returns a
-    summary dict (accuracies, throughput, step timings)."""
+    summary dict (accuracies, throughput, step timings). full: the full-size run (see PRESETS)."""
     import hkstore
     import runtime
     from runtime.build import manager
     from runtime.build.data import entity_f1
 
     t_start = time.perf_counter()
+    preset_name = "full" if full else "quick"
+    preset = PRESETS[preset_name]
     store_dir = os.fspath(store_dir)
+    if os.path.exists(store_dir) and not os.path.isdir(store_dir):
+        raise DemoError(f"{store_dir} is a file, not a directory")
     data_dir = os.path.join(store_dir, "demo")
     docs = docstrings(ROOT_MODULES)
     task_data = tasks(docs)
+    os.makedirs(data_dir, exist_ok=True)
+    _check_preset(data_dir, preset_name)
     write_data(data_dir, docs, task_data)
-    summary = {"store": store_dir, "docstrings": len(docs), "steps": {}}
-    echo(f"hkstore demo: {len(docs)} standard-library docstrings -> {store_dir}")
+    summary = {"store": store_dir, "preset": preset_name, "docstrings": len(docs), "steps": {}}
+    if full:
+        echo(f"hkstore demo (full size): {len(docs)} standard-library docstrings -> {store_dir}")
+    else:
+        echo(f"hkstore demo (quick: the real model and text, shorter training: {preset['mlm_steps']} MLM steps, "
+             f"at most {preset['max_examples']} examples of {preset['max_len']} tokens per tenant; "
+             f"'hkstore demo --full DIR' trains longer and scores higher)")
+        echo(f"{len(docs)} standard-library docstrings -> {store_dir}")
 
     def step(name, fn):
         t0 = time.perf_counter()
@@ -159,30 +212,38 @@ def main(store_dir="hkstore-demo", echo=print, progress=True) -> dict:
     if DOMAIN in info["versions"]:
         echo(f"2. domain {DOMAIN!r}: already there")
     else:
-        echo(f"2. domain {DOMAIN!r}: MLM on the {DOMAIN} package's docstrings, then its top-50% n-grams ...")
-        out = step("domain", lambda: manager.domain_create(store_dir, DOMAIN, [os.path.join(data_dir, "domain.txt")],
-                                                           alpha=50, mlm_steps=20, batch_size=8, progress=progress))
+        echo(f"2. domain {DOMAIN!r}: {preset['mlm_steps']} MLM steps on the {DOMAIN} package's docstrings, "
+             "then its top-50% n-grams ...")
+        out = step("domain", lambda: manager.domain_create(
+            store_dir, DOMAIN, [os.path.join(data_dir, "domain.txt")], alpha=50, mlm_steps=preset["mlm_steps"],
+            batch_size=8, progress=progress))
         echo(f"   MLM loss {out['mlm']['loss_first']:.2f} -> {out['mlm']['loss_last']:.2f}; "
-             f"{out['ngrams_kept']:,} of {out['ngrams_seen']:,} n-grams kept")
-    # 3. tenants
+             f"{out['ngrams_kept']:,} of {out['ngrams_seen']:,} n-grams kept in {out['seconds']:.0f} s")
+    # 3. tenants, in one pass
+    have = _store_info(store_dir)["tenants"]
+    specs = []
     for tenant, (pet_type, version, task, name) in TENANTS.items():
-        if tenant in _store_info(store_dir)["tenants"]:
+        if tenant in have:
             echo(f"3. tenant {tenant!r}: already trained")
             continue
-        echo(f"3. tenant {tenant!r}: {pet_type} PET, {task}, on version {version!r} ...")
-        epochs, lr = TRAINING[tenant]
-        out = step(f"tenant {tenant}", lambda: manager.tenant_create(
-            store_dir, tenant, version=version, train_path=os.path.join(data_dir, name), task=task,
-            pet_type=pet_type, epochs=epochs, lr=lr, max_len=64, bottleneck=32, rank=8, density=0.01,
-            progress=progress))
-        echo(f"   {out['examples']} examples, {out['steps']} steps, loss {out['loss_first']:.2f} -> "
-             f"{out['loss_last']:.2f}, PET {out['pet_bytes'] / 1024:.0f} KiB")
+        epochs, lr = preset["training"][tenant]
+        echo(f"3. tenant {tenant!r}: {pet_type} PET, {task}, on version {version!r}")
+        specs.append(dict(tenant=tenant, version=version, train_path=os.path.join(data_dir, name), task=task,
+                          pet_type=pet_type, epochs=epochs, lr=lr, max_examples=preset["max_examples"],
+                          max_len=preset["max_len"], bottleneck=32, rank=8, density=0.01))
+    if specs:
+        echo(f"   training {len(specs)} tenant(s) in one pass ...")
+        outs = step("tenants", lambda: manager.tenants_create(store_dir, specs, progress=progress))
+        for out in outs:
+            echo(f"   {out['tenant']:<18} {out['examples']} examples, {out['steps']} steps, loss "
+                 f"{out['loss_first']:.2f} -> {out['loss_last']:.2f}, PET {out['pet_bytes']:,} bytes, "
+                 f"{out['seconds']:.0f} s")
     # 4. serve
-    echo("4. serving a mixed-tenant batch through runtime.infer")
+    echo("4. serving a mixed-tenant batch of held-out docstrings through runtime.infer")
     requests, gold = [], []
     for tenant, (_, _, task, _) in TENANTS.items():
         for example in task_data[tenant][1]:
-            text = example[0] if task == "classification" else " ".join(example[0])
+            text = example[0] if task == "classification" else example[2]
             requests.append({"tenant": tenant, "text": text})
             gold.append(example[1])
     # interleave tenants, so every batch mixes them
@@ -194,6 +255,9 @@ def main(store_dir="hkstore-demo", echo=print, progress=True) -> dict:
         results = rt.infer(requests)
         wall = time.perf_counter() - t0
         summary["device"] = rt.device
+    for j, res in enumerate(results):  # tagging: gold tags of the words the runtime split the text into
+        if res.task == "tagging":
+            gold[j] = type_tags(res.tokens)
     echo("")
     echo(f"{'tenant':<18} {'PET':<8} {'version':<8} {'text':<46} {'prediction':<22} gold")
     shown = {}
@@ -202,7 +266,7 @@ def main(store_dir="hkstore-demo", echo=print, progress=True) -> dict:
             continue
         shown[req["tenant"]] = shown.get(req["tenant"], 0) + 1
         pred = res.label if res.task == "classification" else _tagged(res.tokens, res.tags)
-        want = g if res.task == "classification" else _tagged(req["text"].split(), g)
+        want = g if res.task == "classification" else _tagged(res.tokens, g)
         echo(f"{req['tenant']:<18} {TENANTS[req['tenant']][0]:<8} {res.version:<8} {_short(req['text'], 46):<46} "
              f"{_short(pred, 22):<22} {_short(want, 30)}")
     echo("")
@@ -215,6 +279,8 @@ def main(store_dir="hkstore-demo", echo=print, progress=True) -> dict:
             acc[tenant] = entity_f1([g for _, g in pairs], [r.tags for r, _ in pairs])
         metric = "accuracy" if TENANTS[tenant][2] == "classification" else "entity F1"
         echo(f"held-out {metric:<9} {tenant:<18} {acc[tenant]:.2%} ({len(pairs)} examples)")
+    if not full:
+        echo("(quick training: the full-size run, hkstore demo --full, scores higher)")
     n = len(results)
     mean = {k: sum(r.timings[k] for r in results) / n for k in ("retrieval", "transfer", "compute", "total")}
     echo(f"\nserved {n} requests of {len(TENANTS)} tenants in {wall:.2f} s: {n / wall:.1f} requests/s "
@@ -225,8 +291,29 @@ def main(store_dir="hkstore-demo", echo=print, progress=True) -> dict:
     with hkstore.open(store_dir) as st:
         summary["versions"] = st.snapshot().version_names
         summary["tenants"] = sorted(st.snapshot().pets)
-    echo(f"demo done in {summary['total_seconds']:.0f} s")
+    summary["next"] = next_steps(store_dir, requests)
+    echo(f"demo done in {summary['total_seconds']:.0f} s\n")
+    echo("next:")
+    for line in summary["next"]:
+        echo(f"  {line}")
     return summary
+
+
+def next_steps(store_dir, requests) -> list:
+    """The commands to run next, exactly as printed at the end of the demo."""
+    s = shlex.quote(store_dir)
+    tenant = "which-module"
+    text = next(r["text"] for r in requests if r["tenant"] == tenant)
+    body = shlex.quote(json.dumps({"text": text}))
+    report = shlex.quote(os.path.join(store_dir, "report"))
+    return [
+        f"hkstore infer {s} --tenant {tenant} {shlex.quote(text)}    # query it from the shell",
+        f"hkstore serve {s}    # HTTP on http://127.0.0.1:8080 (admin token: {os.path.join(store_dir, 'admin.token')})",
+        f"TOKEN=$(hkstore token issue {s} {tenant})    # in another shell: the tenant's API token",
+        f"curl -s -H \"Authorization: Bearer $TOKEN\" -H 'Content-Type: application/json' -d {body} "
+        f"http://127.0.0.1:8080/v1/tenants/{tenant}/infer",
+        f"hkstore report {s} --out {report}    # then open {os.path.join(store_dir, 'report', 'index.html')}",
+    ]
 
 
 def _first_index(requests, tenant):
@@ -255,13 +342,19 @@ def _tagged(words, tags):
 
 
 @click.command("demo")
-@click.argument("store_dir", required=False, default="hkstore-demo", type=click.Path(file_okay=False))
+@click.argument("store_dir", required=False, default="hkstore-demo", type=click.Path())
+@click.option("--full", is_flag=True, help="The full-size run: every example, longer training (minutes, not seconds).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON at the end.")
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
-def demo(store_dir, as_json, no_progress):
+def demo(store_dir, full, as_json, no_progress):
     """Build (or resume) a demo store from the standard library's docstrings with a domain
-    branch and four tenants (adapter, LoRA, BitFit, diff), then serve a mixed-tenant batch."""
-    summary = main(store_dir, echo=click.echo if not as_json else (lambda *a, **k: None), progress=not no_progress)
+    branch and four tenants (adapter, LoRA, BitFit, diff), then serve a mixed-tenant batch.
+    Quick by default (under a minute on two cores, shorter training); --full for the full size."""
+    try:
+        summary = main(store_dir, echo=click.echo if not as_json else (lambda *a, **k: None),
+                       progress=not no_progress and not as_json, full=full)
+    except DemoError as e:
+        raise click.ClickException(str(e)) from None
     if as_json:
         click.echo(json.dumps(summary, indent=1, default=str))
 

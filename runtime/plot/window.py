@@ -32,11 +32,28 @@ def window_values(encoder: Encoder, keys: np.ndarray, batch_size: int = 4096) ->
     keys = torch.from_numpy(np.asarray(keys, dtype=np.int64))
     if keys.ndim != 2:
         raise ValueError(f"keys must be (m, n), got shape {tuple(keys.shape)}")
+    real = keys != encoder.config.pad_id
+    single = real.sum(1) == 1
+    if single.any() and not single.all():
+        # Keys with one real slot (the uni-grams: most of a root) attend only to themselves:
+        # run that token alone at its slot's position, 1/n of the work, same values.
+        out = torch.zeros(*keys.shape, encoder.config.d)
+        out[single] = window_values(encoder, keys[single].numpy(), batch_size)
+        out[~single] = window_values(encoder, keys[~single].numpy(), batch_size)
+        return out
     values = []
     for chunk in keys.split(batch_size):
-        real = chunk != encoder.config.pad_id
-        values.append(encoder.lower(chunk, real) * real[..., None])
-    return torch.cat(values)
+        mask = chunk != encoder.config.pad_id
+        if single.all():
+            slot = mask.float().argmax(1)
+            token = chunk.gather(1, slot[:, None])
+            h = encoder.lower(token, torch.ones_like(token, dtype=torch.bool), slot[:, None])
+            v = torch.zeros(*chunk.shape, h.shape[-1], dtype=h.dtype)
+            v[torch.arange(len(chunk)), slot] = h[:, 0]
+            values.append(v)
+        else:
+            values.append(encoder.lower(chunk, mask) * mask[..., None])
+    return torch.cat(values) if values else torch.zeros(*keys.shape, encoder.config.d)
 
 
 def aggregate(values: torch.Tensor, n: int, kind: str = "centered") -> torch.Tensor:
