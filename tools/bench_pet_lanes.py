@@ -1,0 +1,111 @@
+"""PET operator scheduling (PetS §4.2, Alg. 2) on the CPU: one lane vs lanes (issue 17).
+
+    python -m tools.bench_pet_lanes [--tenants 32,64,128] [--len 32] [--lanes 2] [--reps 7]
+
+One upper layer's PET operators for a batch of T tenants, one request of --len tokens each,
+PET types mixed round-robin (adapter b=64, LoRA r=16 on q/v, BitFit, diff 0.5%): the four
+stages (q/k/v, o, ffn_in, ffn_out; LayerNorm deltas are not lane operators) run either as the
+executor runs them (one lane: one batched runtime.exec.cpu_batched call per kind and target,
+torch's intra-op threads) or as runtime.exec.pet_lanes operators placed by Alg. 2 on --lanes
+threads of one torch thread each. Median of --reps interleaved rounds; prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import numpy as np
+import torch
+
+TYPES = ("adapter", "lora", "bitfit", "diff")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tenants", default="32,64,128")
+    ap.add_argument("--len", type=int, default=32)
+    ap.add_argument("--lanes", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    import dataclasses
+
+    from runtime.exec import cpu_batched, pet_lanes
+    from runtime.exec.cpu import CpuExecutor
+    from runtime.model.encoder import load_encoder
+    from tools.bench_runtime import md_table
+    from tools.profile_latency import random_pet
+
+    enc = load_encoder()
+    c = enc.config
+    ex = CpuExecutor(enc, prefetch=False)
+    base = {k: random_pet(enc, k, 7 + j) for j, k in enumerate(TYPES)}
+    layer = ex.layers[0]
+    pool = pet_lanes.lane_pool(args.lanes)
+    rows_out, load0 = [], os.getloadavg()[0]
+    for T in [int(t) for t in args.tenants.split(",")]:
+        pets = [dataclasses.replace(base[TYPES[j % 4]], key=("t", j)) for j in range(T)]
+        plan = ex.plan(pets)
+        L, R = args.len, T * args.len
+        g = torch.Generator().manual_seed(T)
+        xd, xf = torch.randn(R, c.d, generator=g), torch.randn(R, c.ffn, generator=g)
+        ys = {t: torch.randn(R, c.ffn if t == "ffn_in" else c.d, generator=g)
+              for t in ("q", "k", "v", "o", "ffn_in", "ffn_out")}
+        stages = [("q", "k", "v"), ("o",), ("ffn_in",), ("ffn_out",)]
+        work = {}
+        for grp in plan.layer_groups(layer):
+            if grp.kind == "norm":
+                continue
+            runs, _ = cpu_batched.segment_runs(plan.seg_starts, grp.seg_ids, L)
+            w = cpu_batched.stack_group_into({}, plan, grp)
+            work.setdefault(grp.target, {})[grp.kind] = (runs, w)
+        stage_defs = [{t: (xf if t == "ffn_out" else xd, ys[t], work.get(t, {})) for t in st} for st in stages]
+        ops = [pet_lanes.split_ops(sd) for sd in stage_defs]
+        lanes = [pet_lanes.assign_lanes(o, args.lanes) for o in ops]
+
+        whole = [pet_lanes.split_ops(sd, chunk=1 << 30) for sd in stage_defs]  # one op per kind, target, run
+
+        def one_lane(whole=whole):
+            for stage_ops in whole:
+                for op in stage_ops:
+                    op()
+
+        def many(lanes=lanes):
+            for ln in lanes:
+                pet_lanes.run_lanes(pool, ln)
+
+        fns = {"one lane (batched calls, intra-op threads)": one_lane, f"{args.lanes} lanes (Alg. 2)": many}
+        for fn in fns.values():
+            fn()
+        seen = {k: [] for k in fns}
+        with torch.no_grad():
+            for _ in range(args.reps):
+                for k, fn in fns.items():
+                    t0 = time.perf_counter()
+                    fn()
+                    seen[k].append(time.perf_counter() - t0)
+        med = {k: float(np.median(v)) for k, v in seen.items()}
+        a, b = med.values()
+        nops = sum(len(o) for o in ops)
+        rows_out.append([T, nops, f"{a * 1e3:.1f}", f"{b * 1e3:.1f}", f"{a / b:.2f}x"])
+        print(f"T={T}: {med}", file=sys.stderr, flush=True)
+    title = (f"### PET operators of one layer: one lane vs {args.lanes} lanes (Alg. 2), one request of "
+             f"{args.len} tokens per tenant, median of {args.reps}; load average {load0:.1f} -> "
+             f"{os.getloadavg()[0]:.1f}\n")
+    text = "\n".join([title,
+                      md_table(["tenants", "operators", "one lane ms", f"{args.lanes} lanes ms", "gain"], rows_out)])
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
