@@ -8,21 +8,26 @@ cluster tests skip when ray[serve] is not installed (pip install -e '.[ray]').
 import json
 import os
 import shutil
+import socket
 import tempfile
 import threading
 import time
 
 import httpx
 import pytest
-
 from test_manager import make_data
-from test_serve import free_port
 
 ADMIN = "admin-token-for-tests-0123456789"
 TENANTS = [f"t{i:02d}" for i in range(16)]
 DEADLINE_S = 120.0  # any wait in this module gives up after this
 
 pytestmark = pytest.mark.slow
+
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def auth(token=ADMIN):
@@ -33,8 +38,7 @@ def auth(token=ADMIN):
 
 
 def test_punica_order_prefers_busiest_warm_then_fitting_then_migrates():
-    pytest.importorskip("ray.serve")
-    from runtime.serve.ray_router import punica_order
+    from runtime.serve.routing import punica_order
 
     load = {"a": 3, "b": 7, "c": 1, "d": 8, "e": 0}
     cap = 8
@@ -49,6 +53,37 @@ def test_punica_order_prefers_busiest_warm_then_fitting_then_migrates():
     # a tenant no replica holds goes to the busiest replica that still fits: consolidation
     assert punica_order(list(load), "new", load.get, room=lambda r: load[r] < cap, holds=lambda r, t: False,
                         fits=lambda r: r not in full)[0] == "b"
+
+
+def test_application_checks_its_options(tmp_path):
+    pytest.importorskip("ray.serve")
+    from runtime.serve import ray_app
+
+    with pytest.raises(ValueError, match="no store"):
+        ray_app.application(str(tmp_path), ADMIN)
+    (tmp_path / "CURRENT").write_text("x")
+    with pytest.raises(ValueError, match="router"):
+        ray_app.application(str(tmp_path), ADMIN, router="nearest")
+    with pytest.raises(ValueError, match="unknown options"):
+        ray_app.application(str(tmp_path), ADMIN, max_batchh=3)
+    with pytest.raises(ValueError, match="admin token"):
+        ray_app.application(str(tmp_path), "short")
+    token = tmp_path / "admin.token"
+    token.write_text(ADMIN + "\n")
+    app = ray_app.build_app({"store": str(tmp_path), "replicas": "3", "router": "punica", "autoscale": "1:4",
+                             "max_len": "32"})  # what `serve run runtime.serve.ray_app:build_app k=v` passes
+    assert app is not None
+    assert ray_app.router_config("multiplex") is None
+    assert ray_app.router_config("punica").request_router_kwargs == {"max_models": 4096}
+
+
+def test_serve_cli_has_the_ray_options():
+    from click.testing import CliRunner
+
+    from runtime.serve.cli import serve
+
+    out = CliRunner().invoke(serve, ["--help"]).output
+    assert all(opt in out for opt in ("--ray", "--replicas", "--ray-address", "--router", "--autoscale"))
 
 
 # -- the cluster ------------------------------------------------------------------------------------------

@@ -59,15 +59,31 @@ def resolve_admin_token(store, token_file=None) -> str:
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="warning",
               show_default=True)
 @click.option("--access-log/--no-access-log", default=False, show_default=True)
+@click.option("--ray", "use_ray", is_flag=True,
+              help="Serve on a Ray cluster: --replicas workers over this (shared) store (runtime/serve/ray_app.py).")
+@click.option("--replicas", type=click.IntRange(1, 4096), default=2, show_default=True, help="--ray: worker replicas.")
+@click.option("--ray-address", default=None,
+              help="--ray: the cluster to join (auto, ray://HOST:10001); default: a local one.")
+@click.option("--router", type=click.Choice(["multiplex", "punica", "round_robin"]), default="multiplex",
+              show_default=True, help="--ray: routing among replicas (multiplex: by tenant, Ray's default).")
+@click.option("--autoscale", default=None, metavar="MIN:MAX", help="--ray: autoscale the workers on queue length.")
 def serve(store, host, port, admin_token_file, device, max_batch, max_wait_ms, queue_limit, request_timeout, max_len,
           mode, dedicated_resident, job_threads, torch_threads, metrics_public, header_timeout, log_level,
-          access_log):
+          access_log, use_ray, **ray_options):
     """Serve STORE over HTTP: infer for every tenant, manage jobs (see runtime/serve/app.py)."""
     import uvicorn
 
     if host not in ("127.0.0.1", "localhost", "::1"):
         click.echo(f"warning: binding {host}, not loopback: the server is reachable from other hosts", err=True)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if use_ray:
+        from runtime.serve.ray_app import cli_run
+
+        return cli_run(store, resolve_admin_token(store, admin_token_file), host=host, port=port, device=device,
+                       max_batch=max_batch, max_wait_ms=max_wait_ms, queue_limit=queue_limit,
+                       request_timeout_s=request_timeout, max_len=max_len, mode=mode,
+                       dedicated_resident=dedicated_resident, job_threads=job_threads, torch_threads=torch_threads,
+                       metrics_public=metrics_public, **ray_options)
     try:
         app = create_app(store, admin_token=resolve_admin_token(store, admin_token_file), max_batch=max_batch,
                          max_wait_ms=max_wait_ms, queue_limit=queue_limit, request_timeout_s=request_timeout,

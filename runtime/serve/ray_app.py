@@ -335,15 +335,28 @@ def application(store, admin_token, *, replicas=2, router="multiplex", max_model
     return ingress.bind(workers, manager, float(options.get("request_timeout_s", 30.0)), int(retries))
 
 
+def _admin_token(store, token_file=None):
+    """admin_token_file, else $HKSTORE_ADMIN_TOKEN, else STORE/admin.token (as `hkstore serve`;
+    run that once, or write the file, to make one)."""
+    if token_file:
+        with open(token_file) as f:
+            return f.read().strip()
+    if os.environ.get("HKSTORE_ADMIN_TOKEN"):
+        return os.environ["HKSTORE_ADMIN_TOKEN"].strip()
+    path = os.path.join(store, "admin.token")
+    if not os.path.exists(path):
+        raise ValueError(f"no admin token: give admin_token_file=F, set HKSTORE_ADMIN_TOKEN or write {path}")
+    with open(path) as f:
+        return f.read().strip()
+
+
 def build_app(args: dict):
     """`serve run runtime.serve.ray_app:build_app store=PATH [replicas=N] [router=punica]
     [max_models=4096] [autoscale=MIN:MAX] [admin_token_file=F] [max_batch=32] [max_wait_ms=5]
     [queue_limit=1024] [request_timeout_s=30] [max_len=128] [device=auto] [replica_cpus=1]`"""
-    from runtime.serve.cli import resolve_admin_token
-
     args = dict(args)
     store = args.pop("store")
-    token = resolve_admin_token(store, args.pop("admin_token_file", None))
+    token = _admin_token(store, args.pop("admin_token_file", None))
     kw = {}
     for key in ("replicas", "max_models", "max_batch", "queue_limit", "max_len", "torch_threads", "max_ongoing",
                 "max_queued", "retries"):
@@ -372,6 +385,7 @@ def run(store, admin_token, *, host="127.0.0.1", port=8080, address=None, blocki
     serve.run(application(store, admin_token, **kw), name=APP_NAME, route_prefix="/", blocking=False)
     if not blocking:
         return
+    print(f"hkstore on Ray Serve: http://{host}:{port} (Ctrl-C stops)", flush=True)
     try:
         while True:
             time.sleep(3600)
@@ -379,3 +393,26 @@ def run(store, admin_token, *, host="127.0.0.1", port=8080, address=None, blocki
         pass
     finally:
         serve.shutdown()
+
+
+def cli_run(store, admin_token, *, host, port, ray_address=None, replicas=2, router="multiplex", autoscale=None,
+            **options):
+    """`hkstore serve STORE --ray [--replicas N] [--ray-address A] [--router R] [--autoscale MIN:MAX]`."""
+    import click
+
+    try:
+        scale = tuple(int(x) for x in autoscale.split(":")) if autoscale else None
+        if scale is not None and (len(scale) != 2 or not 1 <= scale[0] <= scale[1]):
+            raise ValueError
+    except ValueError:
+        raise click.ClickException(f"--autoscale wants MIN:MAX replicas, got {autoscale!r}") from None
+    try:
+        import ray  # noqa: F401
+        from ray import serve  # noqa: F401
+    except ImportError:
+        raise click.ClickException("--ray needs Ray Serve: pip install 'hkstore[ray]'") from None
+    try:
+        run(store, admin_token, host=host, port=port, address=ray_address, replicas=replicas, router=router,
+            autoscale=scale, **options)
+    except (ValueError, OSError) as e:
+        raise click.ClickException(str(e)) from None

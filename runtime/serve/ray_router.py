@@ -11,27 +11,12 @@ it holds (Ray's multiplexed model ids, at most ``max_models``). Order of prefere
 3. every other replica, least busy first: the tenant migrates to where its PET now fits.
 
 The order is returned as singleton ranks, so Serve tries them one by one and skips a replica
-that turns out full. The pure ordering, ``punica_order``, is what tools/cluster_sim.py simulates.
+that turns out full. The pure ordering, ``runtime.serve.routing.punica_order``, is what tools/cluster_sim.py simulates.
 """
 
 from ray.serve.request_router import FIFOMixin, MultiplexMixin, RequestRouter
 
-
-def punica_order(replicas, tenant, load, room, holds, fits):
-    """Replicas in Punica's order of preference (see the module doc). load(r) -> queue length;
-    room(r) -> it can take a request; holds(r, tenant); fits(r) -> its working set has space."""
-    warm, fit, rest = [], [], []
-    for r in replicas:
-        if tenant and holds(r, tenant) and room(r):
-            warm.append(r)
-        elif room(r) and fits(r):
-            fit.append(r)
-        else:
-            rest.append(r)
-    warm.sort(key=load, reverse=True)
-    fit.sort(key=load, reverse=True)
-    rest.sort(key=load)
-    return warm + fit + rest
+from runtime.serve.routing import punica_order
 
 
 class PunicaRouter(FIFOMixin, MultiplexMixin, RequestRouter):
