@@ -134,3 +134,41 @@ def test_hkstore_build_makes_a_decoder_store_from_a_decoder_model(model, tmp_pat
     with hkstore.open(tmp_path / "s") as st:
         assert st.meta["architecture"] == "decoder" and st.meta["window"] == "causal"
         assert st.snapshot().position("root") is not None  # fitted by default
+
+
+@pytest.mark.parametrize("arch", ["opt", "llama"])
+def test_other_layouts_and_a_checkpoint_without_pad_token(arch, tmp_path):
+    """OPT and Llama decoder stores; Llama has no pad token, so PLOT keys use vocab_size as
+    the empty slot (an id no text holds)."""
+    transformers = pytest.importorskip("transformers")
+    from runtime.model.tiny_decoder import make_tokenizer
+
+    tok = make_tokenizer(TEXTS)
+    V = tok.get_vocab_size()
+    torch.manual_seed(0)
+    if arch == "opt":
+        model = transformers.OPTForCausalLM(transformers.OPTConfig(
+            vocab_size=V, hidden_size=32, num_hidden_layers=3, ffn_dim=64, num_attention_heads=4,
+            max_position_embeddings=48, word_embed_proj_dim=32, pad_token_id=0, bos_token_id=2, eos_token_id=3))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=V, hidden_size=32, num_hidden_layers=3, intermediate_size=48, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=48, pad_token_id=None, bos_token_id=2, eos_token_id=3))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.mul_(8.0)
+    model.save_pretrained(tmp_path / "m")
+    tok.save(str(tmp_path / "m" / "tokenizer.json"))
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n".join(TEXTS))
+    build_decoder(tmp_path / "s", model_path=tmp_path / "m", corpus_paths=[corpus], n=3, lower_layers=1,
+                  progress=False, position=False)
+    with hkstore.open(tmp_path / "s") as st:
+        assert st.meta["pad_id"] == (V if arch == "llama" else 0)
+        dec = base_decoder(st)
+        seqs = dec.tokenize(TEXTS)
+        inputs, mask, served = retrieve(st.snapshot(), "root", seqs)
+        for b, v in enumerate(windowed_lower(dec, seqs, 3)):
+            assert _close(inputs[b, :len(v)], v)
+            assert served.order[b, :len(v)].tolist() == [min(i + 1, 3) for i in range(len(v))]
