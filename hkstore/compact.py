@@ -84,6 +84,14 @@ def compact(store, version, tolerance=0.0):
             same[rows] = np.abs(parent_values - values[rows]).max(axis=(1, 2)) <= tolerance
         dropped_equal = int(same.sum())
         keys, values = keys[~same], values[~same]
+    if len(old) == 1 and len(keys) == entries_before:
+        # One segment, nothing shadowed, tombstoned or equal to the parent: a rewrite would
+        # copy the segment as it is.
+        seconds = time.perf_counter() - started
+        return {"version": name, "skipped": "one segment with nothing to drop", "segments_before": 1,
+                "entries_before": entries_before, "entries_after": entries_before, "dropped_equal_to_parent": 0,
+                "bytes_before": bytes_before, "bytes_after": bytes_before, "bytes_reclaimed": 0,
+                "seconds": seconds, "mb_per_s": 0.0}
     new_name = None
     if len(keys):
         new_name = store.reserve_file(".seg")

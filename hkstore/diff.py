@@ -2,7 +2,21 @@
 
 import numpy as np
 
+from formats.xxh64 import hash_keys
 from hkstore.compact import own_entries, read_entries, void_keys
+from hkstore.lookup import find_exact
+
+COMPARES = ("own entries: the keys each version holds itself, not what it inherits; a key only one "
+            "of them holds is classified by what the other serves for it through its ancestors")
+
+
+def _served_by(snap, version, keys):
+    """Per key, the index of `version`'s nearest ancestor (not itself) holding it exactly; -1 if none."""
+    ancestors = snap.ancestry(snap.version_index(version))[1:]
+    if not len(keys) or not ancestors:
+        return np.full(len(keys), -1, dtype=np.int64)
+    pos, _, _ = find_exact([snap.version_segments(a) for a in ancestors], keys, hash_keys(keys))
+    return np.where(pos >= 0, np.asarray(ancestors + [-1])[pos], -1)
 
 
 def _distances(a, b):
@@ -22,17 +36,30 @@ def _stats(x):
 
 
 def diff_versions(snap_a, version_a, snap_b, version_b, tolerance=0.0, sample=5):
-    """Keys `version_b` holds and `version_a` does not (added), the reverse (removed), and keys
-    both hold with vectors further apart than `tolerance` max-abs (changed), with cosine and L2
-    distance statistics. Only each version's own entries count, not what it inherits."""
+    """What `version_b` holds itself compared with what `version_a` holds itself (COMPARES):
+
+    - keys both hold: changed (vectors further apart than `tolerance` max-abs, with cosine and
+      L2 distance statistics) or unchanged;
+    - keys only b holds: ``overridden`` where a serves the key through its ancestors (b now
+      answers it itself), else ``added``;
+    - keys only a holds: ``inherited`` where b serves the key through its ancestors (b answers
+      it from an ancestor, so nothing is lost), else ``removed``.
+    """
     ka, sa, ea, ta = own_entries(snap_a, version_a)
     kb, sb, eb, tb = own_entries(snap_b, version_b)
     ka, sa, ea = ka[~ta], sa[~ta], ea[~ta]
     kb, sb, eb = kb[~tb], sb[~tb], eb[~tb]
     va, vb = void_keys(ka), void_keys(kb)
     _, ia, ib = np.intersect1d(va, vb, return_indices=True)
-    added = np.setdiff1d(np.arange(len(kb)), ib)
-    removed = np.setdiff1d(np.arange(len(ka)), ia)
+    only_b = np.setdiff1d(np.arange(len(kb)), ib)
+    only_a = np.setdiff1d(np.arange(len(ka)), ia)
+    a_from = _served_by(snap_a, version_a, kb[only_b])
+    b_serves = _served_by(snap_b, version_b, ka[only_a]) >= 0
+    # A key b holds that a serves from b itself (b is a's ancestor) is shared, not overridden.
+    b_itself = snap_b.version_index(version_b) if snap_a.path == snap_b.path else -2
+    added, overridden = only_b[a_from < 0], only_b[(a_from >= 0) & (a_from != b_itself)]
+    removed = only_a[~b_serves]
+    inherited = np.concatenate([only_a[b_serves], only_b[a_from == b_itself]])
     values_a = read_entries(snap_a.version_segments(version_a), ka[ia], sa[ia], ea[ia])
     values_b = read_entries(snap_b.version_segments(version_b), kb[ib], sb[ib], eb[ib])
     if len(ia):
@@ -42,9 +69,10 @@ def diff_versions(snap_a, version_a, snap_b, version_b, tolerance=0.0, sample=5)
     cos, l2 = _distances(values_a[changed], values_b[changed])
     worst = np.argsort(-cos)[:sample]
     return {
-        "a": str(version_a), "b": str(version_b),
+        "a": str(version_a), "b": str(version_b), "compares": COMPARES,
         "entries_a": int(len(ka)), "entries_b": int(len(kb)),
-        "added": int(len(added)), "removed": int(len(removed)),
+        "added": int(len(added)), "overridden": int(len(overridden)), "removed": int(len(removed)),
+        "inherited": int(len(inherited)),
         "changed": int(changed.sum()), "unchanged": int((~changed).sum()),
         "cosine_distance": _stats(cos), "l2_distance": _stats(l2),
         "most_changed": [{"key": kb[ib][changed][i].tolist(), "cosine_distance": float(cos[i])} for i in worst],

@@ -13,6 +13,22 @@ from formats.segment import Segment
 from hkstore.store import open_store
 
 
+def store_bytes(path, manifest) -> dict:
+    """A store's byte totals, defined once (`hkstore info`, `verify` and `tree` agree on them):
+    ``live`` is what the manifest references (segment files, position tables, live PET
+    records; a healthy store's verify checks exactly these bytes); ``on_disk`` counts whole
+    pack files instead of live records (dead records stay until gc rewrites the pack)."""
+    segments = {s for v in manifest["versions"] for s in v["segments"]}
+    positions = {v["position"]["file"] for v in manifest["versions"] if v.get("position")}
+    out = {"segments": sum(os.path.getsize(os.path.join(path, "segments", s)) for s in segments),
+           "positions": sum(os.path.getsize(os.path.join(path, "positions", p)) for p in positions),
+           "pets": sum(loc["length"] for loc in manifest["pets"].values()),
+           "packs": sum(os.path.getsize(os.path.join(path, "packs", p)) for p in manifest["packs"])}
+    out["live"] = out["segments"] + out["positions"] + out["pets"]
+    out["on_disk"] = out["segments"] + out["positions"] + out["packs"]
+    return out
+
+
 def verify(path):
     """Check CURRENT (and that no newer manifest exists: a rolled-back CURRENT), the manifest,
     every segment and position table, and every pack record, live or dead, and every byte of
@@ -55,7 +71,7 @@ def verify(path):
                 with open(os.path.join(path, "positions", entry["file"]), "rb") as f:
                     read_position(f, entry["rows"], meta["d"], entry["xxh64"])
                 checked["positions"] += 1
-                checked["bytes"] += entry["rows"] * meta["d"] * 4
+                checked["bytes"] += os.path.getsize(os.path.join(path, "positions", entry["file"]))
             except (FormatError, OSError) as e:
                 problems.append(f"version {v['name']}: {e}")
     for tenant, loc in sorted(manifest["pets"].items()):

@@ -546,7 +546,8 @@ def open_store(path, writable=False, allow_rollback=False):
     manifests exist (a rolled-back CURRENT, FORMAT.md section 1); otherwise that is a RollbackError."""
     path = os.fspath(path)
     if not os.path.isdir(path):
-        raise StoreError(f"{path}: no such store directory")
+        raise StoreError(f"{path}: is a file, not a store directory" if os.path.exists(path)
+                         else f"{path}: no such store directory")
     try:
         return Store(path, writable=writable, allow_rollback=allow_rollback)
     except FormatError as e:

@@ -62,6 +62,7 @@ class Request:
     tenant: str
     text: str | None = None
     ids: list | None = None
+    truncate: bool | None = None  # cut to max_len tokens instead of TextTooLong (None: the runtime's default)
 
 
 @dataclass
@@ -77,6 +78,7 @@ class Result:
     timings: dict  # seconds: retrieval, transfer, compute (of its batch), total (submit to result)
     batch_size: int = 0  # requests in the batch that computed it
     logits: np.ndarray = field(default=None, repr=False)  # raw head output: (labels,) or (tokens, labels)
+    truncated: int = 0  # tokens cut off the end of the request (truncate), 0 when none
 
 
 def _cuda_available() -> bool:
@@ -94,7 +96,7 @@ class Runtime:
     def __init__(self, store_path, device: str = "auto", *, max_len: int = 128, max_batch: int = 64,
                  pet_cache_bytes: int = DEFAULT_PET_CACHE_BYTES, pipeline: bool = True, prefetch: bool = True,
                  hot_tier_rows: int = DEFAULT_HOT_TIER_ROWS, host_cache_bytes: int = DEFAULT_HOST_CACHE_BYTES,
-                 dtype: str = "fp32", lora_kernel: str = "auto", encoder=None):
+                 dtype: str = "fp32", lora_kernel: str = "auto", encoder=None, truncate: bool = False):
         import hkstore
 
         if device not in ("auto", "cpu", "cuda"):
@@ -106,6 +108,7 @@ class Runtime:
         if max_len < 1 or max_batch < 1:
             raise ValueError(f"max_len and max_batch must be positive, got {max_len} and {max_batch}")
         self.device, self.max_len, self.max_batch = device, int(max_len), int(max_batch)
+        self.truncate = bool(truncate)
         self.store = hkstore.open(store_path)
         try:
             self._setup(device, encoder, pet_cache_bytes, pipeline, prefetch, hot_tier_rows, host_cache_bytes,
@@ -227,12 +230,13 @@ class Runtime:
         parsed, texts = [], []
         for r in requests:
             if isinstance(r, Request):
-                tenant, text, ids = r.tenant, r.text, r.ids
+                tenant, text, ids, cut = r.tenant, r.text, r.ids, r.truncate
             elif isinstance(r, dict):
-                unknown = set(r) - {"tenant", "text", "ids"}
+                unknown = set(r) - {"tenant", "text", "ids", "truncate"}
                 if unknown:
-                    raise BadRequest(f"unknown request fields {sorted(unknown)}; expected tenant and text or ids")
-                tenant, text, ids = r.get("tenant"), r.get("text"), r.get("ids")
+                    raise BadRequest(f"unknown request fields {sorted(unknown)}; expected tenant, text or ids, "
+                                     "and truncate")
+                tenant, text, ids, cut = r.get("tenant"), r.get("text"), r.get("ids"), r.get("truncate")
             else:
                 raise BadRequest(f"a request is a dict or runtime.Request, got {type(r).__name__}")
             if tenant is None:
@@ -245,7 +249,7 @@ class Runtime:
                 if not text.strip():
                     raise EmptyText(f"tenant {tenant!r}: the text is empty")
                 texts.append(len(parsed))
-            parsed.append([tenant, ids, None, text])
+            parsed.append([tenant, ids, None, text, self.truncate if cut is None else bool(cut), 0])
         if texts:
             encodings = self.encoder.tokenizer.encode_batch([parsed[j][3] for j in texts])
             for j, e in zip(texts, encodings):
@@ -253,7 +257,7 @@ class Runtime:
                 parsed[j][2] = _words(parsed[j][3], e)
         vocab = self.encoder.config.vocab_size
         for p in parsed:
-            tenant, ids, words, text = p
+            tenant, ids, words, text, cut, _ = p
             if text is None:
                 try:
                     arr = np.asarray(ids)
@@ -267,7 +271,15 @@ class Runtime:
             if not len(ids) or (words is not None and not words):
                 raise EmptyText(f"tenant {tenant!r}: the request holds no token")
             if len(ids) > self.max_len:
-                raise TextTooLong(f"tenant {tenant!r}: {len(ids)} tokens, more than max_len={self.max_len}")
+                if not cut:
+                    raise TextTooLong(f"tenant {tenant!r}: {len(ids)} tokens, more than max_len={self.max_len} "
+                                      "(truncate cuts it instead)")
+                p[5] = len(ids) - self.max_len
+                if text is None:
+                    p[1] = ids[:self.max_len]
+                else:  # keep [SEP] last, and the words that start before the cut
+                    p[1] = ids[:self.max_len - 1] + ids[-1:]
+                    p[2] = [w for w in words if w[0] < self.max_len - 1]
         return parsed
 
     def infer(self, requests) -> list:
@@ -281,12 +293,12 @@ class Runtime:
         for tenant, *_ in parsed:
             if tenant not in pets:
                 pets[tenant] = self.pet(tenant)
-        items = [Item([int(t) for t in ids], pets[tenant], pets[tenant].version) for tenant, ids, _, _ in parsed]
+        items = [Item([int(t) for t in ids], pets[tenant], pets[tenant].version) for tenant, ids, *_ in parsed]
         outputs = self.scheduler.run(items)
         return [self._result(p, item, out) for p, item, out in zip(parsed, items, outputs)]
 
     def _result(self, parsed, item, out):
-        tenant, ids, words, _ = parsed
+        tenant, ids, words, _, _, truncated = parsed
         pet = item.pet
         logits = np.asarray(out.logits, dtype=np.float32)
         probs = _softmax(logits)
@@ -305,7 +317,7 @@ class Runtime:
             p = probs[positions].tolist()
         return Result(tenant=tenant, task=pet.task, labels=labels, label=label, tags=tags, tokens=tokens,
                       probabilities=p, version=item.version, timings=out.timings, batch_size=out.batch_size,
-                      logits=logits)
+                      logits=logits, truncated=truncated)
 
 
 def _words(text, encoding) -> list:

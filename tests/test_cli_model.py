@@ -92,3 +92,29 @@ def test_cli_errors_are_one_line(cli, env, args, message):
     assert r.exit_code == 1, r.output
     lines = r.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0], r.output
+
+
+def test_infer_command_texts_stdin_and_truncate(env):
+    from hkstore.cli import main
+
+    manager.tenant_create(env["store"], "inf", version="root", train_path=env["cls"], pet_type="lora", epochs=1,
+                          max_len=32, progress=False)
+    texts = env["texts"][:2]
+    r = CliRunner().invoke(main, ["infer", env["store"], "--tenant", "inf", *texts])
+    assert r.exit_code == 0, r.output
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 2 and all(line.split("\t")[1] in ("math", "path") for line in lines)
+    stdin = "\n".join(json.dumps({"text": t}) for t in texts) + "\n"
+    r = CliRunner().invoke(main, ["infer", env["store"], "--tenant", "inf", "--json"], input=stdin)
+    assert r.exit_code == 0, r.output
+    rows = [json.loads(line) for line in r.output.strip().splitlines()]
+    assert [row["label"] for row in rows] == [line.split("\t")[1] for line in lines]
+    # Over --max-len: one line and exit 1, or cut with --truncate (which the answer says).
+    r = CliRunner().invoke(main, ["infer", env["store"], "--tenant", "inf", "--max-len", 4, texts[0]])
+    assert r.exit_code == 1 and r.output.startswith("Error: ") and "truncate" in r.output, r.output
+    r = CliRunner().invoke(main, ["infer", env["store"], "--tenant", "inf", "--max-len", 4, "--truncate", "--json",
+                                  texts[0]])
+    assert r.exit_code == 0 and json.loads(r.output)["truncated"] > 0, r.output
+    r = CliRunner().invoke(main, ["infer", env["store"], "--json"], input="not json\n")
+    assert r.exit_code == 1 and "stdin line 1: not JSON" in r.output
+    manager.tenant_rm(env["store"], "inf")

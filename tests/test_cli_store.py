@@ -169,3 +169,102 @@ def test_user_errors_are_one_line(tmp_path):
     held = hkstore.open(store, writable=True)
     assert "another writer" in run("compact", store, "--version", "root", code=1)
     held.close()
+
+
+# -- issue 19: first-run rough edges ----------------------------------------------------------------
+
+
+def one_line_error(out):
+    assert out.startswith("Error: ") and out.count("\n") == 1, out
+    return out
+
+
+def test_lookup_refuses_ids_outside_the_vocabulary_and_empty_text(store):
+    for ids in ("-5", "1,99999999", str(V)):
+        one_line_error(run("lookup", store, "--ids", ids, code=1))
+    assert "outside the vocabulary (ids are 0..29)" in run("lookup", store, "--ids=-5", code=1)
+    assert "nothing to look up: empty text" in run("lookup", store, "--text", " ", code=1)
+
+
+def test_diff_says_what_it_compares_and_that_a_branch_inherits(store):
+    d = json.loads(run("diff", f"{store}@root", f"{store}@bio", "--json"))["plot"]
+    # bio holds 3 keys itself: 2 the root holds too (changed / unchanged), 1 new; the root's other
+    # V + 1 keys are what bio inherits, not removed.
+    assert (d["added"], d["overridden"], d["inherited"], d["removed"]) == (1, 0, V + 1, 0)
+    assert d["compares"].startswith("own entries")
+    back = json.loads(run("diff", f"{store}@bio", f"{store}@root", "--json"))["plot"]
+    assert (back["added"], back["overridden"], back["inherited"], back["removed"]) == (0, 0, V + 1, 1)
+    st = hkstore.open(store, writable=True)
+    st.create_version("chem", "root")
+    st.add_segment("chem", np.array([[7, 8, 9], [9, 9, 9]], dtype=np.uint32), np.ones((2, 3, D)))
+    st.close()
+    # Siblings: bio's own [1 2 3] and [2 3 4] are served to chem by the root; chem's [9 9 9] is new.
+    side = json.loads(run("diff", f"{store}@bio", f"{store}@chem", "--json"))["plot"]
+    assert (side["added"], side["inherited"], side["changed"]) == (1, 2, 1)
+    out = run("diff", f"{store}@root", f"{store}@bio")
+    assert "comparing own entries" in out and "inherited" in out
+
+
+def test_info_names_the_model_and_agrees_with_verify_on_bytes(store):
+    info = json.loads(run("info", store, "--json"))
+    assert info["model"]["name"] == "tiny-bert" and info["model"]["source"].endswith("model")
+    checked = json.loads(run("verify", store, "--json"))["checked"]
+    assert info["bytes"] == checked["bytes"] == info["bytes_on_disk"]
+    assert "tiny-bert  from " in run("info", store)
+    run("pack", "rm", store, "acme")
+    info = json.loads(run("info", store, "--json"))
+    assert info["bytes_on_disk"] > info["bytes"] == json.loads(run("verify", store, "--json"))["checked"]["bytes"]
+
+
+def test_every_command_takes_json_and_there_is_a_version(store):
+    assert json.loads(run("pack", "rm", store, "acme", "--json")) == {"tenant": "acme", "removed": True}
+    assert run("--version").startswith("hkstore ")
+    from hkstore.cli import main as group
+
+    missing = []
+    for name in group.list_commands(None):
+        cmd = group.get_command(None, name)
+        subs = cmd.commands.values() if hasattr(cmd, "commands") else [cmd]
+        for sub in subs:
+            if not hasattr(sub, "commands") and not any("--json" in p.opts for p in sub.params) \
+                    and sub.name not in ("serve",):  # serve runs a server: nothing to print as JSON
+                missing.append(f"{name} {sub.name}")
+    assert not missing, missing
+
+
+def test_a_file_is_not_a_store(tmp_path):
+    path = tmp_path / "f"
+    path.write_text("x")
+    for command in ("info", "verify", "tree"):
+        assert "is a file, not a store directory" in one_line_error(run(command, path, code=1))
+
+
+def test_compact_with_nothing_to_drop_skips(store):
+    run("compact", store, "--version", "bio")  # two segments -> one
+    files = sorted(os.listdir(os.path.join(store, "segments")))
+    r = json.loads(run("compact", store, "--version", "bio", "--json"))
+    assert r["skipped"] == "one segment with nothing to drop" and r["bytes_reclaimed"] == 0
+    assert sorted(os.listdir(os.path.join(store, "segments"))) == files
+    assert "skipped, one segment with nothing to drop" in run("compact", store, "--version", "bio")
+
+
+def test_a_command_whose_extra_is_missing_names_that_extra(monkeypatch):
+    import hkstore.cli
+
+    monkeypatch.setitem(hkstore.cli.MODEL_COMMANDS, "serve", ("no_such_module_for_the_test", "serve"))
+    for args in (["serve", "--help"], ["serve", "s"]):
+        out = one_line_error(run(*args, code=1))
+        assert "needs the serve extra: pip install 'hkstore[serve]'" in out
+
+
+def test_token_issue_and_revoke(store):
+    from runtime.serve.tokens import TokenStore
+
+    token = run("token", "issue", store, "acme").strip()
+    assert token.startswith("acme~") and TokenStore(store).verify(token) == "acme"
+    again = json.loads(run("token", "issue", store, "acme", "--json"))
+    assert TokenStore(store).verify(again["token"]) == "acme" and TokenStore(store).verify(token) is None
+    assert json.loads(run("token", "revoke", store, "acme", "--json"))["revoked"] is True
+    assert TokenStore(store).verify(again["token"]) is None
+    assert "acme had no token" in run("token", "revoke", store, "acme")
+    assert "unknown tenant 'ghost'" in one_line_error(run("token", "issue", store, "ghost", code=1))

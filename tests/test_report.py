@@ -376,6 +376,15 @@ def test_explain_rows_against_an_independent_computation(tiny):
     assert all(r["reference"] == "base" for r in rows)
 
 
+def test_explain_never_cuts_a_long_text_silently(tiny):
+    from tools.explain import explain
+
+    long_text = " ".join(tiny["texts"] * 20)
+    with pytest.raises(ValueError, match="more than the model's"):
+        explain(tiny["store"], "root", long_text)
+    assert len(explain(tiny["store"], "root", long_text, max_len=10)) == 10
+
+
 def test_explain_known_distance_and_backoff_and_branch(tiny):
     from tools.explain import explain
 

@@ -220,6 +220,21 @@ def test_errors(tiny, rt):
         rt.infer([{"tenant": "lora-cls", "text": "fine"}, {"tenant": "nobody", "text": "hello"}])
 
 
+def test_truncate_cuts_instead_of_refusing(tiny):
+    long_text = " ".join(["string"] * 60)
+    with runtime.open(tiny[0], device="cpu", max_len=16, truncate=True) as cut:
+        tagged, = cut.infer([{"tenant": "bitfit-tag", "text": long_text}])
+        assert tagged.truncated > 0 and len(tagged.tags) == len(tagged.tokens) == 14  # [CLS] 14 words [SEP]
+        with pytest.raises(runtime.TextTooLong, match="truncate"):  # a request may ask for the strict rule
+            cut.infer([{"tenant": "lora-cls", "text": long_text, "truncate": False}])
+    with runtime.open(tiny[0], device="cpu", max_len=16) as strict:
+        one, = strict.infer([runtime.Request("lora-cls", text=long_text, truncate=True)])
+        ids = strict.encoder.tokenize([long_text])[0]
+        same, = strict.infer([{"tenant": "lora-cls", "ids": ids[:15] + ids[-1:]}])
+        assert one.truncated == len(ids) - 16 and same.truncated == 0
+        np.testing.assert_allclose(one.logits, same.logits, rtol=1e-5, atol=1e-6)
+
+
 def test_incompatible_pets(tiny, rt):
     store_path = tiny[0]
     with hkstore.open(store_path, writable=True) as st:

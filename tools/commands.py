@@ -93,7 +93,7 @@ def report(store, version, corpus, corpus_format, out_dir, sample, top, max_len,
 @click.option("--reference", type=click.Choice(["base", "version"]), default="base", show_default=True,
               help="Full-context lower layers to compare with: the base model, or the lower weights that "
                    "produced the version (domain / distilled, if the store saved them).")
-@click.option("--max-len", type=int, default=None, help="Cut the text to this many ids (default: model maximum).")
+@click.option("--max-len", type=int, default=None, help="Cut the text to this many ids (default: refuse a text longer than the model's positions).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def explain(store, text, version, reference, max_len, as_json):
     """Per token: its window, the version and order that served it, and the cosine distance
@@ -114,6 +114,8 @@ def explain(store, text, version, reference, max_len, as_json):
             window = " ".join(r["window_tokens"])
             click.echo(f"{r['position']:>4} {r['token'][:14]:14} {window[:32]:32} {str(r['version'])[:14]:14} "
                        f"{r['order']:>5} {str(r['backoff']):>7} {r['cosine_distance']:>9.4f}")
+        if max_len is not None and len(rows) == max_len:
+            click.echo(f"note: the text was cut to --max-len {max_len} tokens")
         if rows:
             click.echo(f"reference: {rows[0]['reference']} full-context lower layers; mean cosine distance "
                        f"{sum(r['cosine_distance'] for r in rows) / len(rows):.4f}")

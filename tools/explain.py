@@ -82,7 +82,13 @@ def explain(store_path, version, text, *, reference="base", max_len=None) -> lis
         vi = snap.version_index(version)
         meta = snap.meta
         base = _base_encoder(store)
-        ids = base.tokenize([text], max_len)[0]
+        ids = base.tokenize([text], 1 << 30)[0]
+        limit = max_len or base.config.max_len
+        if len(ids) > limit:
+            if max_len is None:  # never cut silently
+                raise ValueError(f"the text has {len(ids)} tokens, more than the model's {limit} positions; "
+                                 "shorten it, or pass max_len (--max-len) to cut it")
+            ids = base.tokenize([text], max_len)[0]
         inputs, _, served = retrieve(snap, snap.version_names[vi], [ids])
         ref, label = _reference_encoder(store, vi, reference, base)
         with torch.no_grad():

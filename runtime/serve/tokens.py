@@ -86,3 +86,34 @@ class TokenStore:
     def remove(self, tenant):
         self._write(lambda t: t.pop(tenant, None))
 
+
+
+# -- issue and revoke (`hkstore token issue/revoke STORE TENANT`) -------------------------------
+
+
+def issue(store_path, tenant: str) -> dict:
+    """A new API token for a tenant of the store (replacing any it had: the old one stops
+    working); returns {tenant, token, file}. The token is shown only here."""
+    import time
+
+    import hkstore
+
+    with hkstore.open(store_path) as store:
+        if tenant not in store.snapshot().pets:
+            raise hkstore.UnknownTenant(f"unknown tenant {tenant!r}")
+    token = new_tenant_token(tenant)
+    tokens = TokenStore(store_path)
+    tokens.set(tenant, dict(hash_token(token), created=time.time(), issued_by="cli"))
+    return {"tenant": tenant, "token": token, "file": tokens.path}
+
+
+def revoke(store_path, tenant: str) -> dict:
+    """Drop a tenant's API token (requests with it get 401); {tenant, revoked: whether it had one}."""
+    import hkstore
+
+    hkstore.open(store_path).close()  # a store, or a one-line StoreError
+    tokens = TokenStore(store_path)
+    had = tenant in tokens.tenants()
+    if had:
+        tokens.remove(tenant)
+    return {"tenant": tenant, "revoked": had, "file": tokens.path}
