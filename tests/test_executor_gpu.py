@@ -10,8 +10,12 @@ Two halves:
   runtime.exec.ops_cpu for runtime.exec.ops_gpu (streams and events become no-ops). That checks the
   executor's own logic - permutation, stacking and padding, the device PET cache and its
   eviction, the hot tier's keys, probe, gather/scatter and rebuilds, double buffering -
-  everywhere, GPU or not; only CuPy's and the kernels' behaviour is left to the GPU half
-  (and to tests/test_ops_gpu.py).
+  everywhere, GPU or not.
+* Always (skipped only without g++ >= 12): the same executor, unchanged, on the CuPy stand-in
+  with runtime.exec.ops_gpu launching the real .cu kernels through the CPU emulation
+  (runtime.exec.emu): random models and every PET type, a real store through the pipelined
+  scheduler with and without the hot tier, and the property that a mixed batch equals each
+  request run alone.  Only CuPy itself, timing and the real device are left to the GPU half.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import sys
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from runtime.exec.cpu import CpuExecutor
 from runtime.exec.gpu import GpuExecutor
@@ -169,6 +175,131 @@ def test_numpy_stand_in_without_hot_tier_through_the_scheduler(store_setup):
     got = _scheduler_outputs(gpu, snap, items, 4)
     for r, o in zip(ref, got):
         assert rel_err(o.logits, r.logits) <= 1e-5
+
+
+# -- emulated GPU: the real kernels, on the CPU -----------------------------------------------------
+#
+# The same GpuExecutor, unchanged, on runtime.exec.emu.cupy_standin (NumPy "device" arrays) with
+# runtime.exec.ops_gpu launching the unchanged .cu kernels through the CPU emulation
+# (runtime.exec.emu): every custom op of a forward pass is a real kernel launch here.
+
+
+def _emu_missing():
+    from runtime.exec.emu.module import compiler_missing_reason
+
+    return compiler_missing_reason()
+
+
+emulated = pytest.mark.skipif(_emu_missing() is not None, reason=f"CUDA emulation unavailable: {_emu_missing()}")
+
+
+@pytest.fixture
+def standin():
+    from runtime.exec import ops_gpu
+    from runtime.exec.emu import cupy_standin
+
+    with ops_gpu.use_cupy(cupy_standin):
+        yield cupy_standin
+
+
+def emulated_executor(enc, **kwargs):
+    from runtime.exec import ops_gpu
+    from runtime.exec.emu import cupy_standin
+
+    return GpuExecutor(enc, _cupy=cupy_standin, _ops=ops_gpu, **kwargs)
+
+
+@emulated
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_emulated_gpu_matches_cpu_executor(zoo_setup, standin, dtype, prefetch):
+    enc, zoo = zoo_setup
+    cpu = CpuExecutor(enc)
+    gpu = emulated_executor(enc, dtype=dtype, prefetch=prefetch, max_batch=4, max_len=8, pet_cache_bytes=4_000)
+    serving = [cpu.load_pet(p, key=k) for k, p in enumerate(zoo)]
+    rng = np.random.default_rng(1)
+    for seed in range(3):  # cache hits, evictions, buffer reuse, a buffer regrowth
+        assignment = rng.integers(0, len(zoo), size=9).tolist()
+        inputs, mask = random_batch(enc, 9, seed)
+        pets = [serving[a] for a in assignment]
+        ref = cpu.run(inputs, mask, pets, keys=assignment)
+        got = gpu.run(inputs.numpy(), mask.numpy(), pets, keys=assignment)
+        for r, o in zip(ref, got):
+            assert rel_err(o, r.numpy()) <= TOL[dtype]
+    assert gpu.pet_cache.stats()["evictions"] > 0
+
+
+@emulated
+@pytest.mark.parametrize("options", [{"hot_tier_rows": 0}, {"hot_tier_rows": 64, "hot_rebuild_every": 1}])
+def test_emulated_gpu_on_a_real_store(store_setup, standin, options):
+    """Real store data through the scheduler (pipelined): retrieval, the hot tier's device
+    probe / gather / aggregation and every layer's kernels, against the CPU executor."""
+    tiny, rt = store_setup
+    items = _store_items(tiny, rt, 10)
+    snap = rt.store.snapshot()
+    ref = _scheduler_outputs(rt.executor, snap, items, 4)
+    gpu = emulated_executor(rt.encoder, max_batch=4, max_len=48, **options)
+    for _ in range(2 if options["hot_tier_rows"] else 1):  # with the tier: misses, then hits
+        got = _scheduler_outputs(gpu, snap, items, 4)
+        for r, o in zip(ref, got):
+            assert rel_err(o.logits, r.logits) <= 1e-5
+            np.testing.assert_array_equal(o.served[0], r.served[0])
+            np.testing.assert_array_equal(o.served[1], r.served[1])
+    if options["hot_tier_rows"]:
+        assert gpu.hot.stats()["hits"] > 0
+
+
+@pytest.fixture(scope="module")
+def emu_zoo(tmp_path_factory):
+    from test_executor_cpu import pet_zoo as zoo_of
+
+    enc = tiny_encoder(tmp_path_factory.mktemp("emu"))
+    return enc, zoo_of(enc, 1)
+
+
+@emulated
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_emulated_mixed_batch_equals_one_at_a_time(emu_zoo, standin, data):
+    """test_executor_cpu's property on the emulated GPU path: a request's logits from a
+    mixed-tenant batch equal the per-request reference, whatever else is in the batch and
+    whichever LoRA kernel (SGMV or BGMV) runs."""
+    from test_executor_cpu import reference
+
+    enc, zoo = emu_zoo
+    B = data.draw(st.integers(1, 7))
+    assignment = data.draw(st.lists(st.integers(0, len(zoo) - 1), min_size=B, max_size=B))
+    lengths = data.draw(st.lists(st.integers(1, 10), min_size=B, max_size=B))
+    kernel = data.draw(st.sampled_from(["auto", "sgmv", "bgmv"]))
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
+    L = max(lengths)
+    inputs = torch.randn(B, L, enc.config.d, generator=g)
+    mask = torch.arange(L)[None, :] < torch.tensor(lengths)[:, None]
+    inputs[~mask] = 7.0  # padding content must not leak into any result
+    ex = emulated_executor(enc, lora_kernel=kernel, max_batch=8, max_len=10, hot_tier_rows=0)
+    serving = [ex.load_pet(p, key=k) for k, p in enumerate(zoo)]
+    out = ex.run(inputs.numpy(), mask.numpy(), [serving[a] for a in assignment], keys=list(assignment))
+    for b, a in enumerate(assignment):
+        ref = reference(enc, inputs[b, : lengths[b]], zoo[a])
+        torch.testing.assert_close(torch.from_numpy(np.asarray(out[b])), ref, rtol=1e-4, atol=5e-5)
+
+
+def test_auto_device_never_takes_the_standin_for_a_gpu(store_setup, standin):
+    """With the stand-in handed to ops_gpu, runtime.open(device="auto") still finds no GPU
+    (unless a real one is there): the stand-in is never importable as cupy."""
+    import runtime
+    from runtime import StoreError
+
+    assert sys.modules.get("cupy") is not standin
+    tiny, _ = store_setup
+    real = _gpu_available()
+    with runtime.open(tiny[0], device="auto", max_len=48) as r:
+        assert r.device == ("cuda" if real else "cpu")
+        assert isinstance(r.executor, GpuExecutor) == real
+    if not real:
+        with pytest.raises(StoreError):
+            runtime.open(tiny[0], device="cuda", max_len=48)
 
 
 # -- GPU: the real thing ----------------------------------------------------------------------

@@ -9,11 +9,14 @@ skip what is malformed (a segment is clamped to [0, rows), a tenant id outside [
 its rows), so bad input gives wrong numbers, never out-of-bounds memory traffic.  Shapes
 and dtypes are validated (host-only metadata).
 
-CuPy is imported lazily: importing this module never needs it.
+CuPy is imported lazily: importing this module never needs it.  ``use_cupy(module)`` swaps in
+another module with CuPy's interface for a block: the tests pass runtime.exec.emu.cupy_standin,
+which runs these launchers and the unchanged kernels on the CPU emulation (kernels/NOTES.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -33,10 +36,13 @@ _TARGET_BLOCKS = 2048   # segmented GEMMs: aim for ~2 waves of 256-thread blocks
 _MAX_GRID_YZ = 65535
 _INT32_MAX = 2**31 - 1
 
-_functions: dict[tuple[str, str, int], object] = {}
+_functions: dict[tuple[str, str, int, int], object] = {}
+_cupy_module = None   # set by use_cupy(): a module with CuPy's interface used instead of cupy
 
 
 def _cupy():
+    if _cupy_module is not None:
+        return _cupy_module
     try:
         import cupy
     except ImportError as exc:
@@ -44,17 +50,30 @@ def _cupy():
     return cupy
 
 
+@contextlib.contextmanager
+def use_cupy(module):
+    """Run the launchers on `module` instead of ``import cupy`` while the block lasts: tests
+    pass runtime.exec.emu.cupy_standin (the kernels on the CPU emulation).  Nothing global
+    outside this module changes; ``runtime.open`` never sees it."""
+    global _cupy_module
+    previous, _cupy_module = _cupy_module, module
+    try:
+        yield module
+    finally:
+        _cupy_module = previous
+
+
 def _function(source: str, entry: str):
     """The RawModule function `entry` of kernel source `source`, compiled once per device."""
     cp = _cupy()
     if entry not in ENTRY_POINTS[source]:
         raise KeyError(f"{entry} is not an entry point of {source}.cu")
-    key = (source, entry, int(cp.cuda.runtime.getDevice()))
+    key = (source, entry, id(cp), int(cp.cuda.runtime.getDevice()))
     fn = _functions.get(key)
     if fn is None:
         module = cp.RawModule(code=kernel_sources()[source])
         for name in ENTRY_POINTS[source]:
-            _functions[(source, name, key[2])] = module.get_function(name)
+            _functions[(source, name, *key[2:])] = module.get_function(name)
         fn = _functions[key]
     return fn
 
@@ -417,7 +436,9 @@ def hot_gather(values, rows, out):
 def bias_gelu(x, bias, out=None):
     x, bias = _arr(x), _arr(bias)
     sfx = _suffix(x, bias)
-    d = x.shape[-1] if x.ndim else 0
+    if x.ndim == 0:   # as ops_cpu: x is (..., d); a 0-d x would launch one element with d = 0
+        raise ValueError("x must have at least one dimension (..., d)")
+    d = x.shape[-1]
     _shape(bias, (d,), "bias")
     y = _out(out, tuple(x.shape), x.dtype)
     total = x.size
