@@ -31,6 +31,15 @@ def resolve_admin_token(store, token_file=None) -> str:
     return token
 
 
+def admin_token_source(store, token_file=None) -> str:
+    """Where resolve_admin_token reads the admin token from, for people."""
+    if token_file:
+        return os.path.abspath(token_file)
+    if os.environ.get("HKSTORE_ADMIN_TOKEN"):
+        return "$HKSTORE_ADMIN_TOKEN"
+    return os.path.abspath(os.path.join(store, "admin.token"))
+
+
 @click.command("serve")
 @click.argument("store", type=click.Path(file_okay=False, exists=True))
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback unless told otherwise).")
@@ -60,7 +69,7 @@ def resolve_admin_token(store, token_file=None) -> str:
               show_default=True)
 @click.option("--access-log/--no-access-log", default=False, show_default=True)
 @click.option("--ray", "use_ray", is_flag=True,
-              help="Serve on a Ray cluster: --replicas workers over this (shared) store (runtime/serve/ray_app.py).")
+              help="Serve on a Ray cluster: --replicas workers over this (shared) store.")
 @click.option("--replicas", type=click.IntRange(1, 4096), default=2, show_default=True, help="--ray: worker replicas.")
 @click.option("--ray-address", default=None,
               help="--ray: the cluster to join (auto, ray://HOST:10001); default: a local one.")
@@ -70,8 +79,25 @@ def resolve_admin_token(store, token_file=None) -> str:
 def serve(store, host, port, admin_token_file, device, max_batch, max_wait_ms, queue_limit, request_timeout, max_len,
           mode, dedicated_resident, job_threads, torch_threads, metrics_public, header_timeout, log_level,
           access_log, use_ray, **ray_options):
-    """Serve STORE over HTTP: infer for every tenant, manage jobs (see runtime/serve/app.py)."""
+    """Serve STORE over HTTP: POST /v1/tenants/TENANT/infer for every tenant, manage jobs
+    (/v1/tenants, /v1/domains, /v1/jobs), /healthz, /metrics; the OpenAPI description at /docs.
+    Tenants' tokens: hkstore token issue STORE TENANT."""
     import uvicorn
+
+    import hkstore
+
+    try:  # a store, before anything (an admin token) is written into the directory
+        hkstore.open(store).close()
+    except (StoreError, OSError) as e:
+        raise click.ClickException(f"{e}" if "store" in str(e) else f"{store}: not a store ({e})") from None
+    if not os.path.exists(os.path.join(store, "CURRENT")):
+        raise click.ClickException(f"{store}: not a store (no CURRENT); make one with hkstore build or hkstore init")
+    if device == "cuda":
+        from runtime import _cuda_available
+
+        if not _cuda_available():
+            raise click.ClickException("--device cuda: no CUDA GPU with CuPy here (pip install 'hkstore[gpu]'); "
+                                       "use --device cpu or auto")
 
     if host not in ("127.0.0.1", "localhost", "::1"):
         click.echo(f"warning: binding {host}, not loopback: the server is reachable from other hosts", err=True)
@@ -91,6 +117,8 @@ def serve(store, host, port, admin_token_file, device, max_batch, max_wait_ms, q
                          job_threads=job_threads, torch_threads=torch_threads, metrics_public=metrics_public)
     except (StoreError, ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
+    click.echo(f"serving {store} on http://{host}:{port} (admin token: {admin_token_source(store, admin_token_file)}; "
+               f"tenant tokens: hkstore token issue {store} TENANT)", err=True)
     uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=access_log, timeout_graceful_shutdown=5,
                 http=header_timeout_protocol(header_timeout))
 

@@ -1,0 +1,61 @@
+"""`hkstore serve` before it serves: refusals are one line and write nothing; it says where it
+listens and where the admin token is (uvicorn.run is stubbed: no server starts here)."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+import hkstore  # noqa: E402
+from runtime.serve.cli import serve  # noqa: E402
+
+
+@pytest.fixture
+def store(tmp_path):
+    path = str(tmp_path / "s")
+    with hkstore.create(path, d=4, vocab_size=8) as st:
+        uni = np.zeros((8, 3), dtype=np.uint32)
+        uni[:, 1] = np.arange(8)
+        st.add_segment("root", uni, np.zeros((8, 3, 4)))
+    return path
+
+
+def one_line_error(result):
+    assert result.exit_code == 1 and result.output.startswith("Error: ") and result.output.count("\n") == 1, \
+        result.output
+    return result.output
+
+
+def test_a_directory_that_is_no_store_is_refused_before_any_token_is_written(tmp_path, monkeypatch):
+    monkeypatch.delenv("HKSTORE_ADMIN_TOKEN", raising=False)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "not an hkstore store" in one_line_error(CliRunner().invoke(serve, [str(empty)]))
+    assert os.listdir(empty) == []
+
+
+def test_cuda_without_a_gpu_is_one_line(store, monkeypatch):
+    import runtime
+
+    monkeypatch.setattr(runtime, "_cuda_available", lambda: False)
+    assert "--device cuda: no CUDA GPU" in one_line_error(CliRunner().invoke(serve, [store, "--device", "cuda"]))
+
+
+def test_it_says_where_it_listens_and_where_the_admin_token_is(store, monkeypatch):
+    import uvicorn
+
+    monkeypatch.delenv("HKSTORE_ADMIN_TOKEN", raising=False)
+    calls = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: calls.append(kw))
+    r = CliRunner().invoke(serve, [store, "--port", "18123", "--device", "cpu"])
+    assert r.exit_code == 0, r.output
+    token_file = os.path.join(os.path.abspath(store), "admin.token")
+    assert f"serving {store} on http://127.0.0.1:18123 (admin token: {token_file};" in r.output
+    assert os.path.exists(token_file) and calls[0]["port"] == 18123
+    assert "runtime/serve" not in CliRunner().invoke(serve, ["--help"]).output  # no source files in the help
+    json.dumps(calls[0], default=str)
