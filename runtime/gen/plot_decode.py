@@ -100,6 +100,38 @@ class PlotDecoder:
         self.append(seqs, tokens)
         return tokens
 
+    def generate(self, prompt: list[int], params=None, pet=None) -> dict:
+        """One completion (runtime.gen.sampling's rule): ids and text of the new tokens (an end
+        of sequence token or a stop sequence ends it and is left out), finish_reason "stop" or
+        "length", each token's logprob (and top alternatives when params.logprobs), token counts.
+        ValueError when prompt + max_tokens exceed the context."""
+        from runtime.gen.sampling import Chooser, SamplingParams, find_stop
+
+        params = (params or SamplingParams()).check()
+        c = self.decoder.config
+        if not c.rotary and len(prompt) + params.max_tokens > c.max_len:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceed the model's "
+                             f"context of {c.max_len}")
+        chooser = Chooser(params)
+        seq = self.prefill(prompt, pet)
+        ids, logprobs, top, finish, text = [], [], [], "length", ""
+        for k in range(params.max_tokens):
+            token, logprob, alternatives = chooser(seq.logits)
+            if token == c.eos_id:
+                finish = "stop"
+                break
+            ids.append(token)
+            logprobs.append(logprob)
+            top.append(alternatives)
+            text = self.decoder.decode(ids)
+            if params.stop and (at := find_stop(text, params.stop)) >= 0:
+                text, finish = text[:at], "stop"
+                break
+            if k < params.max_tokens - 1:
+                self.append([seq], [token])
+        return {"ids": ids, "text": text, "finish_reason": finish, "logprobs": logprobs, "top_logprobs": top,
+                "prompt_tokens": len(prompt), "completion_tokens": len(ids)}
+
     def greedy(self, prompt: list[int], max_new_tokens: int, pet=None, stop: int | None = None) -> list[int]:
         """The greedy continuation of one prompt through the PLOT path (new ids only). The last
         token is chosen from the final logits without being looked up (nothing follows it)."""

@@ -1,0 +1,89 @@
+"""Choosing the next token from logits: greedy, temperature, top-k, top-p (nucleus), seeded.
+
+    params = SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=1, max_tokens=32, stop=["."])
+    params.check()                                   # ValueError, one line, for bad values
+    chooser = Chooser(params)
+    token, logprob, top = chooser(logits)            # logits (vocab,) of one sequence
+
+temperature 0 is greedy (top_k, top_p and seed do not matter then). Otherwise the logits are
+divided by the temperature, cut to the top_k most likely (0: all), then to the smallest set
+whose probabilities reach top_p (the most likely token always stays), renormalized, and one
+token drawn with the sequence's own torch.Generator (seeded: the same request gives the same
+text). logprob is the chosen token's log-probability under the unmodified distribution (what
+OpenAI's API reports), top the `logprobs` most likely (token, logprob) pairs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: list[str] = field(default_factory=list)  # stop sequences (text); the output ends before one
+    logprobs: int = 0  # how many top alternatives to report per token (0: none)
+
+    def check(self) -> SamplingParams:
+        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature <= 100:
+            raise ValueError(f"temperature must be between 0 and 100, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be a non-negative integer, got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop) or len(self.stop) > 4:
+            raise ValueError("stop must be a list of at most 4 non-empty strings")
+        if not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be an integer between 0 and 20, got {self.logprobs!r}")
+        return self
+
+
+class Chooser:
+    """The next-token rule of one sequence (it owns the sequence's random generator)."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params.check()
+        self.generator = torch.Generator()
+        if params.seed is not None:
+            self.generator.manual_seed(params.seed)
+        else:
+            self.generator.seed()
+
+    def __call__(self, logits: torch.Tensor) -> tuple[int, float, list[tuple[int, float]]]:
+        p = self.params
+        logits = logits.float()
+        logprobs = torch.log_softmax(logits, -1)
+        if p.temperature == 0:
+            token = int(logits.argmax())
+        else:
+            scaled = logits / p.temperature
+            if p.top_k and p.top_k < scaled.numel():
+                kth = scaled.topk(p.top_k).values[-1]
+                scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+            if p.top_p < 1:
+                probs, order = scaled.softmax(-1).sort(descending=True)
+                # keep a token while the mass before it is below top_p (the first always stays)
+                drop = (probs.cumsum(-1) - probs) >= p.top_p
+                scaled = scaled.index_fill(0, order[drop], float("-inf"))
+            token = int(torch.multinomial(scaled.softmax(-1), 1, generator=self.generator))
+        top = []
+        if p.logprobs:
+            values, ids = logprobs.topk(p.logprobs)
+            top = list(zip(ids.tolist(), values.tolist()))
+        return token, float(logprobs[token]), top
+
+
+def find_stop(text: str, stops: list[str]) -> int:
+    """Index in text where the earliest stop sequence begins, -1 if none occurs."""
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(found) if found else -1

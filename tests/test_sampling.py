@@ -1,0 +1,99 @@
+"""runtime.gen.sampling and PlotDecoder.generate: greedy, temperature, top-k, top-p, seeds,
+stop sequences, logprobs, and one-line refusals of bad parameters."""
+
+import math
+
+import pytest
+import torch
+
+import hkstore
+from runtime.build.plot import build_root
+from runtime.gen.plot_decode import PlotDecoder
+from runtime.gen.sampling import Chooser, SamplingParams, find_stop
+from runtime.model.decoder import load_decoder
+from runtime.model.tiny_decoder import make_tiny_decoder
+from runtime.plot.causal import KeyValuer
+
+TEXTS = ["the cat sat on the mat .", "a dog ran in the park and the cat ran too .",
+         "storage engines keep tables of vectors , versions and packs ."]
+
+
+def test_greedy_top_k_1_and_tiny_top_p_pick_the_argmax():
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(0))
+    best = int(logits.argmax())
+    assert Chooser(SamplingParams())(logits)[0] == best
+    for params in (SamplingParams(temperature=1.0, top_k=1, seed=3), SamplingParams(temperature=2.0, top_p=1e-6)):
+        assert {Chooser(params)(logits)[0] for _ in range(5)} == {best}
+
+
+def test_seeded_sampling_is_reproducible_and_follows_the_distribution():
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    draw = [Chooser(SamplingParams(temperature=1.0, seed=7))(logits)[0] for _ in range(3)]
+    assert len(set(draw)) == 1
+    chooser = Chooser(SamplingParams(temperature=1.0, seed=0))
+    counts = torch.bincount(torch.tensor([chooser(logits)[0] for _ in range(4000)]), minlength=4).float() / 4000
+    assert (counts - logits.softmax(-1)).abs().max() < 0.03
+    # top_k = 2 keeps the two most likely; top_p = 0.7 keeps tokens 0 and 1 (0.64 < 0.7)
+    for params in (SamplingParams(temperature=1.0, top_k=2, seed=1), SamplingParams(temperature=1.0, top_p=0.7, seed=1)):
+        chooser = Chooser(params)
+        assert {chooser(logits)[0] for _ in range(300)} == {0, 1}
+
+
+def test_logprobs_are_of_the_unmodified_distribution():
+    logits = torch.tensor([2.0, 1.0, 0.0])
+    token, logprob, top = Chooser(SamplingParams(temperature=0.5, top_k=1, logprobs=2, seed=0))(logits)
+    assert token == 0 and math.isclose(logprob, float(torch.log_softmax(logits, -1)[0]), rel_tol=1e-6)
+    assert [t for t, _ in top] == [0, 1]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"temperature": -1}, "temperature"), ({"top_k": -2}, "top_k"), ({"top_p": 0}, "top_p"),
+    ({"max_tokens": 0}, "max_tokens"), ({"seed": -1}, "seed"), ({"stop": [""]}, "stop"),
+    ({"stop": "x"}, "stop"), ({"logprobs": 99}, "logprobs"),
+])
+def test_bad_parameters_are_refused(change, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**change).check()
+
+
+def test_find_stop():
+    assert find_stop("a cat. and", [".", "and"]) == 5 and find_stop("abc", ["x"]) == -1
+
+
+@pytest.fixture(scope="module")
+def gen(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gen")
+    dec = load_decoder(make_tiny_decoder(tmp / "m", TEXTS, d=32, layers=4, max_len=32), lower_layers=2)
+    store = hkstore.create(tmp / "s", d=32, vocab_size=dec.config.vocab_size, n=3, window="causal", lower_layers=2,
+                           architecture="decoder", pad_id=0, tokenizer_fingerprint=dec.tokenizer_fingerprint())
+    build_root(store, KeyValuer(dec), dec.tokenize(TEXTS), progress=False)
+    return PlotDecoder(store.snapshot(), "root", dec)
+
+
+def test_generate_greedy_equals_greedy_and_reports_usage(gen):
+    prompt = gen.decoder.tokenize(["the cat"])[0]
+    out = gen.generate(prompt, SamplingParams(max_tokens=6, logprobs=1))
+    eos = gen.decoder.config.eos_id
+    want = gen.greedy(prompt, 6, stop=eos)
+    assert out["ids"] == [t for t in want if t != eos]
+    assert out["text"] == gen.decoder.decode(out["ids"])
+    assert out["finish_reason"] == ("stop" if eos in want else "length")
+    assert out["prompt_tokens"] == len(prompt) and out["completion_tokens"] == len(out["ids"])
+    assert all(lp <= 0 for lp in out["logprobs"]) and all(len(t) == 1 for t in out["top_logprobs"])
+
+
+def test_generate_with_a_seed_is_reproducible_and_stops_at_a_stop_sequence(gen):
+    prompt = gen.decoder.tokenize(["a dog"])[0]
+    params = SamplingParams(temperature=1.5, top_p=0.95, seed=11, max_tokens=10)
+    first, again = gen.generate(prompt, params), gen.generate(prompt, params)
+    assert first == again
+    words = first["text"].split()
+    if len(words) >= 2:
+        cut = gen.generate(prompt, SamplingParams(temperature=1.5, top_p=0.95, seed=11, max_tokens=10,
+                                                   stop=[" " + words[1]]))
+        assert cut["finish_reason"] == "stop" and cut["text"] == words[0]
+
+
+def test_max_tokens_beyond_the_context_is_refused(gen):
+    with pytest.raises(ValueError, match="context"):
+        gen.generate([2] * 30, SamplingParams(max_tokens=3))
