@@ -200,7 +200,7 @@ def test_health_metrics_and_schema(server):
     assert m.status_code == 200 and m.headers["content-type"].startswith("text/plain")
     for name in ("hkstore_queue_depth", "hkstore_batch_size_bucket", "hkstore_request_latency_seconds_bucket",
                  "hkstore_queue_wait_seconds_bucket", 'hkstore_pet_cache_hits_total{cache="host"}', "hkstore_tenants",
-                 'hkstore_infer_requests_total{code="200"}', 'hkstore_jobs{state="queued"}'):
+                 'hkstore_infer_requests_total{code="200",tenant="base"}', 'hkstore_jobs{state="queued"}'):
         assert name in m.text, name
     paths = server.client.get("/openapi.json").json()["paths"]
     assert {"/v1/tenants/{tenant}/infer", "/v1/tenants", "/v1/domains", "/v1/jobs/{job_id}"} <= set(paths)
@@ -270,9 +270,19 @@ def test_tenant_isolation(server, tenants):
     assert json.loads(stored)["tenants"]["alpha"]["scheme"] == "sha256-salted"
 
 
+def request_counts(server):
+    """hkstore_infer_requests_total by (code, tenant)."""
+    import re
+
+    text = server.client.get("/metrics", headers=auth(ADMIN)).text
+    return {(code, tenant): float(v) for code, tenant, v in
+            re.findall(r'hkstore_infer_requests_total\{code="(\d+)",tenant="([^"]*)"\} (\S+)', text)}
+
+
 def test_bad_requests_get_clear_4xx(server):
     c, h = server.client, auth(ADMIN)
     url = "/v1/tenants/base/infer"
+    before = request_counts(server)
     bad_json = c.post(url, content=b'{"text": ', headers=dict(h, **{"content-type": "application/json"}))
     assert bad_json.status_code == 400 and "JSON" in bad_json.text
     cases = [{"text": 5}, {"texts": "one"}, {"texts": []}, {"text": "a", "texts": ["b"]}, {}, {"text": ""},
@@ -281,6 +291,11 @@ def test_bad_requests_get_clear_4xx(server):
         r = c.post(url, json=body, headers=h)
         assert r.status_code == 422, (body, r.status_code, r.text)
         assert r.json()["detail"]
+    assert c.post("/v1/tenants/made-up-name/infer", json={"text": "a"}).status_code == 401
+    # Every refusal is counted under its own code, per tenant; a made-up tenant is "other".
+    after = request_counts(server)
+    grew = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+    assert grew == {("400", "base"): 1, ("422", "base"): len(cases), ("401", "other"): 1}, grew
     r = c.post(url, json={"text": "word " * 100}, headers=h)  # more tokens than --max-len 32
     assert r.status_code == 422 and "max_len" in r.text
     r = c.post(url, json={"texts": ["fine", "word " * 100]}, headers=h)

@@ -59,3 +59,11 @@ def test_it_says_where_it_listens_and_where_the_admin_token_is(store, monkeypatc
     assert os.path.exists(token_file) and calls[0]["port"] == 18123
     assert "runtime/serve" not in CliRunner().invoke(serve, ["--help"]).output  # no source files in the help
     json.dumps(calls[0], default=str)
+
+
+def test_tenant_labels_are_bounded():
+    from runtime.serve.metrics import TenantLabels
+
+    label = TenantLabels(limit=2)
+    assert [label(t) for t in ("a", "b", "c", "a", "other", "d", "b")] == ["a", "b", "other", "a", "other", "other",
+                                                                          "b"]

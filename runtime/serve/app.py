@@ -360,6 +360,8 @@ class _Gate:
             denied = self.service.header_denial(headers.get(b"authorization"), admin=not infer)
             if denied is not None:
                 status, detail = denied
+                if infer:
+                    self.service.metrics.count_request(path.split("/")[3], status)
                 extra = [(b"www-authenticate", b"Bearer")] if status == 401 else []
                 return await _send_json(send, status, {"detail": detail}, extra + [(b"connection", b"close")])
         upload = scope["method"] == "POST" and bool(_UPLOAD_PATH.match(path))
@@ -463,6 +465,8 @@ def create_app(store_path, *, admin_token, max_batch=32, max_wait_ms=5, queue_li
     async def _invalid(request, exc: RequestValidationError):
         errors = exc.errors()
         status = 400 if any(e.get("type") == "json_invalid" for e in errors) else 422
+        if _INFER_PATH.match(request.url.path):  # refused before the route ran: count it here
+            svc.metrics.count_request(request.url.path.split("/")[3], status)
         detail = [{"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")} for e in errors]
         return JSONResponse({"detail": detail}, status_code=status)
 
@@ -570,7 +574,7 @@ def create_app(store_path, *, admin_token, max_batch=32, max_wait_ms=5, queue_li
             status = 500
             raise
         finally:
-            m.requests.labels(str(status)).inc()
+            m.count_request(tenant, status)
             m.latency.observe(time.perf_counter() - t0)
 
     @app.get("/v1/tenants", tags=["manage"], responses=errors_admin)

@@ -7,12 +7,31 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+TENANT_LABELS = 20  # tenants with a label of their own in per-tenant series; the rest are "other"
+
+
+class TenantLabels:
+    """Bounded label values for per-tenant series: the first `limit` tenants seen keep their
+    name for the server's life, every later one is "other" (Prometheus series stay <= limit + 1)."""
+
+    def __init__(self, limit=TENANT_LABELS):
+        self.limit, self.named = int(limit), set()
+
+    def __call__(self, tenant) -> str:
+        tenant = str(tenant or "")
+        if tenant in self.named:
+            return tenant
+        if tenant and tenant != "other" and len(self.named) < self.limit:
+            self.named.add(tenant)
+            return tenant
+        return "other"
 
 
 class Metrics:
     def __init__(self, service):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+        self.service = service
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.queue_depth = Gauge("hkstore_queue_depth", "Texts waiting in the input queue", registry=r)
         self.queue_limit = Gauge("hkstore_queue_limit", "Texts the input queue holds at most", registry=r)
@@ -25,7 +44,10 @@ class Metrics:
                                     buckets=LATENCY_BUCKETS, registry=r)
         self.latency = Histogram("hkstore_request_latency_seconds", "Infer request latency in the server (all outcomes)",
                                  buckets=LATENCY_BUCKETS, registry=r)
-        self.requests = Counter("hkstore_infer_requests", "Infer requests by HTTP status", ["code"], registry=r)
+        self.requests = Counter("hkstore_infer_requests", "Infer requests by HTTP status and tenant (the first "
+                                f"{TENANT_LABELS} tenants seen by name, the rest 'other')", ["code", "tenant"],
+                                registry=r)
+        self.tenant_label = TenantLabels()
         self.texts = Counter("hkstore_infer_texts", "Texts answered", registry=r)
         self.rejected = Counter("hkstore_rejected", "Infer requests rejected", ["reason"], registry=r)
         self.swaps = Counter("hkstore_dedicated_swaps", "Full-model swaps (dedicated mode)", registry=r)
@@ -33,6 +55,13 @@ class Metrics:
                                ["where"], registry=r)
         self.degraded = Gauge("hkstore_store_degraded", "1 while /healthz reports the store damaged", registry=r)
         r.register(_RuntimeCollector(service))
+
+    def count_request(self, tenant, status):
+        """One infer request answered with `status`, whatever answered it (the route, the body
+        validation, the authentication gate)."""
+        rt = getattr(self.service, "rt", None)
+        known = rt is not None and tenant in rt.store.snapshot().pets  # made-up names never get a series
+        self.requests.labels(str(int(status)), self.tenant_label(tenant) if known else "other").inc()
 
 
 def _flatten(prefix, obj, out):
