@@ -267,3 +267,32 @@ def test_replica_killed_under_load_loses_no_request(cluster):
     # Ray replaces the replica
     wait_until(lambda: len(worker_replicas()) == 2 and victim["name"] not in {a["name"] for a in worker_replicas()},
                "Ray starts a replacement replica")
+
+
+def test_manager_killed_mid_job_the_job_still_finishes_once(cluster):
+    import ray
+
+    c = cluster["client"]
+    with open(cluster["data"]["cls"]) as f:
+        examples = [json.loads(line) for line in f]
+    r = c.post("/v1/tenants", json={"tenant": "survivor", "examples": examples, "epochs": 3, "max_len": 32},
+               headers=auth())
+    assert r.status_code == 202, r.text
+    job = r.json()["job"]["id"]
+    wait_until(lambda: c.get(f"/v1/jobs/{job}", headers=auth()).json()["state"] != "queued", "the job starts",
+               every=0.05)
+    managers = [a for a in ray.util.list_named_actors(all_namespaces=True) if "#Manager#" in a["name"]]
+    assert len(managers) == 1
+    ray.kill(ray.get_actor(managers[0]["name"], namespace=managers[0]["namespace"]), no_restart=True)
+
+    def finished():
+        r = c.get(f"/v1/jobs/{job}", headers=auth())
+        if r.status_code != 200:  # 503 while Ray starts a new Manager
+            return None
+        return r.json() if r.json()["state"] in ("done", "failed") else None
+
+    j = wait_until(finished, "the job finishes on the new Manager", every=0.5)
+    assert j["state"] == "done", j
+    jobs = c.get("/v1/jobs", headers=auth()).json()["jobs"]
+    assert sum(1 for x in jobs if x["params"].get("tenant") == "survivor") == 1
+    wait_until(lambda: infer(c, "survivor").status_code == 200, "the tenant is served")
