@@ -13,7 +13,8 @@ sequence of the step, and the upper layers run on one position per sequence agai
 The lower layers keep no cache: a window's value does not depend on anything before it.
 
 Sequences of a step share the lookup; their upper layers run one after another, each with its
-own cache and PET (a batched pool and continuous batching are the next steps of #15).
+own cache and PET. runtime.gen.batcher schedules many requests over it (continuous batching);
+generate() is one request through it.
 """
 
 from __future__ import annotations
@@ -105,32 +106,12 @@ class PlotDecoder:
         of sequence token or a stop sequence ends it and is left out), finish_reason "stop" or
         "length", each token's logprob (and top alternatives when params.logprobs), token counts.
         ValueError when prompt + max_tokens exceed the context."""
-        from runtime.gen.sampling import Chooser, SamplingParams, find_stop
+        from runtime.gen.batcher import Batcher
 
-        params = (params or SamplingParams()).check()
-        c = self.decoder.config
-        if not c.rotary and len(prompt) + params.max_tokens > c.max_len:
-            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceed the model's "
-                             f"context of {c.max_len}")
-        chooser = Chooser(params)
-        seq = self.prefill(prompt, pet)
-        ids, logprobs, top, finish, text = [], [], [], "length", ""
-        for k in range(params.max_tokens):
-            token, logprob, alternatives = chooser(seq.logits)
-            if token == c.eos_id:
-                finish = "stop"
-                break
-            ids.append(token)
-            logprobs.append(logprob)
-            top.append(alternatives)
-            text = self.decoder.decode(ids)
-            if params.stop and (at := find_stop(text, params.stop)) >= 0:
-                text, finish = text[:at], "stop"
-                break
-            if k < params.max_tokens - 1:
-                self.append([seq], [token])
-        return {"ids": ids, "text": text, "finish_reason": finish, "logprobs": logprobs, "top_logprobs": top,
-                "prompt_tokens": len(prompt), "completion_tokens": len(ids)}
+        batcher = Batcher(self, kv_budget_bytes=1 << 62, max_running=1)
+        rid = batcher.submit(prompt, params, pet)
+        batcher.run()
+        return batcher.result(rid)
 
     def greedy(self, prompt: list[int], max_new_tokens: int, pet=None, stop: int | None = None) -> list[int]:
         """The greedy continuation of one prompt through the PLOT path (new ids only). The last

@@ -1,0 +1,153 @@
+"""Continuous batching of completions over one PlotDecoder (Orca / Punica style, CPU reference).
+
+    b = Batcher(PlotDecoder(snapshot, "root", decoder), kv_budget_bytes=64 << 20, max_running=32)
+    rid = b.submit(prompt_ids, SamplingParams(max_tokens=32), pet=tenant_pet)
+    while b.busy:
+        for event in b.step():                  # Event(id, token, text, finished, finish_reason)
+            ...
+    b.result(rid)                               # what PlotDecoder.generate returns
+
+Sequences join and leave between steps: a step first admits waiting requests (prefill: one
+lookup for the prompt, the upper layers into the sequence's own KV cache), then decodes every
+running sequence (one lookup for all their new windows, each sequence's upper layers with its
+own cache and PET), then retires the finished ones and frees their cache.
+
+KV memory: a request reserves the upper layers' keys and values for prompt + max_tokens
+positions when admitted (2 x kv_heads x head_dim x 4 bytes x upper layers per position), so a
+running sequence never runs out; requests wait (first come, first served) while the budget is
+full, and one that could never fit is refused at submit with a one-line ValueError.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from runtime.gen.sampling import Chooser, SamplingParams, find_stop
+
+
+@dataclass
+class Event:
+    id: int
+    token: int | None  # None when the sequence ended without a new token (EOS, cancel)
+    text: str  # the completion's text so far
+    finished: bool
+    finish_reason: str | None  # "stop", "length" or "cancelled" once finished
+
+
+@dataclass
+class _Request:
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    pet: object
+    reserve: int
+    chooser: Chooser | None = None
+    seq: object = None
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list = field(default_factory=list)
+    text: str = ""
+    finish: str | None = None
+
+
+class Batcher:
+    def __init__(self, gen, kv_budget_bytes: int, max_running: int = 64):
+        c = gen.decoder.config
+        self.gen = gen
+        self.bytes_per_token = 2 * c.kv_heads * c.head_dim * 4 * (c.num_layers - gen.decoder.lower_layers)
+        self.budget = int(kv_budget_bytes)
+        self.max_running = max_running
+        self.reserved = 0
+        self.waiting: deque[_Request] = deque()
+        self.running: list[_Request] = []
+        self.done: dict[int, _Request] = {}
+        self._ids = itertools.count()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def submit(self, prompt: list[int], params: SamplingParams | None = None, pet=None) -> int:
+        params = (params or SamplingParams()).check()
+        c = self.gen.decoder.config
+        if not prompt:
+            raise ValueError("an empty prompt: at least one token (most tokenizers add a BOS)")
+        if not c.rotary and len(prompt) + params.max_tokens > c.max_len:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceed the model's "
+                             f"context of {c.max_len}")
+        need = (len(prompt) + params.max_tokens) * self.bytes_per_token
+        if need > self.budget:
+            raise ValueError(f"the request needs {need} bytes of KV cache, more than the whole budget of {self.budget}")
+        req = _Request(next(self._ids), list(prompt), params, pet, need)
+        self.waiting.append(req)
+        return req.id
+
+    def cancel(self, rid: int) -> bool:
+        """End a waiting or running request now (its client went away); False if unknown or done."""
+        for req in list(self.waiting):
+            if req.id == rid:
+                self.waiting.remove(req)
+                req.finish = "cancelled"
+                self.done[rid] = req
+                return True
+        for req in self.running:
+            if req.id == rid:
+                req.finish = "cancelled"
+                return True
+        return False
+
+    def result(self, rid: int) -> dict:
+        r = self.done[rid]
+        return {"ids": r.ids, "text": r.text, "finish_reason": r.finish, "logprobs": r.logprobs,
+                "top_logprobs": r.top, "prompt_tokens": len(r.prompt), "completion_tokens": len(r.ids)}
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_running and \
+                self.reserved + self.waiting[0].reserve <= self.budget:
+            req = self.waiting.popleft()
+            self.reserved += req.reserve
+            req.chooser = Chooser(req.params)
+            req.seq = self.gen.prefill(req.prompt, req.pet)
+            self.running.append(req)
+
+    def step(self) -> list[Event]:
+        """Admit what fits, choose one token for every running sequence, look up and run the
+        upper layers for those that go on, retire the finished. Returns this step's events."""
+        self._admit()
+        events, go_on, tokens = [], [], []
+        eos = self.gen.decoder.config.eos_id
+        for req in self.running:
+            if req.finish == "cancelled":
+                events.append(Event(req.id, None, req.text, True, req.finish))
+                continue
+            token, logprob, top = req.chooser(req.seq.logits)
+            if token == eos:
+                req.finish = "stop"
+                events.append(Event(req.id, None, req.text, True, req.finish))
+                continue
+            req.ids.append(token)
+            req.logprobs.append(logprob)
+            req.top.append(top)
+            req.text = self.gen.decoder.decode(req.ids)
+            if req.params.stop and (at := find_stop(req.text, req.params.stop)) >= 0:
+                req.text, req.finish = req.text[:at], "stop"
+            elif len(req.ids) == req.params.max_tokens:
+                req.finish = "length"
+            else:
+                go_on.append(req)
+                tokens.append(token)
+            events.append(Event(req.id, token, req.text, req.finish is not None, req.finish))
+        if go_on:
+            self.gen.append([r.seq for r in go_on], tokens)
+        for req in [r for r in self.running if r.finish is not None]:
+            self.running.remove(req)
+            self.reserved -= req.reserve
+            req.seq = None  # frees its KV cache
+            self.done[req.id] = req
+        return events
+
+    def run(self) -> None:
+        while self.busy:
+            self.step()

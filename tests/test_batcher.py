@@ -1,0 +1,98 @@
+"""runtime.gen.batcher: continuous batching gives every request what it gets alone; sequences
+join and leave between steps; the KV budget makes requests wait or refuses them; cancellation."""
+
+import pytest
+import torch
+
+import hkstore
+from runtime.build.plot import build_root
+from runtime.gen.batcher import Batcher
+from runtime.gen.plot_decode import PlotDecoder
+from runtime.gen.sampling import SamplingParams
+from runtime.model import pet as petlib
+from runtime.model.decoder import load_decoder
+from runtime.model.tiny_decoder import make_tiny_decoder
+from runtime.plot.causal import KeyValuer
+
+TEXTS = ["the cat sat on the mat .", "a dog ran in the park and the cat ran too .",
+         "storage engines keep tables of vectors , versions and packs ."]
+
+
+@pytest.fixture(scope="module")
+def gen(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gen")
+    dec = load_decoder(make_tiny_decoder(tmp / "m", TEXTS, d=32, layers=4, max_len=48), lower_layers=2)
+    store = hkstore.create(tmp / "s", d=32, vocab_size=dec.config.vocab_size, n=3, window="causal", lower_layers=2,
+                           architecture="decoder", pad_id=0, tokenizer_fingerprint=dec.tokenizer_fingerprint())
+    build_root(store, KeyValuer(dec), dec.tokenize(TEXTS), progress=False)
+    return PlotDecoder(store.snapshot(), "root", dec)
+
+
+def _pet(dec, seed):
+    pet = petlib.create_pet(dec, "lora", "classification", ["lm"], seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for t in pet.tensors.values():
+            t.add_(torch.randn(t.shape, generator=g) * 0.5)
+    return pet
+
+
+def _requests(gen):
+    prompts = gen.decoder.tokenize(["the cat", "a dog ran", "storage", "the park and", "vectors"])
+    pets = [None, _pet(gen.decoder, 1), _pet(gen.decoder, 2), None, _pet(gen.decoder, 1)]
+    params = [SamplingParams(max_tokens=8), SamplingParams(temperature=1.2, seed=5, max_tokens=12),
+              SamplingParams(temperature=0.7, top_k=5, seed=9, max_tokens=5), SamplingParams(max_tokens=3, logprobs=2),
+              SamplingParams(temperature=1.0, top_p=0.9, seed=1, max_tokens=10)]
+    return list(zip(prompts, params, pets))
+
+
+def test_mixed_tenants_in_one_batch_get_what_they_get_alone(gen):
+    reqs = _requests(gen)
+    alone = [gen.generate(p, s, pet) for p, s, pet in reqs]
+    b = Batcher(gen, kv_budget_bytes=1 << 30, max_running=8)
+    ids = [b.submit(p, s, pet) for p, s, pet in reqs]
+    steps = 0
+    while b.busy:
+        b.step()
+        steps += 1
+    assert [b.result(i) for i in ids] == alone
+    assert steps <= max(s.max_tokens for _, s, _ in reqs)  # all ran side by side
+
+
+def test_sequences_join_between_steps_and_the_budget_makes_them_wait(gen):
+    reqs = _requests(gen)
+    alone = [gen.generate(p, s, pet) for p, s, pet in reqs]
+    b = Batcher(gen, kv_budget_bytes=1, max_running=2)
+    per_token = b.bytes_per_token
+    # room for about two requests at a time
+    b.budget = max((len(p) + s.max_tokens) * per_token for p, s, _ in reqs) * 2
+    ids = [b.submit(*reqs[0]), b.submit(*reqs[1])]
+    b.step()
+    assert len(b.running) == 2 and not b.waiting
+    ids += [b.submit(*r) for r in reqs[2:]]  # arrive while the first two run
+    seen_running = set()
+    while b.busy:
+        b.step()
+        seen_running.add(len(b.running))
+        assert b.reserved <= b.budget and len(b.running) <= 2
+    assert [b.result(i) for i in ids] == alone
+    assert b.reserved == 0 and 2 in seen_running
+
+
+def test_refusals_and_cancellation(gen):
+    b = Batcher(gen, kv_budget_bytes=1000)
+    with pytest.raises(ValueError, match="budget"):
+        b.submit([2, 5], SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match="context"):
+        Batcher(gen, 1 << 30).submit([2] * 40, SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match="temperature"):
+        Batcher(gen, 1 << 30).submit([2], SamplingParams(temperature=-1))
+    b = Batcher(gen, kv_budget_bytes=1 << 30, max_running=1)
+    first = b.submit([2, 5], SamplingParams(max_tokens=20))
+    second = b.submit([2, 6], SamplingParams(max_tokens=20))
+    b.step()
+    assert b.cancel(second)  # still waiting
+    assert b.cancel(first)  # running: ends at the next step
+    events = b.step()
+    assert [(e.id, e.finished, e.finish_reason) for e in events] == [(first, True, "cancelled")]
+    assert not b.busy and b.result(second)["finish_reason"] == "cancelled" and b.reserved == 0
