@@ -17,6 +17,7 @@ ALLOWED = {
     "api": {"model", "plot", "exec", "sched"},
     "serve": {"api", "model", "plot", "sched", "build"},
     "demo": {"api", "model", "build"},
+    "gen": {"model", "plot", "exec", "sched"},
 }
 # serve reaches build only through the manager's public functions (the manage jobs)
 SERVE_MAY_IMPORT_FROM_BUILD = {"runtime.build", "runtime.build.manager", "runtime.build.plot", "runtime.build.train"}
@@ -43,8 +44,10 @@ def _imports(path) -> set:
 
 
 def _room(module: str) -> str:
+    """runtime/__init__.py and the files beside it (the API's command-line front, e.g. infer_cli)
+    are the "api" room; a subpackage is its own room."""
     parts = module.split(".")
-    return "api" if len(parts) == 1 else parts[1]
+    return parts[1] if len(parts) > 1 and (ROOT / parts[1]).is_dir() else "api"
 
 
 def _graph():
