@@ -385,14 +385,19 @@ def run(store, admin_token, *, host="127.0.0.1", port=8080, address=None, blocki
     serve.run(application(store, admin_token, **kw), name=APP_NAME, route_prefix="/", blocking=False)
     if not blocking:
         return
-    print(f"hkstore on Ray Serve: http://{host}:{port} (Ctrl-C stops)", flush=True)
+    print(f"hkstore on Ray Serve: http://{host}:{port} (Ctrl-C or SIGTERM stops)", flush=True)
+    import signal
+    import threading
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        pass
+        while not stop.wait(1.0):
+            pass
     finally:
         serve.shutdown()
+        ray.shutdown()
 
 
 def cli_run(store, admin_token, *, host, port, ray_address=None, replicas=2, router="multiplex", autoscale=None,
