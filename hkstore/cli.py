@@ -28,6 +28,7 @@ MODEL_COMMANDS = {
     "report": ("tools.commands", "report"),
     "explain": ("tools.commands", "explain"),
     "infer": ("runtime.infer_cli", "infer"),
+    "generate": ("runtime.gen.commands", "generate"),
 }
 # The extra each lazily mounted command needs when its import fails.
 EXTRA_OF = {"serve": "serve"}

@@ -97,3 +97,25 @@ def test_generate_with_a_seed_is_reproducible_and_stops_at_a_stop_sequence(gen):
 def test_max_tokens_beyond_the_context_is_refused(gen):
     with pytest.raises(ValueError, match="context"):
         gen.generate([2] * 30, SamplingParams(max_tokens=3))
+
+
+def test_hkstore_generate(tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from hkstore.cli import main
+    from runtime.build.decoder_store import build_decoder
+
+    model = make_tiny_decoder(tmp_path / "m", TEXTS, d=32, layers=4, max_len=32)
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n".join(TEXTS))
+    build_decoder(tmp_path / "s", model_path=model, corpus_paths=[corpus], n=3, lower_layers=2, progress=False)
+    r = CliRunner().invoke(main, ["generate", str(tmp_path / "s"), "the cat", "--max-tokens", "5", "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    assert out["prompt_tokens"] == 3 and out["completion_tokens"] <= 5
+    streamed = CliRunner().invoke(main, ["generate", str(tmp_path / "s"), "the cat", "--max-tokens", "5"])
+    assert streamed.exit_code == 0 and streamed.output.strip() == out["text"].strip()
+    bad = CliRunner().invoke(main, ["generate", str(tmp_path / "s"), "the cat", "--max-tokens", "50"])
+    assert bad.exit_code == 1 and "context" in bad.output and "Traceback" not in bad.output
