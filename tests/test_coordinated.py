@@ -137,6 +137,8 @@ def test_latency_model_file_and_interpolation(tmp_path):
     assert math.isclose(m2.a(2.5, 12), (1.5 + 6.0) / 2)
     assert math.isclose(m2.a(8, 16), 16.0)  # beyond the grid: proportional
     assert m2.b("head", 3, 10) == 0.0 and math.isclose(m2.b("adapter", 4, 12), 0.6)
+    noisy = cb.LatencyModel([1, 2], [8, 16], [[3.0, 1.0], [2.0, 5.0]], [1], [8], {"lora": [[1.0]]})
+    assert noisy.monotone().alpha == [[3.0, 3.0], [3.0, 5.0]] and noisy.monotone().meta["monotone"]
 
 
 def test_scheduler_runs_the_batcher(tmp_path):

@@ -8,7 +8,8 @@ head-only tenant (the shared operators); beta[type][n][l]: the PET operators alo
 b = 64 with LayerNorm deltas, LoRA rank 16 on q and v, BitFit, diff pruning at 0.5%) for n
 requests of l tokens, over the upper layers. Each cell is the median of --reps timings. The
 file records the machine, the executor and the grids; runtime.sched.coordinated.LatencyModel
-loads it (re-profiling is this one command).
+loads it (re-profiling is this one command). The tables are saved made nondecreasing in N and
+L (LatencyModel.monotone; the raw medians are kept in meta.raw).
 """
 
 from __future__ import annotations
@@ -150,6 +151,8 @@ def main(argv=None):
     t0 = time.perf_counter()
     model = profile(enc, ns, ls, args.reps, log=lambda s: print(s, file=sys.stderr, flush=True))
     model.meta["seconds"] = round(time.perf_counter() - t0, 1)
+    model.meta["raw"] = {"alpha": model.alpha, "beta": model.beta}
+    model = model.monotone()  # timing noise must not make a bigger batch look cheaper
     model.save(args.out)
     print(f"wrote {args.out} ({model.meta['seconds']} s)")
 

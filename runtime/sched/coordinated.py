@@ -87,6 +87,18 @@ class LatencyModel:
         table = self.beta.get(kind)
         return 0.0 if table is None else _bilinear(self.beta_n, self.beta_l, table, n, length)
 
+    def monotone(self) -> LatencyModel:
+        """The tables made nondecreasing in both dimensions (running maxima over N, then L):
+        a batch never gets cheaper by growing, so timing noise (a shared machine) cannot
+        reward splitting, and dp_split stays optimal among all partitions."""
+
+        def fix(table):
+            t = np.maximum.accumulate(np.maximum.accumulate(np.asarray(table, dtype=float), axis=0), axis=1)
+            return t.tolist()
+
+        return LatencyModel(self.alpha_n, self.alpha_l, fix(self.alpha), self.beta_n, self.beta_l,
+                            {k: fix(v) for k, v in self.beta.items()}, dict(self.meta, monotone=True))
+
     def to_json(self) -> dict:
         return {"alpha_n": self.alpha_n, "alpha_l": self.alpha_l, "alpha": self.alpha, "beta_n": self.beta_n,
                 "beta_l": self.beta_l, "beta": self.beta, "meta": self.meta}
