@@ -191,7 +191,7 @@ class CpuExecutor:
             if ("norm", name) in groups:
                 runs, gaps, w = groups[("norm", name)]
                 y = cpu_batched.layernorm(y, residual, ln, runs, gaps, w["weight"], w["bias"])
-                tick("PET ops")
+                tick("LayerNorm with PET deltas")
             else:
                 y = cpu_batched.layernorm(y, residual, ln)
                 tick("LayerNorm, GELU")
