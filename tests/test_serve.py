@@ -286,7 +286,8 @@ def test_bad_requests_get_clear_4xx(server):
     bad_json = c.post(url, content=b'{"text": ', headers=dict(h, **{"content-type": "application/json"}))
     assert bad_json.status_code == 400 and "JSON" in bad_json.text
     cases = [{"text": 5}, {"texts": "one"}, {"texts": []}, {"text": "a", "texts": ["b"]}, {}, {"text": ""},
-             {"text": "   "}, {"text": "a", "tenant": "x"}, {"texts": ["a"] * 65}, {"text": "x" * 20000}]
+             {"text": "   "}, {"text": "a", "tenant": "x"}, {"texts": ["a"] * 1025}, {"text": "x" * 20000},
+             {"text": "a", "truncate": "sometimes"}]
     for body in cases:
         r = c.post(url, json=body, headers=h)
         assert r.status_code == 422, (body, r.status_code, r.text)
@@ -321,6 +322,19 @@ def test_bad_requests_get_clear_4xx(server):
     assert c.get("/v1/jobs/0123456789abcdef", headers=h).status_code == 404
     assert c.get("/v1/jobs/..%2F..%2FCURRENT", headers=h).status_code in (404, 422)
     assert c.post("/v1/tenants/nobody/update", json={}, headers=h).status_code == 404
+
+
+def test_many_texts_are_split_into_batches_and_truncate_cuts(server):
+    c, h = server.client, auth(ADMIN)
+    url = "/v1/tenants/base/infer"
+    texts = [f"Return the sum of {i} numbers." for i in range(100)]  # more than a batch (--max-batch 32)
+    r = c.post(url, json={"texts": texts}, headers=h)
+    assert r.status_code == 200, r.text
+    results = r.json()["results"]
+    assert len(results) == 100 and max(x["batch_size"] for x in results) <= 32
+    r = c.post(url, json={"text": "word " * 100, "truncate": True}, headers=h)  # over --max-len 32
+    assert r.status_code == 200 and r.json()["results"][0]["truncated"] > 0, r.text
+    assert "truncated" not in c.post(url, json={"text": "word"}, headers=h).json()["results"][0]
 
 
 def test_manage_domains_and_tenant_update_and_delete(server, tenants, env):

@@ -53,6 +53,8 @@ def admin_token_source(store, token_file=None) -> str:
 @click.option("--request-timeout", type=click.FloatRange(0.001, 3600), default=30, show_default=True,
               help="Seconds before an infer request gets 504.")
 @click.option("--max-len", type=click.IntRange(3, 4096), default=128, show_default=True, help="Tokens per text.")
+@click.option("--truncate/--no-truncate", default=False, show_default=True,
+              help="Cut texts over --max-len tokens instead of answering 422 (a request's \"truncate\" overrides).")
 @click.option("--mode", type=click.Choice(["shared", "dedicated"]), default="shared", show_default=True,
               help="shared: hPLM; dedicated: the per-tenant full-model baseline (emulated).")
 @click.option("--dedicated-resident", type=click.IntRange(1, 100_000), default=4, show_default=True,
@@ -77,7 +79,7 @@ def admin_token_source(store, token_file=None) -> str:
               show_default=True, help="--ray: routing among replicas (multiplex: by tenant, Ray's default).")
 @click.option("--autoscale", default=None, metavar="MIN:MAX", help="--ray: autoscale the workers on queue length.")
 def serve(store, host, port, admin_token_file, device, max_batch, max_wait_ms, queue_limit, request_timeout, max_len,
-          mode, dedicated_resident, job_threads, torch_threads, metrics_public, header_timeout, log_level,
+          truncate, mode, dedicated_resident, job_threads, torch_threads, metrics_public, header_timeout, log_level,
           access_log, use_ray, **ray_options):
     """Serve STORE over HTTP: POST /v1/tenants/TENANT/infer for every tenant, manage jobs
     (/v1/tenants, /v1/domains, /v1/jobs), /healthz, /metrics; the OpenAPI description at /docs.
@@ -114,7 +116,8 @@ def serve(store, host, port, admin_token_file, device, max_batch, max_wait_ms, q
         app = create_app(store, admin_token=resolve_admin_token(store, admin_token_file), max_batch=max_batch,
                          max_wait_ms=max_wait_ms, queue_limit=queue_limit, request_timeout_s=request_timeout,
                          device=device, max_len=max_len, mode=mode, dedicated_resident=dedicated_resident,
-                         job_threads=job_threads, torch_threads=torch_threads, metrics_public=metrics_public)
+                         job_threads=job_threads, torch_threads=torch_threads, metrics_public=metrics_public,
+                         runtime_options={"truncate": True} if truncate else None)
     except (StoreError, ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"serving {store} on http://{host}:{port} (admin token: {admin_token_source(store, admin_token_file)}; "

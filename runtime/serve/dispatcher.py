@@ -15,7 +15,7 @@ log = logging.getLogger("hkstore.serve")
 
 
 class _Entry:
-    __slots__ = ("tenant", "text", "future", "enqueued", "deadline", "state")
+    __slots__ = ("tenant", "text", "future", "enqueued", "deadline", "state", "truncate")
 
     def __init__(self, tenant, text, future, enqueued, deadline):
         self.tenant, self.text, self.future, self.enqueued, self.deadline = tenant, text, future, enqueued, deadline
@@ -60,7 +60,7 @@ class Dispatcher:
                 e.future.set_exception(RuntimeError("the server is shutting down"))
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def offer(self, tenant, texts, deadline=math.inf):
+    def offer(self, tenant, texts, deadline=math.inf, truncate=None):
         """Queue texts of one request (answer by `deadline`, perf_counter time); None when the
         queue has no room for them."""
         if self.depth + len(texts) > self.queue_limit:
@@ -68,6 +68,8 @@ class Dispatcher:
         loop = asyncio.get_running_loop()
         now = time.perf_counter()
         entries = [_Entry(tenant, t, loop.create_future(), now, deadline) for t in texts]
+        for e in entries:
+            e.truncate = truncate  # None: the runtime's default
         self.pending.extend(entries)
         self.depth += len(entries)
         self.m.queue_depth.set(self.depth)
@@ -158,7 +160,8 @@ class Dispatcher:
         for e in batch:
             self.m.queue_wait.observe(started - e.enqueued)
         try:
-            outs = await loop.run_in_executor(self._pool, self._compute, [(e.tenant, e.text) for e in batch])
+            outs = await loop.run_in_executor(self._pool, self._compute,
+                                              [(e.tenant, e.text, getattr(e, "truncate", None)) for e in batch])
         except Exception as exc:  # noqa: BLE001 - handed to the callers
             outs = [exc] * len(batch)
         finally:
@@ -183,14 +186,15 @@ class Dispatcher:
         if self.mode == "dedicated":
             if self._dedicated.swap(requests[0][0]):
                 self.m.swaps.inc()
-            self._dedicated.lower([t for _, t in requests])
+            self._dedicated.lower([t for _, t, _ in requests])
         return self._infer(requests)
 
     def _infer(self, requests):
         import runtime
 
         try:
-            return self.rt.infer([{"tenant": t, "text": x} for t, x in requests])
+            return self.rt.infer([{"tenant": t, "text": x} if cut is None else {"tenant": t, "text": x, "truncate": cut}
+                                  for t, x, cut in requests])
         except (runtime.BadRequest, StoreError, CorruptError) as e:
             # infer checks every request before it runs any: one bad request (or one tenant's
             # damaged PET) fails the whole batch. Split it to find the culprits; the others are

@@ -12,7 +12,7 @@ NAME_PATTERN = NAME.pattern  # hkstore.store.check_name's rule, as an OpenAPI pa
 MAX_TEXT_CHARS = 16_384  # per text; the runtime's max_len (tokens) is the real bound
 
 
-MAX_TEXTS = 64  # texts per infer request
+MAX_TEXTS = 1024  # texts per infer request (the dispatcher splits them into batches of max_batch)
 
 
 MAX_DOCUMENTS = 100_000
@@ -57,6 +57,8 @@ class InferBody(Strict):
 
     text: Optional[Text] = None
     texts: Optional[Annotated[list[Text], Field(min_length=1, max_length=MAX_TEXTS)]] = None
+    truncate: Optional[bool] = Field(None, description="Cut texts over the server's max_len tokens instead of "
+                                                       "answering 422 (default: the server's --truncate)")
 
     @model_validator(mode="after")
     def _one(self):
@@ -81,6 +83,7 @@ class InferResult(BaseModel):
     probabilities: list
     batch_size: int
     timings_ms: dict
+    truncated: Optional[int] = Field(None, description="Tokens cut off the text's end (truncate)")
 
 
 class InferResponse(BaseModel):
