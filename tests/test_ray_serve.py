@@ -118,7 +118,7 @@ def cluster(tmp_path_factory):
         ray_app.run(store, ADMIN, port=port, blocking=False, replicas=2, device="cpu", max_len=32, max_wait_ms=5,
                     replica_cpus=1)
         client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60.0)
-        yield {"client": client, "store": store, "data": data}
+        yield {"client": client, "store": store, "data": data, "port": port}
         client.close()
     finally:
         serve.shutdown()
@@ -296,3 +296,46 @@ def test_manager_killed_mid_job_the_job_still_finishes_once(cluster):
     jobs = c.get("/v1/jobs", headers=auth()).json()["jobs"]
     assert sum(1 for x in jobs if x["params"].get("tenant") == "survivor") == 1
     wait_until(lambda: infer(c, "survivor").status_code == 200, "the tenant is served")
+
+
+def _redeploy(cluster, **kw):
+    from runtime.serve import ray_app
+
+    ray_app.run(cluster["store"], ADMIN, port=cluster["port"], blocking=False, device="cpu", max_len=32,
+                replica_cpus=1, **kw)
+    wait_until(lambda: cluster["client"].get("/healthz").status_code == 200, "the redeployed app answers")
+
+
+def test_punica_router_consolidates_on_the_busiest_replica(cluster):
+    c = cluster["client"]
+    _redeploy(cluster, replicas=2, router="punica")
+    wait_until(lambda: len(worker_replicas()) == 2, "two workers")
+    served = set()
+    for t in TENANTS:  # one at a time: every replica is idle, the first in Punica's order takes it
+        r = infer(c, t)
+        assert r.status_code == 200, r.text
+        served.add(r.headers["x-hkstore-replica"])
+    assert len(served) == 1, f"sequential requests consolidate on one replica: {served}"
+
+
+def test_autoscaling_on_queue_length(cluster):
+    c = cluster["client"]
+    # target 2 ongoing requests per replica (max_batch 2): 8 closed-loop clients make Ray add one
+    _redeploy(cluster, autoscale=(1, 2), max_batch=2)
+    wait_until(lambda: len(worker_replicas()) == 1, "one worker to start with")
+    stop = threading.Event()
+
+    def load(k):
+        with httpx.Client(base_url=str(c.base_url), timeout=60.0) as cl:
+            while not stop.is_set():
+                infer(cl, TENANTS[k % len(TENANTS)])
+
+    threads = [threading.Thread(target=load, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    try:
+        wait_until(lambda: len(worker_replicas()) == 2, "Ray scales the workers to 2 under load", every=1.0)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(DEADLINE_S)
