@@ -155,7 +155,7 @@ class Sim:
     def _has_room(self, rep):
         return rep.load < self.room
 
-    def choose(self, tenant, now):
+    def choose(self, tenant, now, exclude=None):
         reps = self.reps
         if self.policy == "round_robin":
             for k in range(self.R):
@@ -180,9 +180,11 @@ class Sim:
         # then the rest least busy first. Exact punica_order for small clusters, the same order
         # read off the load buckets for large ones.
         held = self.holders.get(tenant, ())
+        if exclude is not None:
+            held = set(held) - {exclude}
         if self.R <= 16:
-            order = punica_order(reps, tenant, load=lambda r: r.load, room=self._has_room,
-                                 holds=lambda r, t: r.i in held,
+            order = punica_order([r for r in reps if r.i != exclude], tenant, load=lambda r: r.load,
+                                 room=self._has_room, holds=lambda r, t: r.i in held,
                                  fits=lambda r: self._working_set(r, now) < self.C)
             return order[0] if order and self._has_room(order[0]) else None
         if held:
@@ -197,11 +199,12 @@ class Sim:
                         return reps[next(iter(both))]
         for load in range(self.room - 1, -1, -1):
             for i in self.by_load[load]:
-                if self._working_set(reps[i], now) < self.C:
+                if i != exclude and self._working_set(reps[i], now) < self.C:
                     return reps[i]
         for load in range(self.room):
             for i in self.by_load[load]:
-                return reps[i]
+                if i != exclude:
+                    return reps[i]
         return None
 
     def _with_room(self, ids, k=8):
@@ -306,18 +309,28 @@ class Sim:
         self.by_cached[len(rep.cache)].add(rep.i)
 
     def _migrate(self, rep, now):
-        """Punica's migration: requests of tenants past the cache's capacity go back to the router."""
+        """Punica's migration: the queued requests of tenants past the cache's capacity move to
+        another replica (Punica's order, this one excluded); those no other can take stay."""
         counts = collections.Counter(t for _, t, _ in rep.queue)
-        if len(counts) <= self.C:
+        if len(counts) <= self.C or self.R == 1:
             return
         keep = {t for t, _ in counts.most_common(self.C)}
         before = rep.load
         moved = [q for q in rep.queue if q[1] not in keep]
         rep.queue = collections.deque(q for q in rep.queue if q[1] in keep)
-        self._set_load(rep, before)
-        self.migrations += len(moved)
         for q in moved:
-            self.offer(q, now)
+            target = self.choose(q[1], now, exclude=rep.i)
+            if target is None:
+                rep.queue.append(q)
+                continue
+            b = target.load
+            target.queue.append(q)
+            self._set_load(target, b)
+            if target.busy_until is None:
+                target.wake = now
+                self._push(now, "wake", target.i)
+            self.migrations += 1
+        self._set_load(rep, before)
 
     def run(self, arrivals):
         """arrivals: [(time ms, tenant)], sorted. Returns the metrics."""
