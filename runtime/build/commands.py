@@ -177,7 +177,23 @@ def tenant():
 @_json_option
 def tenant_create(store, tenant, version, train_path, task, pet_type, epochs, max_examples, lr, batch_size, max_len,
                   bottleneck, rank, seed, replace, quiet, as_json):
-    """Fine-tune a PET for TENANT on PLOT inputs of --version and store it."""
+    """Fine-tune a PET for TENANT on PLOT inputs of --version and store it. On a decoder store:
+    an lm PET (causal LM loss) on --train as plain text (--task and the head do not apply)."""
+    import hkstore
+    from runtime.plot.causal import is_decoder_store
+
+    try:
+        with hkstore.open(store) as st:
+            decoder_store = is_decoder_store(st.meta)
+    except Exception:  # noqa: BLE001  (a missing or damaged store: manager.tenant_create says why)
+        decoder_store = False
+    if decoder_store:
+        from runtime.build.decoder_tenant import lm_tenant_create
+
+        _run(lm_tenant_create, store, tenant, train_path=train_path, version=version, pet_type=pet_type,
+             epochs=epochs, lr=lr, batch_size=batch_size, max_len=max_len, rank=rank, bottleneck=bottleneck,
+             seed=seed, replace=replace, progress=not quiet, as_json=as_json)
+        return
     _run(manager.tenant_create, store, tenant, version=version, train_path=train_path, task=task, pet_type=pet_type,
          epochs=epochs, max_examples=max_examples, lr=lr, batch_size=batch_size, max_len=max_len,
          bottleneck=bottleneck, rank=rank, seed=seed, replace=replace, progress=not quiet, as_json=as_json)

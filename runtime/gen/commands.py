@@ -4,8 +4,8 @@
     hkstore generate STORE "..." --json          # the whole result (ids, text, finish_reason, usage)
 
 The prompt runs through PLOT lookups and the upper layers (runtime.gen); the store's
-decoder (meta model_path) supplies the upper layers and the tokenizer. Tenants (per-request
-PETs) come with decoder tenant construction, a later slice of issue 15.
+decoder (meta model_path) supplies the upper layers and the tokenizer; --tenant applies a
+decoder tenant's lm PET (runtime.build.decoder_tenant) and serves from its PLOT version.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import click
 @click.command("generate")
 @click.argument("store", type=click.Path(file_okay=False, exists=True))
 @click.argument("prompt")
-@click.option("--version", default=None, help="PLOT version (default: the root).")
+@click.option("--version", default=None, help="PLOT version (default: the tenant's, else the root).")
+@click.option("--tenant", default=None, help="A decoder tenant (an lm PET, hkstore tenant create on a decoder store).")
 @click.option("--max-tokens", type=int, default=32, show_default=True)
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0: greedy.")
 @click.option("--top-k", type=int, default=0, show_default=True, help="0: no cut.")
@@ -26,7 +27,7 @@ import click
 @click.option("--seed", type=int, default=None)
 @click.option("--stop", multiple=True, help="Stop sequence (repeat for more, at most 4).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of streaming text.")
-def generate(store, prompt, version, max_tokens, temperature, top_k, top_p, seed, stop, as_json):
+def generate(store, prompt, version, tenant, max_tokens, temperature, top_k, top_p, seed, stop, as_json):
     """Complete PROMPT with the decoder store STORE (greedy unless --temperature)."""
     import hkstore
     from formats.errors import FormatError
@@ -39,11 +40,20 @@ def generate(store, prompt, version, max_tokens, temperature, top_k, top_p, seed
     try:
         with hkstore.open(store) as st:
             snap = st.snapshot()
-            gen = PlotDecoder(snap, version or snap.version_names[0], base_decoder(st))
+            dec = base_decoder(st)
+            pet = None
+            if tenant is not None:
+                from runtime.build.decoder_tenant import load_lm_pet
+
+                if tenant not in snap.pets:
+                    raise ValueError(f"unknown tenant {tenant!r}")
+                pet = load_lm_pet(st, tenant, dec)
+                version = version or pet.meta.get("version") or snap.read_pet(tenant).meta.get("version")
+            gen = PlotDecoder(snap, version or snap.version_names[0], dec)
             params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                                     max_tokens=max_tokens, stop=list(stop))
             batcher = Batcher(gen, kv_budget_bytes=1 << 40, max_running=1)
-            rid = batcher.submit(gen.decoder.tokenize([prompt])[0], params)
+            rid = batcher.submit(gen.decoder.tokenize([prompt])[0], params, pet)
             shown = ""
             while batcher.busy:
                 for event in batcher.step():

@@ -37,7 +37,7 @@ Encoder = torch.nn.Module
 
 TARGETS = ("q", "k", "v", "o", "ffn_in", "ffn_out")
 PET_TYPES = ("adapter", "lora", "bitfit", "diff", "mask", "head")
-TASKS = ("classification", "tagging")
+TASKS = ("classification", "tagging", "lm")  # lm: a decoder tenant; no head (the decoder's LM head)
 ADAPTER_TARGETS = ("o", "ffn_out")
 NORMS = ("ln_attn", "ln_ffn")
 # Default targets per type: LoRA's paper setting (q, v); Houlsby's two adapters a layer (after
@@ -175,7 +175,8 @@ def _init(name: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor
 
 def _layout(meta: dict, c) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor of a trainable PET described by meta."""
-    shapes = {"head.weight": (len(meta["labels"]), c.d), "head.bias": (len(meta["labels"]),)}
+    shapes = {} if meta["task"] == "lm" else {"head.weight": (len(meta["labels"]), c.d),
+                                              "head.bias": (len(meta["labels"]),)}
     kind = meta["pet_type"]
     for i in meta["layers"]:
         p = f"layers.{i}."
@@ -275,7 +276,9 @@ def _check_meta(meta: dict, encoder: Encoder) -> None:
         raise ValueError(f"PET meta has unknown pet_type {kind!r}; expected one of {', '.join(PET_TYPES)}")
     if meta.get("task") not in TASKS:
         raise ValueError(f"PET meta has unknown task {meta.get('task')!r}; expected classification or tagging")
-    if not meta.get("labels"):
+    if meta["task"] == "lm" and (kind == "head" or not getattr(encoder, "is_decoder", False)):
+        raise ValueError("an lm PET edits a decoder's upper layers (and has no head of its own)")
+    if meta["task"] != "lm" and not meta.get("labels"):
         raise ValueError("PET meta has no labels")
     if missing := [k for k in ("layers", *TYPE_META[kind]) if k not in meta]:
         raise ValueError(f"{kind} PET meta lacks {', '.join(missing)}")
