@@ -297,6 +297,36 @@ class Runtime:
         outputs = self.scheduler.run(items)
         return [self._result(p, item, out) for p, item, out in zip(parsed, items, outputs)]
 
+    def embed(self, texts, tenant=None, *, truncate=None, normalize=True):
+        """Sentence embeddings of texts: (vectors (n, d) float32, token counts). The last hidden
+        state, mean-pooled over each text's tokens (as all-MiniLM-L6-v2 is used) and
+        L2-normalized: the base model's (tenant None: the root's PLOT and the shared upper layers)
+        or a tenant's (its PLOT version, its PET in the upper layers; its head is not used).
+        Computed with the reference encoder on the CPU, outside the batching scheduler."""
+        import torch
+
+        from runtime.model.pet import load_pet, pet_meta
+        from runtime.plot.retrieve import retrieve
+
+        if isinstance(texts, str):
+            texts = [texts]
+        parsed = self._normalize([{"tenant": tenant or "", "text": t, "truncate": truncate} for t in texts])
+        snap = self.store.snapshot()
+        pet, version = None, snap.version_names[0]
+        if tenant is not None:
+            self.pet(tenant)  # UnknownTenant / IncompatiblePet, as infer
+            record = snap.read_pet(tenant)
+            pet, version = load_pet(self.encoder, record.tensors, pet_meta(record.meta)), record.meta["version"]
+        seqs = [p[1] for p in parsed]
+        with torch.no_grad():
+            inputs, mask, _ = retrieve(snap, version, seqs)
+            hidden = self.encoder.upper(inputs, mask, pet)
+            m = mask[..., None].float()
+            pooled = (hidden * m).sum(1) / m.sum(1).clamp(min=1)
+            if normalize:
+                pooled = torch.nn.functional.normalize(pooled, dim=-1)
+        return pooled.numpy().astype(np.float32), [len(s) for s in seqs]
+
     def _result(self, parsed, item, out):
         tenant, ids, words, _, _, truncated = parsed
         pet = item.pet

@@ -235,6 +235,27 @@ def test_truncate_cuts_instead_of_refusing(tiny):
         np.testing.assert_allclose(one.logits, same.logits, rtol=1e-5, atol=1e-6)
 
 
+def test_embed_pools_the_last_hidden_state(tiny, rt):
+    import torch
+
+    from runtime.plot.retrieve import retrieve
+
+    texts = tiny[1]["texts"][:3]
+    vectors, counts = rt.embed(texts)
+    assert vectors.shape == (3, rt.encoder.config.d) and np.allclose(np.linalg.norm(vectors, axis=1), 1, atol=1e-5)
+    ids = rt.encoder.tokenize(texts)
+    assert counts == [len(i) for i in ids]
+    with torch.no_grad():  # the same by hand: root PLOT, shared upper layers, mean over real tokens
+        inputs, mask, _ = retrieve(rt.store.snapshot(), "root", ids)
+        h = rt.encoder.upper(inputs, mask)
+        want = torch.stack([h[b, :len(i)].mean(0) for b, i in enumerate(ids)])
+    np.testing.assert_allclose(vectors, torch.nn.functional.normalize(want, dim=-1).numpy(), atol=1e-5)
+    mine, _ = rt.embed(texts[:1], tenant="lora-cls")  # the tenant's PET moves its embedding
+    assert not np.allclose(mine[0], vectors[0], atol=1e-4)
+    with pytest.raises(runtime.UnknownTenant):
+        rt.embed(["x"], tenant="nobody")
+
+
 def test_incompatible_pets(tiny, rt):
     store_path = tiny[0]
     with hkstore.open(store_path, writable=True) as st:

@@ -18,6 +18,7 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import pytest
 
 from runtime.build import manager
@@ -335,6 +336,31 @@ def test_many_texts_are_split_into_batches_and_truncate_cuts(server):
     r = c.post(url, json={"text": "word " * 100, "truncate": True}, headers=h)  # over --max-len 32
     assert r.status_code == 200 and r.json()["results"][0]["truncated"] > 0, r.text
     assert "truncated" not in c.post(url, json={"text": "word"}, headers=h).json()["results"][0]
+
+
+def test_info_and_openai_embeddings(server, tenants):
+    c, h = server.client, auth(ADMIN)
+    info = c.get("/info").json()
+    assert info["model"]["name"] == "tiny-bert" and info["versions"][0] == "root"
+    assert info["limits"]["max_len"] == 32 and info["limits"]["max_texts_per_request"] >= 64
+    texts = ["Return the sum of a list.", "Return the cosine of x."]
+    r = c.post("/v1/embeddings", json={"model": "tiny-bert", "input": texts}, headers=h)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "list" and [d["index"] for d in body["data"]] == [0, 1]
+    vectors = np.array([d["embedding"] for d in body["data"]])
+    assert vectors.shape[0] == 2 and np.allclose(np.linalg.norm(vectors, axis=1), 1, atol=1e-4)
+    assert body["usage"]["prompt_tokens"] > 2
+    one = c.post("/v1/embeddings", json={"model": "tiny-bert", "input": texts[0]}, headers=h).json()
+    assert np.allclose(one["data"][0]["embedding"], vectors[0], atol=1e-5)
+    # A tenant's embedding (its PET in the upper layers), with its own token; not another's.
+    tenant, token = next(iter(tenants.items()))
+    mine = c.post("/v1/embeddings", json={"model": tenant, "input": texts[0]}, headers=auth(token))
+    assert mine.status_code == 200 and not np.allclose(mine.json()["data"][0]["embedding"], vectors[0], atol=1e-4)
+    assert c.post("/v1/embeddings", json={"model": "base", "input": "x"}, headers=auth(token)).status_code == 403
+    assert c.post("/v1/embeddings", json={"model": "tiny-bert", "input": "x"}).status_code == 401
+    assert c.post("/v1/embeddings", json={"model": "nobody", "input": "x"}, headers=h).status_code == 404
+    assert c.post("/v1/embeddings", json={"model": "tiny-bert", "input": " "}, headers=h).status_code == 422
 
 
 def test_manage_domains_and_tenant_update_and_delete(server, tenants, env):

@@ -99,6 +99,7 @@ from runtime.serve.schemas import (
     ClassificationExample,
     DomainCreateBody,
     DomainUpdateBody,
+    EmbeddingsBody,
     Health,
     InferBody,
     InferResponse,
@@ -357,12 +358,12 @@ class _Gate:
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
         headers = dict(scope.get("headers") or [])
-        infer = bool(_INFER_PATH.match(path))
+        infer = bool(_INFER_PATH.match(path)) or path == "/v1/embeddings"  # tenant tokens welcome
         if self.service is not None and path.startswith("/v1/"):
             denied = self.service.header_denial(headers.get(b"authorization"), admin=not infer)
             if denied is not None:
                 status, detail = denied
-                if infer:
+                if _INFER_PATH.match(path):
                     self.service.metrics.count_request(path.split("/")[3], status)
                 extra = [(b"www-authenticate", b"Bearer")] if status == 401 else []
                 return await _send_json(send, status, {"detail": detail}, extra + [(b"connection", b"close")])
@@ -517,6 +518,50 @@ def create_app(store_path, *, admin_token, max_batch=32, max_wait_ms=5, queue_li
             svc.require_admin(creds)
         data = await asyncio.to_thread(generate_latest, svc.metrics.registry)
         return Response(data, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/info", tags=["observability"])
+    async def info() -> dict:
+        """What this server serves and its limits (as TEI's /info): model, store, versions, limits."""
+        from hkstore.cli import model_source
+        from runtime.serve.schemas import MAX_TEXT_CHARS, MAX_TEXTS
+
+        snap = svc.rt.store.snapshot()
+        return {"model": model_source(snap.meta), "store": svc.store_path, "versions": snap.version_names,
+                "tenants": len(snap.pets), "device": svc.rt.device, "mode": svc.mode,
+                "limits": {"max_len": svc.rt.max_len, "truncate": svc.rt.truncate, "max_batch": svc.max_batch,
+                           "max_texts_per_request": MAX_TEXTS, "max_text_chars": MAX_TEXT_CHARS,
+                           "queue_limit": svc.queue_limit, "request_timeout_s": svc.request_timeout_s},
+                "routes": {"infer": "/v1/tenants/{tenant}/infer", "embeddings": "/v1/embeddings"}}
+
+    @app.post("/v1/embeddings", tags=["infer"], responses={
+        401: {"description": "missing or invalid token"}, 403: {"description": "not this tenant's token"},
+        404: {"description": "unknown tenant (model)"}, 422: {"description": "invalid request"}})
+    async def embeddings(body: EmbeddingsBody, creds: HTTPAuthorizationCredentials = Depends(bearer)) -> dict:
+        """OpenAI-compatible embeddings: ``model`` is a tenant (its PLOT version and PET, mean-pooled
+        last hidden state, L2-normalized) or the base model (``base``, unless a tenant has that
+        name, or the base model's name as /info shows it); any valid token may ask for the base
+        model, a tenant's token only for its own tenant."""
+        import runtime
+
+        # A tenant of that name first; else "base" or the base model's own name (a tenant name
+        # cannot hold its "/") ask for the base model.
+        base_names = ("base", svc.rt.meta.get("base_model"))
+        pets = svc.rt.store.snapshot().pets
+        tenant = None if body.model in base_names and body.model not in pets else body.model
+        if tenant is None:
+            svc.principal(creds)
+        else:
+            _name("tenant", tenant)
+            svc.require_tenant(creds, tenant)
+        try:
+            vectors, counts = await asyncio.to_thread(svc.rt.embed, body.all_texts(), tenant, truncate=body.truncate)
+        except UnknownTenant:
+            raise HTTPError(404, f"unknown model {body.model!r}: not a tenant of this store, nor 'base'") from None
+        except (runtime.BadRequest, StoreError) as e:
+            raise HTTPError(422, str(e)) from None
+        return {"object": "list", "model": body.model,
+                "data": [{"object": "embedding", "index": j, "embedding": v.tolist()} for j, v in enumerate(vectors)],
+                "usage": {"prompt_tokens": int(sum(counts)), "total_tokens": int(sum(counts))}}
 
     @app.post("/v1/tenants/{tenant}/infer", response_model=InferResponse, response_model_exclude_none=True,
               tags=["infer"], responses=errors_infer)

@@ -221,6 +221,27 @@ class JobList(BaseModel):
     jobs: list[JobView]
 
 
+class EmbeddingsBody(Strict):
+    """OpenAI's embeddings request: ``model`` is a tenant (its PLOT version and PET) or the base
+    model (``base`` or its name: the root and the shared upper layers)."""
+
+    input: Union[Text, Annotated[list[Text], Field(min_length=1, max_length=MAX_TEXTS)]]
+    model: Annotated[str, StringConstraints(min_length=1, max_length=64)] = "base"
+    encoding_format: Literal["float"] = "float"
+    truncate: Optional[bool] = None
+    user: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _not_blank(self):
+        for j, t in enumerate(self.all_texts()):
+            if not t.strip():
+                raise ValueError(f"input {j} is blank")
+        return self
+
+    def all_texts(self) -> list:
+        return [self.input] if isinstance(self.input, str) else list(self.input)
+
+
 class Health(BaseModel):
     status: str = Field(description="ok, or degraded: the store is damaged (see reason; run hkstore verify)")
     reason: Optional[str] = None
