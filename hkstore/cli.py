@@ -449,6 +449,24 @@ def pack_rm(store, tenant, as_json):
     emit({"tenant": tenant, "removed": True}, as_json, lambda r: click.echo(f"removed {tenant}"))
 
 
+@pack.command("export")
+@click.argument("store")
+@click.argument("tenant")
+@click.argument("directory")
+@json_option
+def pack_export(store, tenant, directory, as_json):
+    """Write TENANT's LoRA PET as a PEFT adapter directory (adapter_config.json +
+    adapter_model.safetensors) that `peft.PeftModel.from_pretrained` loads on the base model."""
+    from hkstore.peft import save_peft_lora
+
+    snap = open_store(store).snapshot()
+    record = snap.read_pet(tenant)
+    config = save_peft_lora(directory, record.meta, record.tensors, base_model=snap.meta.get("model_path"))
+    emit(dict(config, tenant=tenant, directory=directory), as_json, lambda c: click.echo(
+        f"exported {tenant}: LoRA rank {c['r']} on {', '.join(c['target_modules'])}, layers "
+        f"{c['layers_to_transform']} -> {directory}"))
+
+
 @pack.command("import")
 @click.argument("store")
 @click.argument("directory")

@@ -180,3 +180,56 @@ def load_peft_lora(directory, *, lower_layers: int,
     if head and config.get("task_type") in _TASKS:
         meta["task"] = _TASKS[config["task_type"]]
     return meta, tensors
+
+
+# -- export -------------------------------------------------------------------------------------
+
+_MODULES = {target: module for module, target in TARGETS.items()}
+_TASK_TYPES = {task: task_type for task_type, task in _TASKS.items()}
+
+
+def save_peft_lora(directory, meta: dict, tensors: dict, *, base_model: str | None = None) -> dict:
+    """Write a LoRA PET (meta, tensors in FORMAT.md section 5 names) as a PEFT adapter directory
+    (adapter_config.json + adapter_model.safetensors, the names PEFT's save_pretrained writes
+    for a BERT model), the inverse of load_peft_lora. The head, if any, becomes the classifier
+    (modules_to_save); note that a PET's classification head reads the [CLS] hidden state
+    directly, while BertForSequenceClassification puts BERT's pooler first. Returns the config."""
+    from safetensors.numpy import save_file
+
+    if meta.get("pet_type") != "lora":
+        raise PeftImportError(f"only LoRA PETs export to PEFT; this one is {meta.get('pet_type')!r}")
+    extra = sorted(k for k in tensors if not _is_lora_or_head(k))
+    if extra:
+        raise PeftImportError(f"the PET holds tensors PEFT's LoRA cannot carry: {', '.join(extra[:3])}")
+    rank, scale = int(meta["rank"]), float(meta["scale"])
+    out = {}
+    for key, array in tensors.items():
+        if key.startswith("layers."):
+            _, layer, _, target, side = key.split(".")
+            name = f"base_model.model.bert.encoder.layer.{layer}.{_MODULES[target]}.lora_{side}.weight"
+        else:
+            name = f"base_model.model.classifier.{key.split('.')[1]}"
+        out[name] = np.ascontiguousarray(array, dtype=np.float32)
+    config = {
+        "peft_type": "LORA", "r": rank, "lora_alpha": scale * rank, "lora_dropout": 0.0, "bias": "none",
+        "target_modules": sorted({_MODULES[k.split(".")[3]].rsplit(".", 1)[-1] for k in tensors
+                                  if k.startswith("layers.")}),
+        "layers_to_transform": sorted({int(k.split(".")[1]) for k in tensors if k.startswith("layers.")}),
+        "base_model_name_or_path": base_model or meta.get("base_model"), "use_rslora": False, "use_dora": False,
+        "fan_in_fan_out": False, "inference_mode": True,
+        "task_type": _TASK_TYPES.get(meta.get("task")) if "head.weight" in tensors else "FEATURE_EXTRACTION",
+        "modules_to_save": ["classifier"] if "head.weight" in tensors else None,
+    }
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / CONFIG).write_text(json.dumps(config, indent=1) + "\n", encoding="utf-8")
+    save_file(out, str(directory / WEIGHTS))
+    return config
+
+
+def _is_lora_or_head(key: str) -> bool:
+    parts = key.split(".")
+    if key in ("head.weight", "head.bias"):
+        return True
+    return len(parts) == 5 and parts[0] == "layers" and parts[2] == "lora" and parts[3] in _MODULES \
+        and parts[4] in ("A", "B")

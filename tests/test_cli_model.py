@@ -118,3 +118,48 @@ def test_infer_command_texts_stdin_and_truncate(env):
     r = CliRunner().invoke(main, ["infer", env["store"], "--json"], input="not json\n")
     assert r.exit_code == 1 and "stdin line 1: not JSON" in r.output
     manager.tenant_rm(env["store"], "inf")
+
+
+def test_pack_export_to_peft_round_trips_through_peft_itself(env, tmp_path):
+    """A LoRA tenant exported to PEFT's format loads with peft on the same base model and gives
+    the same hidden states (and, through its classifier on [CLS], the same logits); imported
+    back, it is the same PET."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    import numpy as np
+    import torch
+
+    from hkstore.cli import main
+    from hkstore.peft import load_peft_lora
+    from runtime.model.encoder import load_encoder
+    from runtime.model.pet import head, load_pet, pet_meta
+
+    manager.tenant_create(env["store"], "lora-out", version="root", train_path=env["cls"], pet_type="lora",
+                          epochs=2, lr=1e-2, max_len=32, progress=False)
+    out = str(tmp_path / "adapter")
+    r = CliRunner().invoke(main, ["pack", "export", env["store"], "lora-out", out, "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["task_type"] == "SEQ_CLS"
+    record = hkstore.open(env["store"]).get_pet("lora-out")
+    assert max(np.abs(v).max() for k, v in record.tensors.items() if k.endswith(".B")) > 0  # trained: not a no-op
+    base = transformers.BertForSequenceClassification.from_pretrained(
+        env["model"], num_labels=len(record.meta["labels"]), local_files_only=True).eval()
+    model = peft.PeftModel.from_pretrained(base, out).eval()
+    enc = load_encoder(env["model"], 3)
+    pet = load_pet(enc, record.tensors, pet_meta(record.meta))
+    ids, mask = enc.pad(enc.tokenize(env["texts"][:4], 32))
+    with torch.no_grad():
+        theirs = model(input_ids=ids, attention_mask=mask.long(), output_hidden_states=True)
+        ours = enc(ids, mask, pet)
+        np.testing.assert_allclose(theirs.hidden_states[-1][mask].numpy(), ours[mask].numpy(), atol=1e-4)
+        classifier = model.base_model.model.classifier.modules_to_save["default"]
+        np.testing.assert_allclose(classifier(theirs.hidden_states[-1][:, 0]).numpy(), head(pet, ours).numpy(),
+                                   atol=1e-4)
+    meta, tensors = load_peft_lora(out, lower_layers=3, num_layers=6)
+    assert meta["rank"] == record.meta["rank"] and meta["scale"] == pytest.approx(record.meta["scale"])
+    assert tensors.keys() == record.tensors.keys()
+    for k in tensors:
+        np.testing.assert_array_equal(tensors[k], record.tensors[k].astype(np.float32))
+    r = CliRunner().invoke(main, ["pack", "export", env["store"], "nobody", out])
+    assert r.exit_code == 1 and "unknown tenant" in r.output
+    manager.tenant_rm(env["store"], "lora-out")
