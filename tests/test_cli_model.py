@@ -61,7 +61,7 @@ def test_cli_end_to_end(cli, env):
     assert r.exit_code == 0, r.output
     assert "version: bio-2" in r.output  # the plain (non-JSON) output: key: value lines
 
-    r = run(cli, "tenant", "create", s, "t1", "--version", "bio", "--train", env["cls"], "--pet", "lora",
+    r = run(cli, "tenant", "create", s, "t1", "--version", "bio", "--train", env["cls"], "--pet-type", "lora",
             "--epochs", 1, "--max-len", 32, "-q", "--json")
     assert r.exit_code == 0, r.output
     assert json.loads(r.output)["labels"] == ["math", "path"]

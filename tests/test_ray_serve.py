@@ -202,7 +202,7 @@ def test_new_tenant_reaches_every_replica(cluster):
     job, token = r.json()["job"]["id"], r.json()["token"]
 
     def done():
-        j = c.get(f"/v1/jobs/{job}", headers=auth()).json()
+        j = c.get(f"/v1/jobs/{job}", headers=auth()).json()["job"]
         return j if j["state"] in ("done", "failed") else None
 
     j = wait_until(done, "the tenant job")
@@ -279,7 +279,7 @@ def test_manager_killed_mid_job_the_job_still_finishes_once(cluster):
                headers=auth())
     assert r.status_code == 202, r.text
     job = r.json()["job"]["id"]
-    wait_until(lambda: c.get(f"/v1/jobs/{job}", headers=auth()).json()["state"] != "queued", "the job starts",
+    wait_until(lambda: c.get(f"/v1/jobs/{job}", headers=auth()).json()["job"]["state"] != "queued", "the job starts",
                every=0.05)
     managers = [a for a in ray.util.list_named_actors(all_namespaces=True) if "#Manager#" in a["name"]]
     assert len(managers) == 1
@@ -289,7 +289,7 @@ def test_manager_killed_mid_job_the_job_still_finishes_once(cluster):
         r = c.get(f"/v1/jobs/{job}", headers=auth())
         if r.status_code != 200:  # 503 while Ray starts a new Manager
             return None
-        return r.json() if r.json()["state"] in ("done", "failed") else None
+        return r.json()["job"] if r.json()["job"]["state"] in ("done", "failed") else None
 
     j = wait_until(finished, "the job finishes on the new Manager", every=0.5)
     assert j["state"] == "done", j

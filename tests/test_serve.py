@@ -112,7 +112,7 @@ def wait_job(server, job_id, timeout=JOB_TIMEOUT, until=("done", "failed")):
     while time.monotonic() < deadline:
         r = server.client.get(f"/v1/jobs/{job_id}", headers=auth(ADMIN))
         assert r.status_code == 200, r.text
-        job = r.json()
+        job = r.json()["job"]  # the same envelope as the POST that made it
         if job["state"] in until:
             return job
         time.sleep(0.25)
@@ -531,7 +531,7 @@ def test_restart_in_the_middle_of_a_job(env):
     try:
         deadline = time.monotonic() + JOB_TIMEOUT
         while True:  # wait until it trains, then pull the plug
-            job = s.client.get(f"/v1/jobs/{job_id}", headers=auth(ADMIN)).json()
+            job = s.client.get(f"/v1/jobs/{job_id}", headers=auth(ADMIN)).json()["job"]
             if job["state"] == "running" and job["progress"].get("step", 0) >= 1:
                 break
             assert job["state"] != "done", "the job finished before the kill: make it longer"

@@ -162,7 +162,7 @@ def tenant():
 @click.option("--train", "train_path", required=True, type=click.Path(dir_okay=False),
               help="JSON lines {text, label} (classification) or CoNLL (tagging).")
 @click.option("--task", type=click.Choice(["classification", "tagging"]), default="classification", show_default=True)
-@click.option("--pet", "pet_type", type=click.Choice(["adapter", "lora", "bitfit", "diff", "mask", "head"]),
+@click.option("--pet-type", "--pet", "pet_type", type=click.Choice(["adapter", "lora", "bitfit", "diff", "mask", "head"]),
               default="adapter", show_default=True)
 @click.option("--epochs", type=int, default=3, show_default=True)
 @click.option("--max-examples", type=int, default=None)

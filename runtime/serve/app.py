@@ -22,7 +22,8 @@ computed for nobody).
                                         (the answer holds the tenant's API token, shown once)
     POST   /v1/tenants/{tenant}/update  continue a tenant's fine-tuning
     DELETE /v1/tenants/{tenant}         delete a tenant
-    GET    /v1/jobs/{id}, /v1/jobs      state (queued, running, done, failed) and progress
+    GET    /v1/jobs/{id}, /v1/jobs      state (queued, running, done, failed) and progress: one job is
+                                        always {"job": {...}} (as the POSTs answer), a list {"jobs": [...]}
 
 A job is STORE/jobs/<id>.json (written atomically: temporary file, fsync, rename, fsync of the
 directory) with its uploads in STORE/jobs/<id>/. One runner thread takes the jobs in creation
@@ -741,7 +742,7 @@ def create_app(store_path, *, admin_token, max_batch=32, max_wait_ms=5, queue_li
             raise HTTPError(404, f"unknown tenant {tenant!r}")
         return {"job": await _submit("tenant_rm", {"tenant": tenant}, {})}
 
-    @app.get("/v1/jobs/{job_id}", response_model=JobView, tags=["manage"],
+    @app.get("/v1/jobs/{job_id}", response_model=JobAccepted, tags=["manage"],
              responses={**errors_admin, 404: {"description": "unknown job"}})
     async def get_job(job_id: Annotated[str, Path(pattern=r"^[0-9a-f]{16}$")],
                       creds: HTTPAuthorizationCredentials = Depends(bearer)):
@@ -749,7 +750,7 @@ def create_app(store_path, *, admin_token, max_batch=32, max_wait_ms=5, queue_li
         job = svc.jobs.load(job_id)
         if job is None:
             raise HTTPError(404, f"unknown job {job_id!r}")
-        return svc.jobs.view(job)
+        return {"job": svc.jobs.view(job)}  # the envelope every job answer has (POSTs add their extras)
 
     @app.get("/v1/jobs", response_model=JobList, tags=["manage"], responses=errors_admin)
     async def list_jobs(creds: HTTPAuthorizationCredentials = Depends(bearer),
