@@ -308,7 +308,8 @@ def next_steps(store_dir, requests) -> list:
     report = shlex.quote(os.path.join(store_dir, "report"))
     return [
         f"hkstore infer {s} --tenant {tenant} {shlex.quote(text)}    # query it from the shell",
-        f"hkstore serve {s}    # HTTP on http://127.0.0.1:8080 (admin token: {os.path.join(store_dir, 'admin.token')})",
+        f"hkstore serve {s}    # HTTP on http://127.0.0.1:8080 (the serve extra: pip install 'hkstore[serve]'; "
+        f"admin token: {os.path.join(store_dir, 'admin.token')})",
         f"TOKEN=$(hkstore token issue {s} {tenant})    # in another shell: the tenant's API token",
         f"curl -s -H \"Authorization: Bearer $TOKEN\" -H 'Content-Type: application/json' -d {body} "
         f"http://127.0.0.1:8080/v1/tenants/{tenant}/infer",
