@@ -91,6 +91,12 @@ class PlotDecoder:
             self._check_room(len(s.ids) + 1)
             s.ids.append(int(t))
         h = self._step_inputs(seqs)
+        if len(seqs) > 1:  # one GEMM per PET group for all sequences (runtime.gen.batched_step)
+            from runtime.gen.batched_step import upper_step
+
+            for s, logits in zip(seqs, upper_step(self.decoder, seqs, h)):
+                s.logits = logits
+            return
         for b, s in enumerate(seqs):
             out = self.decoder.upper(h[b][None, None], pet=s.pet, kv_cache=s.cache)
             s.logits = self.decoder.logits(out[0, -1])

@@ -296,4 +296,8 @@ def _check_meta(meta: dict, encoder: Encoder) -> None:
 
 def _shape(c, target: str) -> tuple[int, int]:
     """(d_out, d_in) of a target projection."""
+    if hasattr(c, "kv_heads"):  # a decoder (runtime.model.decoder_config): grouped K/V heads, head_dim
+        attn = c.heads * c.head_dim
+        return {"q": (attn, c.d), "k": (c.kv_heads * c.head_dim, c.d), "v": (c.kv_heads * c.head_dim, c.d),
+                "o": (c.d, attn), "ffn_in": (c.ffn, c.d), "ffn_out": (c.d, c.ffn)}[target]
     return {"ffn_in": (c.ffn, c.d), "ffn_out": (c.d, c.ffn)}.get(target, (c.d, c.d))

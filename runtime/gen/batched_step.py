@@ -1,0 +1,88 @@
+"""One decode step of the upper layers for many sequences at once (CPU reference of the batched
+decode path): the projections run as one GEMM per group of sequences sharing a PET (all
+base-model rows together; SGMV-like grouping, nothing merged into the base weights), attention
+runs per sequence against its own KV cache (caches have different lengths).
+
+    logits = upper_step(decoder, seqs, h)     # h (B, d): each sequence's newest token's input
+
+Equal to running runtime.model.decoder.Decoder.upper on each sequence alone with its cache and
+PET (tests/test_batcher.py checks the generated text), with one weight read per group instead
+of one per sequence.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from runtime.model import pet as petlib
+from runtime.model.decoder import _act, _norm, _rotate
+
+
+def _groups(seqs) -> list[tuple[object, torch.Tensor]]:
+    """(pet, row indices) per distinct PET (None: the base model), in first-seen order."""
+    rows: dict[int, list[int]] = {}
+    pets: dict[int, object] = {}
+    for b, s in enumerate(seqs):
+        rows.setdefault(id(s.pet), []).append(b)
+        pets[id(s.pet)] = s.pet
+    return [(pets[k], torch.tensor(v)) for k, v in rows.items()]
+
+
+def _grouped(groups, out_dim: int, x: torch.Tensor, fn) -> torch.Tensor:
+    """fn(pet, x[rows]) for every group, scattered back into (B, out_dim)."""
+    if len(groups) == 1:
+        return fn(groups[0][0], x)
+    y = x.new_empty(x.shape[0], out_dim)
+    for pet, rows in groups:
+        y[rows] = fn(pet, x[rows])
+    return y
+
+
+@torch.no_grad()
+def upper_step(decoder, seqs, h: torch.Tensor) -> torch.Tensor:
+    """Run the upper layers on one new position per sequence (h (B, d)), appending to each
+    sequence's cache; returns the next-token logits (B, vocab)."""
+    c = decoder.config
+    B = h.shape[0]
+    groups = _groups(seqs)
+    positions = torch.stack([s.cache.positions.reshape(()) for s in seqs])  # (B,)
+    hd, H, KV = c.head_dim, c.heads, c.kv_heads
+    for i in range(decoder.lower_layers, c.num_layers):
+        blk = decoder.layers[i]
+
+        def norm(name, x, blk=blk, i=i):
+            return _grouped(groups, c.d, x, lambda pet, xs: _norm(pet, i, name, xs, getattr(blk, name)))
+
+        def lin(target, x, out_dim, blk=blk, i=i):
+            return _grouped(groups, out_dim, x, lambda pet, xs: petlib.linear(pet, i, target, xs, getattr(blk, target)))
+
+        x = norm("ln_attn", h)
+        q = lin("q", x, H * hd).view(B, H, 1, hd)
+        k = lin("k", x, KV * hd).view(B, KV, 1, hd)
+        v = lin("v", x, KV * hd).view(B, KV, 1, hd)
+        if c.rotary:
+            q, k = _rotate(q, positions[:, None], c.rope_theta), _rotate(k, positions[:, None], c.rope_theta)
+        ctx = h.new_empty(B, H * hd)
+        for b, s in enumerate(seqs):
+            kb, vb = torch.cat([s.cache.k[i], k[b:b + 1]], 2), torch.cat([s.cache.v[i], v[b:b + 1]], 2)
+            s.cache.k[i], s.cache.v[i] = kb, vb
+            if KV != H:
+                kb, vb = kb.repeat_interleave(H // KV, 1), vb.repeat_interleave(H // KV, 1)
+            scores = q[b:b + 1] @ kb.transpose(-2, -1) / math.sqrt(hd)
+            real = torch.cat([s.cache.mask, s.cache.mask.new_ones(1, 1)], 1)  # (1, S): the new token is real
+            scores = scores.masked_fill(~real[:, None, None, :], torch.finfo(scores.dtype).min)
+            ctx[b] = (scores.softmax(-1) @ vb).reshape(H * hd)
+        h = h + lin("o", ctx, c.d)
+        x = norm("ln_ffn", h)
+        if c.gated:
+            f = _act(c.act, F.linear(x, blk.ffn_gate.weight, blk.ffn_gate.bias)) * lin("ffn_in", x, c.ffn)
+        else:
+            f = _act(c.act, lin("ffn_in", x, c.ffn))
+        h = h + lin("ffn_out", f, c.d)
+    for s in seqs:
+        s.cache.mask = torch.cat([s.cache.mask, s.cache.mask.new_ones(1, 1)], 1)
+        s.cache.positions = s.cache.positions + 1
+    return decoder.logits(h)
