@@ -32,7 +32,7 @@ def sweep(store_path, version, train_path, test_path, task, *, pet_type="adapter
 
     with hkstore.open(store_path) as st:
         encoder = base_encoder(st)  # the store's model, checked against its tokenizer
-        t = Task(task, {"kind": task, "train": train_path, "test": test_path}, encoder, max_len)
+        t = Task(task, {"kind": task, "train": train_path, "eval": test_path}, encoder, max_len)
         train_x = retrieve_list(st.snapshot(), version, t.train_ids)
         test_x = retrieve_list(st.snapshot(), version, t.test_ids)
     rows = []
