@@ -297,7 +297,8 @@ def router_config(router, max_models=DEFAULT_MAX_MODELS):
 
 
 def application(store, admin_token, *, replicas=2, router="multiplex", max_models=DEFAULT_MAX_MODELS,
-                autoscale=None, replica_cpus=1.0, max_ongoing=None, max_queued=-1, retries=2, **options):
+                autoscale=None, replica_cpus=1.0, max_ongoing=None, max_queued=-1, retries=2, ingress_replicas=1,
+                **options):
     """The Ray Serve application (bind it with serve.run). autoscale: (min, max) replicas,
     scaled on ongoing requests per replica (Ray's queue-length autoscaling, target max_batch)."""
     serve = _serve()
@@ -330,7 +331,8 @@ def application(store, admin_token, *, replicas=2, router="multiplex", max_model
     manager = serve.deployment(Manager).options(name="Manager", num_replicas=1,
                                                 ray_actor_options={"num_cpus": 0}, logging_config=quiet,
                                                 graceful_shutdown_timeout_s=15).bind(store, admin_token, options)
-    ingress = serve.deployment(Ingress).options(name="Ingress", num_replicas=1, max_ongoing_requests=100_000,
+    ingress = serve.deployment(Ingress).options(name="Ingress", num_replicas=int(ingress_replicas),
+                                                max_ongoing_requests=100_000,
                                                 ray_actor_options={"num_cpus": 0}, logging_config=quiet)
     return ingress.bind(workers, manager, float(options.get("request_timeout_s", 30.0)), int(retries))
 
@@ -353,13 +355,14 @@ def _admin_token(store, token_file=None):
 def build_app(args: dict):
     """`serve run runtime.serve.ray_app:build_app store=PATH [replicas=N] [router=punica]
     [max_models=4096] [autoscale=MIN:MAX] [admin_token_file=F] [max_batch=32] [max_wait_ms=5]
-    [queue_limit=1024] [request_timeout_s=30] [max_len=128] [device=auto] [replica_cpus=1]`"""
+    [queue_limit=1024] [request_timeout_s=30] [max_len=128] [device=auto] [replica_cpus=1]
+    [ingress_replicas=1]`"""
     args = dict(args)
     store = args.pop("store")
     token = _admin_token(store, args.pop("admin_token_file", None))
     kw = {}
     for key in ("replicas", "max_models", "max_batch", "queue_limit", "max_len", "torch_threads", "max_ongoing",
-                "max_queued", "retries"):
+                "max_queued", "retries", "ingress_replicas"):
         if key in args:
             kw[key] = int(args.pop(key))
     for key in ("max_wait_ms", "request_timeout_s", "replica_cpus"):
