@@ -371,7 +371,12 @@ def _softmax(x: np.ndarray) -> np.ndarray:
 
 def open(store_path, device: str = "auto", **options) -> Runtime:  # noqa: A001 - the package's verb
     """A Runtime serving the store at store_path; options as Runtime's (max_len, max_batch,
-    pet_cache_bytes, pipeline, prefetch, hot_tier_rows, host_cache_bytes, dtype, lora_kernel)."""
+    pet_cache_bytes, pipeline, prefetch, hot_tier_rows, host_cache_bytes, dtype, lora_kernel).
+    A decoder store opens as a runtime.gen.api.DecoderRuntime (generate / stream)."""
+    from runtime.gen.api import DecoderRuntime, is_decoder_store_path
+
+    if is_decoder_store_path(store_path):
+        return DecoderRuntime(store_path, device, **options)
     return Runtime(store_path, device, **options)
 
 

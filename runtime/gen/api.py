@@ -1,0 +1,135 @@
+"""Serving code's entry to a decoder store: what runtime.open returns for one.
+
+    rt = runtime.open("decoder-store")                     # a DecoderRuntime
+    rt.generate([{"tenant": "acme", "prompt": "the history of", "max_tokens": 32, "temperature": 0.8,
+                  "seed": 1}, {"prompt": "a base-model request"}])      # one result dict per request
+    for event in rt.stream(requests): ...                 # {"index", "token", "text", "finished", ...}
+
+Every request of a call runs in one continuous batch (runtime.gen.batcher), each with its own
+tenant's PET (loaded once and kept); fields besides tenant and prompt are
+runtime.gen.sampling.SamplingParams'. A bad request (unknown tenant, an encoder tenant, bad
+sampling values, a prompt or max_tokens beyond the context) raises before anything runs.
+"""
+
+from __future__ import annotations
+
+from runtime.gen.sampling import SamplingParams
+
+FIELDS = ("temperature", "top_k", "top_p", "seed", "max_tokens", "stop", "logprobs")
+DEFAULT_KV_BUDGET = 256 << 20
+
+
+def is_decoder_store_path(path) -> bool:
+    import hkstore
+    from runtime.plot.causal import is_decoder_store
+
+    try:
+        with hkstore.open(path) as st:
+            return is_decoder_store(st.meta)
+    except Exception:  # noqa: BLE001  (not a store: the encoder Runtime reports why)
+        return False
+
+
+class DecoderRuntime:
+    def __init__(self, store_path, device: str = "auto", *, kv_budget_bytes: int = DEFAULT_KV_BUDGET,
+                 max_running: int = 64, decoder=None, **_ignored):
+        import hkstore
+        from runtime.build.decoder_store import base_decoder
+
+        if device == "cuda":
+            raise ValueError("the decoder path runs on the CPU executor only so far (device='cpu' or 'auto')")
+        self.device = "cpu"
+        self.store = hkstore.open(store_path)
+        try:
+            self.decoder = decoder if decoder is not None else base_decoder(self.store)
+        except BaseException:
+            self.store.close()
+            raise
+        self.kv_budget_bytes, self.max_running = kv_budget_bytes, max_running
+        self._pets: dict[str, object] = {}
+
+    def close(self):
+        self.store.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def tenants(self) -> list[str]:
+        return sorted(t for t in self.store.snapshot().pets)
+
+    def infer(self, requests):
+        from runtime import BadRequest
+
+        raise BadRequest("this is a decoder store: it generates text (generate / stream), it does not classify")
+
+    def _parse(self, snap, request):
+        from hkstore.errors import UnknownTenant
+        from runtime import BadRequest
+        from runtime.build.decoder_tenant import load_lm_pet
+
+        if not isinstance(request, dict) or not isinstance(request.get("prompt"), str):
+            raise BadRequest("each request is an object with a string 'prompt'")
+        unknown = set(request) - {"tenant", "prompt", *FIELDS}
+        if unknown:
+            raise BadRequest(f"unknown request fields: {', '.join(sorted(unknown))}")
+        tenant, pet, version = request.get("tenant"), None, snap.version_names[0]
+        if tenant is not None:
+            if tenant not in snap.pets:
+                raise UnknownTenant(f"unknown tenant {tenant!r}")
+            meta = snap.read_pet(tenant).meta
+            if meta.get("task") != "lm":
+                raise BadRequest(f"tenant {tenant!r} is a {meta.get('task')} tenant: it classifies, it does not generate")
+            if tenant not in self._pets:
+                self._pets[tenant] = load_lm_pet(self.store, tenant, self.decoder)
+            pet, version = self._pets[tenant], meta.get("version", version)
+        try:
+            params = SamplingParams(**{k: request[k] for k in FIELDS if k in request}).check()
+        except (TypeError, ValueError) as e:
+            raise BadRequest(str(e)) from None
+        prompt = self.decoder.tokenize([request["prompt"]], max_len=1 << 30)[0]
+        c = self.decoder.config
+        if not c.rotary and len(prompt) + params.max_tokens > c.max_len:
+            raise BadRequest(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceed the model's "
+                             f"context of {c.max_len}")
+        return version, prompt, params, pet
+
+    def stream(self, requests):
+        """Events as tokens are made: {"index", "token", "text" (the completion so far),
+        "finished", "finish_reason"}; the last event of each request has finished True."""
+        from runtime.gen.batcher import Batcher
+        from runtime.gen.plot_decode import PlotDecoder
+
+        snap = self.store.snapshot()
+        parsed = [self._parse(snap, r) for r in requests]
+        by_version = {}
+        for i, (version, prompt, params, pet) in enumerate(parsed):
+            by_version.setdefault(version, []).append((i, prompt, params, pet))
+        for version, items in by_version.items():  # one batch per PLOT version
+            batcher = Batcher(PlotDecoder(snap, version, self.decoder), self.kv_budget_bytes, self.max_running)
+            index = {batcher.submit(prompt, params, pet): i for i, prompt, params, pet in items}
+            while batcher.busy:
+                for e in batcher.step():
+                    yield {"index": index[e.id], "token": e.token, "text": e.text, "finished": e.finished,
+                           "finish_reason": e.finish_reason}
+
+    def generate(self, requests) -> list[dict]:
+        """One result per request, in order: ids, text, finish_reason, logprobs, usage."""
+        from runtime.gen.batcher import Batcher
+        from runtime.gen.plot_decode import PlotDecoder
+
+        snap = self.store.snapshot()
+        parsed = [self._parse(snap, r) for r in requests]
+        results: list[dict | None] = [None] * len(parsed)
+        by_version = {}
+        for i, item in enumerate(parsed):
+            by_version.setdefault(item[0], []).append((i, *item[1:]))
+        for version, items in by_version.items():
+            batcher = Batcher(PlotDecoder(snap, version, self.decoder), self.kv_budget_bytes, self.max_running)
+            index = {batcher.submit(prompt, params, pet): i for i, prompt, params, pet in items}
+            batcher.run()
+            for rid, i in index.items():
+                results[i] = batcher.result(rid)
+        return results

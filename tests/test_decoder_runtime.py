@@ -1,0 +1,58 @@
+"""runtime.open on a decoder store: generate / stream with per-request tenants; bad requests."""
+
+import pytest
+import torch
+
+import runtime
+from hkstore.errors import UnknownTenant
+from runtime.build.decoder_store import build_decoder
+from runtime.build.decoder_tenant import lm_tenant_create
+from runtime.model.tiny_decoder import make_tiny_decoder
+
+TEXTS = ["the cat sat on the mat .", "a dog ran in the park and the cat ran too .",
+         "storage engines keep tables of vectors , versions and packs ."]
+TENANT_TEXT = ["the cat sat on the mat and the dog sat on the mat ."] * 4
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    tmp = tmp_path_factory.mktemp("rt")
+    model = make_tiny_decoder(tmp / "m", TEXTS + TENANT_TEXT, d=32, layers=4, max_len=48, scale=1.0)
+    (tmp / "c.txt").write_text("\n".join(TEXTS + TENANT_TEXT))
+    build_decoder(tmp / "s", model_path=model, corpus_paths=[tmp / "c.txt"], n=3, lower_layers=2, progress=False)
+    (tmp / "acme.txt").write_text("\n".join(TENANT_TEXT))
+    lm_tenant_create(tmp / "s", "acme", train_path=tmp / "acme.txt", epochs=25, batch_size=4, lr=1e-2, progress=False)
+    yield str(tmp / "s")
+    torch.set_num_threads(threads)
+
+
+def test_generate_and_stream_mixed_tenants(store):
+    with runtime.open(store) as rt:
+        assert rt.tenants() == ["acme"]
+        reqs = [{"tenant": "acme", "prompt": "the cat sat on", "max_tokens": 4},
+                {"prompt": "the cat sat on", "max_tokens": 4},
+                {"tenant": "acme", "prompt": "a dog", "max_tokens": 6, "temperature": 0.9, "seed": 3}]
+        out = rt.generate(reqs)
+        assert out[0]["text"] == "the mat and the" and out[1]["ids"] != out[0]["ids"]
+        assert [o["prompt_tokens"] for o in out] == [5, 5, 3]
+        last = {}
+        for e in rt.stream(reqs):
+            last[e["index"]] = e
+        assert all(last[i]["finished"] and last[i]["text"] == out[i]["text"] for i in range(3))
+
+
+@pytest.mark.parametrize("request_, error, message", [
+    ({"tenant": "nobody", "prompt": "x"}, UnknownTenant, "unknown tenant"),
+    ({"prompt": "x", "temperature": -1}, runtime.BadRequest, "temperature"),
+    ({"prompt": "x", "max_tokens": 1000}, runtime.BadRequest, "context"),
+    ({"prompt": "x", "colour": "red"}, runtime.BadRequest, "unknown request fields"),
+    ({"text": "x"}, runtime.BadRequest, "prompt"),
+])
+def test_bad_requests_are_refused_before_anything_runs(store, request_, error, message):
+    with runtime.open(store) as rt:
+        with pytest.raises(error, match=message):
+            rt.generate([{"prompt": "the cat", "max_tokens": 2}, request_])
+        with pytest.raises(runtime.BadRequest, match="decoder store"):
+            rt.infer([{"tenant": "acme", "text": "x"}])
