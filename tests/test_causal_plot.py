@@ -172,3 +172,39 @@ def test_other_layouts_and_a_checkpoint_without_pad_token(arch, tmp_path):
         for b, v in enumerate(windowed_lower(dec, seqs, 3)):
             assert _close(inputs[b, :len(v)], v)
             assert served.order[b, :len(v)].tolist() == [min(i + 1, 3) for i in range(len(v))]
+
+
+def test_a_domain_branch_compaction_and_diff_on_a_decoder_store(model, tmp_path):
+    """The version tree works for decoder stores as for encoder ones: a branch (alpha rule) of
+    a domain corpus, valued by a decoder with changed lower layers, serves its own windows and
+    backs off through the root; compaction keeps every answer; diff sees the changed keys."""
+    from hkstore.diff import diff_versions
+    from runtime.build.plot import build_branch
+    from runtime.plot.causal import KeyValuer
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n".join(TEXTS))
+    build_decoder(tmp_path / "s", model_path=model, corpus_paths=[corpus], n=3, lower_layers=2, position=False,
+                  progress=False)
+    dec = load_decoder(model, lower_layers=2)
+    domain = load_decoder(model, lower_layers=2)
+    with torch.no_grad():
+        domain.layers[0].ffn_out.bias.add_(0.5)  # "domain-tuned" lower layers
+    domain_seqs = dec.tokenize(TEXTS[2:])
+    with hkstore.open(tmp_path / "s", writable=True) as st:
+        out = build_branch(st, "storage", "root", KeyValuer(domain), domain_seqs, alpha=100)
+        assert out["ngrams_kept"] > 0
+        snap = st.snapshot()
+        seqs = dec.tokenize(TEXTS)
+        inputs, mask, served = retrieve(snap, "storage", seqs)
+        own = windowed_lower(domain, domain_seqs, 3)
+        assert _close(inputs[2, :len(own[0])], own[0])  # the branch's own windows
+        root_inputs, _, _ = retrieve(snap, "root", seqs)
+        names = served.version_names
+        assert {names[v] for v in served.version[0, :len(seqs[0])]} >= {"root"}  # "the cat sat ..." backs off to root
+        assert not _close(inputs[2, :len(own[0])], root_inputs[2, :len(own[0])])
+        changed = diff_versions(snap, "root", snap, "storage")
+        assert changed
+        hkstore.compact(st, "storage")
+        again, _, _ = retrieve(st.snapshot(), "storage", seqs)
+        assert torch.equal(again, inputs)
