@@ -137,6 +137,8 @@ def compiler_missing_reason() -> str | None:
         return f"no C++ compiler ({os.environ.get('CXX') or 'g++'}) found: the CUDA emulation needs g++ >= 12"
     if not _probe_float16(cxx):
         return f"{cxx} has no _Float16 (g++ >= 12 needed)"
+    if shutil.which("nm") is None:
+        return "nm (binutils) not found: needed to locate the kernels' __shared__ variables"
     if sanitize_enabled() and not _asan_loaded():
         return ("HKSTORE_EMU_SANITIZE=1 needs libasan loaded first: "
                 'LD_PRELOAD="$(g++ -print-file-name=libasan.so)" ASAN_OPTIONS=detect_leaks=0 python -m pytest ...')
@@ -165,8 +167,18 @@ def _asan_loaded() -> bool:
 
 
 def cache_dir() -> Path:
+    """$HKSTORE_EMU_CACHE, else ~/.cache/hkstore/emu, else (no usable home) a per-user temp dir."""
     root = os.environ.get("HKSTORE_EMU_CACHE")
-    return Path(root) if root else Path.home() / ".cache" / "hkstore" / "emu"
+    if root:
+        return Path(root)
+    try:
+        home = Path.home() / ".cache" / "hkstore" / "emu"
+        home.mkdir(parents=True, exist_ok=True)
+        if os.access(home, os.W_OK):
+            return home
+    except (OSError, RuntimeError):
+        pass
+    return Path(tempfile.gettempdir()) / f"hkstore-emu-{os.getuid()}"
 
 
 @contextlib.contextmanager
