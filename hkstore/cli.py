@@ -484,6 +484,17 @@ def pack_import(store, directory, tenant, version, labels, as_json):
     try:
         meta = st.meta
         st.snapshot().version_index(version)
+        if meta.get("architecture") == "decoder":  # a causal-LM adapter: an lm tenant (hkstore/peft_decoder.py)
+            from hkstore.peft_decoder import load_peft_causal_lm
+
+            pet_meta, tensors = load_peft_causal_lm(directory, lower_layers=meta["lower_layers"],
+                                                    num_layers=meta.get("num_layers") or 0)
+            pet_meta.update(tenant=tenant, source_base_model=pet_meta.get("base_model"),
+                            base_model=meta["base_model"], version=version, created=time.time())
+            st.put_pet(hkstore.PetRecord(tenant, pet_meta, tensors))
+            return emit(pet_meta, as_json, lambda m: click.echo(
+                f"imported {tenant}: LoRA rank {m['rank']} on {', '.join(m['targets'])}, layers {m['layers']}, "
+                f"a decoder (lm) tenant, version {version}"))
         pet_meta, tensors = load_peft_lora(directory, lower_layers=meta["lower_layers"],
                                            num_layers=meta.get("num_layers") or 0)
         if "head.weight" not in tensors:
