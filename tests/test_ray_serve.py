@@ -177,6 +177,17 @@ def test_many_tenants_are_routed_to_the_replica_holding_their_pet(cluster):
     assert 'hkstore_ray_pet_routing_total{pet="warm"}' in m and "hkstore_ray_replica_requests_total" in m, m
     assert "hkstore_queue_depth" in m, m  # the Manager's app metrics follow the ingress's
 
+    def workers_metrics():  # every worker pushes its metrics to the Manager every 2 s
+        m = c.get("/metrics", headers=auth()).text
+        texts = {}
+        for line in m.splitlines():
+            if line.startswith("hkstore_infer_texts_total{"):
+                texts[line.split('replica="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+        return texts if set(first.values()) <= set(texts) and sum(texts.values()) >= 4 * len(TENANTS) else None
+
+    texts = wait_until(workers_metrics, "both workers' metrics in /metrics", timeout=20.0, every=0.5)
+    assert sum(v for r, v in texts.items() if r != "manager") == 4 * len(TENANTS), texts
+
 
 def test_same_api_errors_and_bounds(cluster):
     c = cluster["client"]

@@ -18,7 +18,9 @@ Three deployments make the application ``hkstore``:
   that already holds the tenant's PET, and any replica when none does or those are full. Reads
   that fail because a replica died are retried on another (infer has no side effect). Ray's
   backpressure (``max_queued_requests``) answers 429, like the single server's queue bound.
-- ``Manager`` (one replica): the same app with manage jobs on. It alone holds STORE/jobs/LOCK
+- ``Manager`` (one replica): the same app with manage jobs on; its ``/metrics`` (what the
+  Ingress's ``/metrics`` appends to its routing metrics) merges every worker's, which each pushes
+  every 2 s, labelled ``replica="..."`` (the Manager's own ``replica="manager"``). It alone holds STORE/jobs/LOCK
   and runs jobs, so a job runs once across the cluster and only one place writes; a Manager
   replica that dies is restarted by Ray and resumes its jobs from STORE/jobs (runtime/serve/jobs.py).
 
@@ -52,6 +54,34 @@ TENANT_PATH = re.compile(r"^/v1/tenants/([^/]+)$")
 ROUTERS = ("multiplex", "punica", "round_robin")
 HOP_HEADERS = {b"content-length", b"transfer-encoding", b"connection", b"keep-alive"}
 DEFAULT_MAX_MODELS = 4096
+METRICS_PUSH_S = 2.0  # a worker sends its metrics to the Manager this often
+METRICS_STALE_S = 30.0  # and they count until this old (a dead replica's fade out)
+
+
+def merge_metrics(texts) -> bytes:
+    """Prometheus texts of several replicas, [(replica, bytes)], as one exposition: every sample
+    gains a replica="..." label, samples of one family under one HELP/TYPE."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.core import Metric
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = {}
+    for replica, text in texts:
+        for fam in text_string_to_metric_families(text.decode() if isinstance(text, bytes) else text):
+            merged = families.get(fam.name)
+            if merged is None:
+                merged = families[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+            for smp in fam.samples:
+                merged.add_sample(smp.name, {**smp.labels, "replica": replica}, smp.value, smp.timestamp,
+                                  smp.exemplar)
+
+    class _Merged:
+        def collect(self):
+            return list(families.values())
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Merged())
+    return generate_latest(registry)
 
 
 def _serve():
@@ -100,6 +130,9 @@ class _AppReplica:
         return status, out_headers, out_body
 
     async def __del__(self):
+        task = getattr(self, "_push_task", None)
+        if task is not None:
+            task.cancel()
         lifespan = getattr(self, "lifespan", None)
         if lifespan is not None:
             await lifespan.shutdown()
@@ -108,8 +141,10 @@ class _AppReplica:
 class TenantWorker(_AppReplica):
     """A worker replica: every tenant, infer and reads; its held PETs are Ray multiplexed models."""
 
-    async def __init__(self, store, admin_token, options, max_models=DEFAULT_MAX_MODELS):
+    async def __init__(self, store, admin_token, options, max_models=DEFAULT_MAX_MODELS, manager=None):
         await self._open(store, admin_token, options)
+        self.manager = manager
+        self._push_task = asyncio.get_running_loop().create_task(self._push_metrics()) if manager else None
         self.held = set()
         held, rt = self.held, self.service.rt
 
@@ -135,6 +170,19 @@ class TenantWorker(_AppReplica):
     def held_tenants(self):
         return sorted(self.held)
 
+    async def _push_metrics(self):
+        """This replica's /metrics text to the Manager every METRICS_PUSH_S, which merges every
+        replica's into the cluster's /metrics (labelled replica=...)."""
+        from prometheus_client import generate_latest
+
+        while True:
+            await asyncio.sleep(METRICS_PUSH_S)
+            try:
+                text = await asyncio.to_thread(generate_latest, self.service.metrics.registry)
+                await self.manager.options(method_name="put_metrics").remote(self.replica, text)
+            except Exception:  # noqa: BLE001 - metrics are best effort; serving goes on
+                log.debug("pushing metrics failed", exc_info=True)
+
 
 class Manager(_AppReplica):
     """The one replica that runs manage jobs (and answers their reads)."""
@@ -143,9 +191,19 @@ class Manager(_AppReplica):
 
     async def __init__(self, store, admin_token, options):
         await self._open(store, admin_token, options)
+        self.worker_metrics = {}  # replica -> (monotonic time, Prometheus text)
+
+    def put_metrics(self, replica, text):
+        self.worker_metrics[replica] = (time.monotonic(), text)
 
     async def handle(self, method, path, query, headers, body):
-        return await self._call(method, path, query, headers, body)
+        status, out_headers, out_body = await self._call(method, path, query, headers, body)
+        if path == "/metrics" and status == 200:
+            now = time.monotonic()
+            texts = [("manager", out_body)]
+            texts += [(r, t) for r, (at, t) in sorted(self.worker_metrics.items()) if now - at < METRICS_STALE_S]
+            out_body = await asyncio.to_thread(merge_metrics, texts)
+        return status, out_headers, out_body
 
 
 class Ingress:
@@ -327,10 +385,11 @@ def application(store, admin_token, *, replicas=2, router="multiplex", max_model
     config = router_config(router, max_models)
     if config is not None:
         worker_opts["request_router_config"] = config
-    workers = serve.deployment(TenantWorker).options(**worker_opts).bind(store, admin_token, options, int(max_models))
     manager = serve.deployment(Manager).options(name="Manager", num_replicas=1,
                                                 ray_actor_options={"num_cpus": 0}, logging_config=quiet,
                                                 graceful_shutdown_timeout_s=15).bind(store, admin_token, options)
+    workers = serve.deployment(TenantWorker).options(**worker_opts).bind(store, admin_token, options, int(max_models),
+                                                                         manager)
     ingress = serve.deployment(Ingress).options(name="Ingress", num_replicas=int(ingress_replicas),
                                                 max_ongoing_requests=100_000,
                                                 ray_actor_options={"num_cpus": 0}, logging_config=quiet)
