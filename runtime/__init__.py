@@ -297,6 +297,12 @@ class Runtime:
         outputs = self.scheduler.run(items)
         return [self._result(p, item, out) for p, item, out in zip(parsed, items, outputs)]
 
+    def generate(self, requests):
+        """Encoder stores do not generate text: a BadRequest (decoder stores: runtime.gen.api)."""
+        raise BadRequest("this is an encoder store: it classifies and tags (infer), it does not generate text")
+
+    stream = generate
+
     def embed(self, texts, tenant=None, *, truncate=None, normalize=True):
         """Sentence embeddings of texts: (vectors (n, d) float32, token counts). The last hidden
         state, mean-pooled over each text's tokens (as all-MiniLM-L6-v2 is used) and

@@ -56,3 +56,16 @@ def test_bad_requests_are_refused_before_anything_runs(store, request_, error, m
             rt.generate([{"prompt": "the cat", "max_tokens": 2}, request_])
         with pytest.raises(runtime.BadRequest, match="decoder store"):
             rt.infer([{"tenant": "acme", "text": "x"}])
+
+
+def test_an_encoder_store_refuses_to_generate(tmp_path):
+    from runtime.build.manager import build
+    from runtime.model.tiny import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "m", TEXTS, d=16, layers=2)
+    (tmp_path / "c.txt").write_text("\n".join(TEXTS))
+    build(tmp_path / "s", model_path=model, corpus_paths=[tmp_path / "c.txt"], lower_layers=1, progress=False)
+    with runtime.open(tmp_path / "s") as rt:
+        assert not hasattr(rt, "decoder")
+        with pytest.raises(runtime.BadRequest, match="encoder store"):
+            rt.generate([{"prompt": "the cat"}])
