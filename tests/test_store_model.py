@@ -53,6 +53,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.store.add_segment("root", uni, values)
         self.names = ["root"]
         self.parent = {"root": None}
+        self.sealed = set()
         self.ref = {"root": {tuple(k): v for k, v in zip(uni.tolist(), values)}}
 
     def teardown(self):
@@ -81,9 +82,13 @@ class StoreMachine(RuleBasedStateMachine):
             version = self.parent[version]
         return None, None
 
+    def writable(self):
+        return [n for n in self.names[::-1] if n not in self.sealed]
+
+    @precondition(lambda self: self.writable())
     @rule(data=st.data(), count=st.integers(1, 12), copy_parent=st.booleans())
     def put(self, data, count, copy_parent):
-        version = data.draw(st.sampled_from(self.names[::-1]))
+        version = data.draw(st.sampled_from(self.writable()))
         keys = self.random_keys(count)
         values = self.rng.standard_normal((len(keys), self.n, D)).astype(np.float16)
         if copy_parent and self.parent[version] is not None:
@@ -105,15 +110,33 @@ class StoreMachine(RuleBasedStateMachine):
         self.parent[name] = parent
         self.ref[name] = {}
 
-    @precondition(lambda self: len(self.names) > 1)
+    @precondition(lambda self: [n for n in self.writable() if n != "root"])
     @rule(data=st.data(), count=st.integers(1, 6))
     def delete(self, data, count):
-        version = data.draw(st.sampled_from(self.names[:0:-1]))
+        version = data.draw(st.sampled_from([n for n in self.writable() if n != "root"]))
         own = list(self.ref[version])
         keys = [own[i] for i in self.rng.permutation(len(own))[:count]] + [tuple(k) for k in self.random_keys(2).tolist()]
         self.store.delete(version, np.array(keys, dtype=np.uint32))
         for k in keys:
             self.ref[version][k] = None
+
+    @rule(data=st.data())
+    def seal(self, data):
+        version = data.draw(st.sampled_from(self.names[::-1]))
+        self.store.seal(version)
+        self.sealed.add(version)
+        with pytest.raises(hkstore.StoreError, match="sealed"):
+            self.store.add_segment(version, self.random_keys(1), np.zeros((1, self.n, D)))
+
+    def sealed_up_to(self, version, served):
+        """Every version from `version` up to `served` is sealed: the answer cannot change."""
+        while version is not None:
+            if version not in self.sealed:
+                return False
+            if version == served:
+                return True
+            version = self.parent[version]
+        return False
 
     @rule(data=st.data())
     def compact(self, data):
@@ -124,8 +147,10 @@ class StoreMachine(RuleBasedStateMachine):
             if own[k] is None:
                 del own[k]
             elif self.parent[version] is not None:
-                _, v = self.resolve_exact(self.parent[version], k)
-                if v is not None and np.array_equal(v, own[k]):
+                # Parent-equal entries go only where the parent's answer can no longer change
+                # (FORMAT.md section 2, Compaction); otherwise the branch keeps what it held.
+                served, v = self.resolve_exact(self.parent[version], k)
+                if v is not None and np.array_equal(v, own[k]) and self.sealed_up_to(self.parent[version], served):
                     del own[k]
 
     def check(self, version, windows):
