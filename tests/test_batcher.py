@@ -139,3 +139,17 @@ def test_batched_step_equals_single_steps_on_a_llama_layout(tmp_path):
             gen.append([s], [t])
         for a, b in zip(together, alone):
             assert (a.logits - b.logits).abs().max().item() <= 1e-4
+
+
+def test_metrics(gen):
+    b = Batcher(gen, kv_budget_bytes=1 << 30, max_running=4)
+    for p in gen.decoder.tokenize(["the cat", "a dog"]):
+        b.submit(p, SamplingParams(max_tokens=5))
+    first = b.metrics()
+    assert first["waiting"] == 2 and first["tokens"] == 0 and first["time_to_first_token_s"] == {}
+    b.run()
+    m = b.metrics()
+    made = sum(len(r.ids) for r in b.done.values())
+    assert m["tokens"] == made and m["running"] == m["waiting"] == 0 and m["kv_reserved_bytes"] == 0
+    assert len(b.ttft) == 2 and len(b.itl) == made - 2
+    assert 0 < m["time_to_first_token_s"]["p50"] and m["inter_token_latency_s"]["p99"] > 0

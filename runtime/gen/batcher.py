@@ -21,6 +21,7 @@ full, and one that could never fit is refused at submit with a one-line ValueErr
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -50,6 +51,8 @@ class _Request:
     top: list = field(default_factory=list)
     text: str = ""
     finish: str | None = None
+    submitted: float = 0.0
+    last_token: float | None = None  # when its latest token was chosen
 
 
 class Batcher:
@@ -64,6 +67,10 @@ class Batcher:
         self.running: list[_Request] = []
         self.done: dict[int, _Request] = {}
         self._ids = itertools.count()
+        self.ttft: list[float] = []  # seconds from submit to the first token, per request
+        self.itl: list[float] = []  # seconds between consecutive tokens of a request
+        self.tokens = 0
+        self.started = time.perf_counter()
 
     @property
     def busy(self) -> bool:
@@ -80,7 +87,7 @@ class Batcher:
         need = (len(prompt) + params.max_tokens) * self.bytes_per_token
         if need > self.budget:
             raise ValueError(f"the request needs {need} bytes of KV cache, more than the whole budget of {self.budget}")
-        req = _Request(next(self._ids), list(prompt), params, pet, need)
+        req = _Request(next(self._ids), list(prompt), params, pet, need, submitted=time.perf_counter())
         self.waiting.append(req)
         return req.id
 
@@ -127,6 +134,10 @@ class Batcher:
                 req.finish = "stop"
                 events.append(Event(req.id, None, req.text, True, req.finish))
                 continue
+            now = time.perf_counter()
+            (self.ttft if req.last_token is None else self.itl).append(now - (req.last_token or req.submitted))
+            req.last_token = now
+            self.tokens += 1
             req.ids.append(token)
             req.logprobs.append(logprob)
             req.top.append(top)
@@ -147,6 +158,20 @@ class Batcher:
             req.seq = None  # frees its KV cache
             self.done[req.id] = req
         return events
+
+    def metrics(self) -> dict:
+        """Running and waiting sequences, tokens made, tokens/s since the batcher began, and
+        time to first token and inter-token latency percentiles (seconds)."""
+        import numpy as np
+
+        def pct(xs):
+            return {f"p{q}": round(float(np.percentile(xs, q)), 6) for q in (50, 90, 99)} if xs else {}
+
+        elapsed = time.perf_counter() - self.started
+        return {"running": len(self.running), "waiting": len(self.waiting), "tokens": self.tokens,
+                "tokens_per_s": round(self.tokens / elapsed, 2) if elapsed > 0 else None,
+                "kv_reserved_bytes": self.reserved, "kv_budget_bytes": self.budget,
+                "time_to_first_token_s": pct(self.ttft), "inter_token_latency_s": pct(self.itl)}
 
     def run(self) -> None:
         while self.busy:
