@@ -7,7 +7,8 @@ PET types mixed round-robin (adapter b=64, LoRA r=16 on q/v, BitFit, diff 0.5%):
 stages (q/k/v, o, ffn_in, ffn_out; LayerNorm deltas are not lane operators) run either as the
 executor runs them (one lane: one batched runtime.exec.cpu_batched call per kind and target,
 torch's intra-op threads) or as runtime.exec.pet_lanes operators placed by Alg. 2 on --lanes
-threads of one torch thread each. Median of --reps interleaved rounds; prints a table.
+threads of one torch thread each; and, to separate the two effects, the one-lane calls on a
+single worker thread of one torch thread. Median of --reps interleaved rounds; prints a table.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def main(argv=None):
     base = {k: random_pet(enc, k, 7 + j) for j, k in enumerate(TYPES)}
     layer = ex.layers[0]
     pool = pet_lanes.lane_pool(args.lanes)
+    single = pet_lanes.lane_pool(1)
     rows_out, load0 = [], os.getloadavg()[0]
     for T in [int(t) for t in args.tenants.split(",")]:
         pets = [dataclasses.replace(base[TYPES[j % 4]], key=("t", j)) for j in range(T)]
@@ -81,7 +83,11 @@ def main(argv=None):
             for ln in lanes:
                 pet_lanes.run_lanes(pool, ln)
 
-        fns = {"one lane (batched calls, intra-op threads)": one_lane, f"{args.lanes} lanes (Alg. 2)": many}
+        def one_lane_1thread(one_lane=one_lane):  # the same calls on one single-threaded worker
+            single.submit(one_lane).result()
+
+        fns = {"one lane (batched calls, intra-op threads)": one_lane,
+               "one lane, 1 thread": one_lane_1thread, f"{args.lanes} lanes (Alg. 2)": many}
         for fn in fns.values():
             fn()
         seen = {k: [] for k in fns}
@@ -92,15 +98,18 @@ def main(argv=None):
                     fn()
                     seen[k].append(time.perf_counter() - t0)
         med = {k: float(np.median(v)) for k, v in seen.items()}
-        a, b = med.values()
+        a, a1, b = med.values()
         nops = sum(len(o) for o in ops)
-        rows_out.append([T, nops, f"{a * 1e3:.1f}", f"{b * 1e3:.1f}", f"{a / b:.2f}x"])
+        rows_out.append([T, nops, f"{a * 1e3:.1f}", f"{a1 * 1e3:.1f}", f"{b * 1e3:.1f}", f"{a / b:.2f}x",
+                         f"{a1 / b:.2f}x"])
         print(f"T={T}: {med}", file=sys.stderr, flush=True)
     title = (f"### PET operators of one layer: one lane vs {args.lanes} lanes (Alg. 2), one request of "
              f"{args.len} tokens per tenant, median of {args.reps}; load average {load0:.1f} -> "
              f"{os.getloadavg()[0]:.1f}\n")
     text = "\n".join([title,
-                      md_table(["tenants", "operators", "one lane ms", f"{args.lanes} lanes ms", "gain"], rows_out)])
+                      md_table(["tenants", "operators", "one lane ms", "one lane, 1 thread ms",
+                                f"{args.lanes} lanes ms", "lanes vs one lane", "lanes vs one lane, 1 thread"],
+                               rows_out)])
     print(text)
     if args.out:
         with open(args.out, "w") as f:
