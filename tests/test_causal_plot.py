@@ -208,3 +208,26 @@ def test_a_domain_branch_compaction_and_diff_on_a_decoder_store(model, tmp_path)
         hkstore.compact(st, "storage")
         again, _, _ = retrieve(st.snapshot(), "storage", seqs)
         assert torch.equal(again, inputs)
+
+
+def test_window_distillation_of_a_decoder_store(model, tmp_path):
+    """distill_steps: the lower layers learn to give, on a window alone, the full-context output;
+    the store's values come from the distilled layers (saved in the store)."""
+    from runtime.model.stored import load_lower
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n".join(TEXTS * 4))
+    out = build_decoder(tmp_path / "s", model_path=model, corpus_paths=[corpus], n=2, lower_layers=2, position=False,
+                        distill_steps=40, distill_lr=3e-3, distill_batch=4, progress=False)
+    assert out["distill"]["loss_last"] < out["distill"]["loss_first"]
+    dec = load_decoder(model, lower_layers=2)
+    seqs = dec.tokenize(TEXTS)
+    with hkstore.open(tmp_path / "s") as st:
+        entry = st.snapshot().versions[0]["info"]["lower_weights"]
+        student = load_lower(st.path, entry, dec)
+        inputs, mask, _ = retrieve(st.snapshot(), "root", seqs)
+    with torch.no_grad():
+        for b, (v, w) in enumerate(zip(windowed_lower(student, seqs, 2), windowed_lower(dec, seqs, 2))):
+            assert _close(inputs[b, :len(v)], v)
+            full = dec.lower(torch.tensor([seqs[b]]))[0]
+            assert (v - full).pow(2).mean() < (w - full).pow(2).mean()  # closer to the full context

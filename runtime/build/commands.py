@@ -81,11 +81,9 @@ def build(store, corpus_paths, model_path, n, kind, lower_layers, dtype, distill
     if model_path and is_decoder_dir(model_path):
         from runtime.build.decoder_store import build_decoder
 
-        if distill_steps:
-            raise click.ClickException("window distillation is not available for decoder stores yet")
         _run(build_decoder, store, model_path=model_path, corpus_paths=list(corpus_paths), n=n,
              lower_layers=lower_layers, dtype=dtype, max_len=max_len, chunk=chunk, corpus_format=corpus_format,
-             progress=not quiet, as_json=as_json)
+             distill_steps=distill_steps, progress=not quiet, as_json=as_json)
         return
     _run(manager.build, store, model_path=model_path, corpus_paths=list(corpus_paths), n=n, kind=kind,
          lower_layers=lower_layers, dtype=dtype, distill_steps=distill_steps, max_len=max_len, chunk=chunk,

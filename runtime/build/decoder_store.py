@@ -54,10 +54,14 @@ def tokenize_decoder_corpus(decoder, docs: list[str], max_len: int) -> list[list
 
 def build_decoder(store_path, *, model_path, corpus_paths, n: int = 3, lower_layers: int = 2, dtype: str = "fp16",
                   max_len: int | None = None, chunk: int = 50_000, batch_size: int = 2048, corpus_format=None,
-                  position: bool = True, seed: int = 0, progress: bool = True, on_chunk=None) -> dict:
+                  position: bool = True, distill_steps: int = 0, distill_lr: float = 1e-4, distill_batch: int = 16,
+                  seed: int = 0, progress: bool = True, on_chunk=None) -> dict:
     """Create the decoder store (or resume an unfinished build of it) and fill its root
     causal PLOT from the corpus; with position, fit the root's position table last (the
-    decoder's learned absolute positions are what a window's local positions lose)."""
+    decoder's learned absolute positions are what a window's local positions lose). With
+    distill_steps > 0 the lower layers are first window-distilled (runtime.build.decoder_distill)
+    and saved in STORE/models/root.safetensors; the position table's target stays the original
+    decoder's full-context output."""
     from runtime.build import plot
     from runtime.build.manager import read_corpora
     from runtime.model.decoder_config import decoder_meta
@@ -96,14 +100,31 @@ def build_decoder(store_path, *, model_path, corpus_paths, n: int = 3, lower_lay
         corpus = {"corpus": [os.path.abspath(p) for p in ([corpus_paths] if isinstance(corpus_paths, (str, os.PathLike))
                                                             else corpus_paths)],
                   "documents": len(docs), "sequences": len(seqs), "max_len": max_len, "model_type": meta["model_type"]}
-        stats = plot.build_root(store, KeyValuer(dec), seqs, chunk=chunk, batch_size=batch_size, progress=progress,
+        valuer, distill = dec, None
+        if distill_steps:
+            from runtime.model.stored import load_lower, save_lower
+
+            info = store.snapshot().versions[0]["info"]
+            previous = info.get("distill")
+            if previous and previous.get("steps") == distill_steps and info.get("lower_weights"):
+                valuer, distill = load_lower(store.path, info["lower_weights"], dec), previous
+            else:
+                from runtime.build.decoder_distill import distill_causal_windows
+                from runtime.build.train import TrainConfig
+
+                cfg = TrainConfig(lr=distill_lr, epochs=max(1, -(-distill_steps * distill_batch // len(seqs))),
+                                  max_steps=distill_steps, batch_size=distill_batch, seed=seed, progress=progress)
+                valuer, log = distill_causal_windows(dec, seqs, n, cfg)
+                distill = {"steps": len(log), "lr": distill_lr, "loss_first": log[0], "loss_last": log[-1]}
+                store.set_version_info(root, lower_weights=save_lower(store.path, root, valuer), distill=distill)
+        stats = plot.build_root(store, KeyValuer(valuer), seqs, chunk=chunk, batch_size=batch_size, progress=progress,
                                 on_chunk=on_chunk, info=corpus)
         fitted = store.snapshot().versions[0]["info"].get("position")
         if position and not store.snapshot().versions[0].get("position"):
             fitted = plot.fit_position(store, root, dec, seqs, seed=seed)
             store.set_version_info(root, position=fitted)
         return {"store": os.fspath(store_path), "version": root, "architecture": "decoder", "window": "causal",
-                "resumed": resumed, **corpus, **stats, "position": fitted,
+                "resumed": resumed, "distill": distill, **corpus, **stats, "position": fitted,
                 "seconds": round(time.perf_counter() - t0, 3)}
     finally:
         store.close()
