@@ -201,6 +201,10 @@ def test_same_api_errors_and_bounds(cluster):
     assert c.get("/v1/jobs", headers=auth("t00~wrong")).status_code == 401
     r = c.get("/v1/tenants", headers=auth())
     assert r.status_code == 200 and {t["tenant"] for t in r.json()["tenants"]} == set(TENANTS)
+    r = c.post("/v1/embeddings", json={"model": "t03", "input": ["Return the sum.", "a path"]}, headers=auth())
+    assert r.status_code == 200 and len(r.json()["data"]) == 2 and "x-hkstore-pet" in r.headers, r.text
+    r = c.get("/info")
+    assert r.status_code == 200 and r.json()["tenants"] >= len(TENANTS) and "x-hkstore-replica" in r.headers
 
 
 def test_new_tenant_reaches_every_replica(cluster):

@@ -231,16 +231,26 @@ class Ingress:
         self.m_retries = Counter("hkstore_ray_retries", "Requests retried after a replica died", registry=r)
         self.m_rejected = Counter("hkstore_ray_rejected", "Requests rejected by the ingress", ["reason"], registry=r)
 
-    def _target(self, method, path, headers):
-        """(handle, tenant or "", target name, idempotent)."""
+    def _target(self, method, path, headers, body=b""):
+        """(handle, tenant or "", target name, idempotent). Compute and reads go to the workers
+        (tenant-routed where the request names a tenant), manage to the Manager."""
         route_any = headers.get("x-hkstore-route", "").lower() == "any"
         m = INFER_PATH.match(path)
         if m and method == "POST":
             return self.workers, "" if route_any else m.group(1), "infer", True
+        if path == "/v1/embeddings" and method == "POST":
+            model = ""
+            if not route_any:
+                try:
+                    model = json.loads(body).get("model", "") or ""
+                except (ValueError, AttributeError):
+                    model = ""  # the worker's app answers the bad body
+            model = model if isinstance(model, str) and len(model) <= 64 else ""
+            return self.workers, model, "infer", True
         m = TENANT_PATH.match(path)
         if m and method == "GET":
             return self.workers, "" if route_any else m.group(1), "read", True
-        if path == "/healthz" and method == "GET":
+        if path in ("/healthz", "/info") and method == "GET":
             return self.workers, "", "health", True
         return self.manager, "", "manage", method in ("GET", "HEAD")
 
@@ -253,12 +263,12 @@ class Ingress:
         method, path = request.method, request.url.path
         if path == "/metrics" and method == "GET":
             return await self._metrics(request)
-        handle, tenant, target, idempotent = self._target(method, path, request.headers)
         length = request.headers.get("content-length")
         if length and length.isdigit() and int(length) > self.max_body:
-            self.m_requests.labels(target, "413").inc()
+            self.m_requests.labels("any", "413").inc()
             return JSONResponse({"detail": f"request body of {length} bytes exceeds {self.max_body} bytes"}, 413)
         body = await request.body()
+        handle, tenant, target, idempotent = self._target(method, path, request.headers, body)
         headers = [(k.encode(), v.encode()) for k, v in request.headers.items() if k.lower() != "x-hkstore-route"]
         args = (method, path, request.url.query.encode(), headers, body)
         opts = {"method_name": "handle"}
