@@ -7,8 +7,10 @@ that the harness fails when a kernel is wrong.
   seeded random order, and the three results must be bit-identical (a cross-block write
   conflict would show);
 * injected bugs, each a modified copy of a source built the same way: a removed
-  ``__syncthreads()``, an off-by-one bounds check (read and write), overlapping segments -
-  each must be caught (wrong result, barrier error, guard/poison check or order test);
+  ``__syncthreads()`` (in the tiled GEMM, and between warps in the block reduction), a
+  divergent barrier, a shuffle half a warp skips, an off-by-one bounds check (read and
+  write), overlapping segments - each must be caught (wrong result, barrier/shuffle error,
+  guard/poison check, or the order test: the block order also picks the thread schedule);
 * malformed inputs (segment tables, tenant ids, offsets, table rows) through every launcher:
   whatever they say, the kernels must stay in bounds (guards intact, no poison read) - and
   under ``HKSTORE_EMU_SANITIZE=1`` AddressSanitizer watches every access;
@@ -312,6 +314,18 @@ def test_injected_missing_syncthreads_is_caught(monkeypatch, which):
     x, A, starts, ids, ref = _sgmv_case()
     found = _detected(lambda: ops_gpu.sgmv_shrink(cp.asarray(x), cp.asarray(A), starts, ids), ref)
     assert found, "a kernel without its barrier passed"
+
+
+def test_injected_missing_barrier_between_warps_is_caught_by_the_order_test(monkeypatch):
+    """hk_block_sum without its last __syncthreads(): warp 0 may overwrite the shared total
+    (with the next reduction's partial) before another warp has read it.  Round robin over
+    all threads hides it; the warp-by-warp schedules of the reverse and random orders show it."""
+    _patched(monkeypatch, "fused", "    const float total = shm[0];\n    __syncthreads();", "    const float total = shm[0];\n")
+    g = np.random.default_rng(0)
+    x, res = randn(g, (4, 300), np.float32), randn(g, (4, 300), np.float32)
+    with pytest.raises(AssertionError, match="block order"):
+        in_orders(lambda: ops_gpu.residual_layernorm(cp.asarray(x), cp.asarray(res), cp.ones(300, np.float32),
+                                                     cp.zeros(300, np.float32), 1e-5), 0)
 
 
 def test_injected_divergent_barrier_is_reported(monkeypatch):

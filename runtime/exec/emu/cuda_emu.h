@@ -8,6 +8,9 @@
 //
 // Execution model (what the kernels see):
 //  * a launch runs its blocks one after another, in forward, reverse or seeded random order;
+//    the order also picks the thread schedule inside a block (round robin over all threads;
+//    warp by warp with lanes reversed; warp by warp in random warp and lane order), so that a
+//    missing barrier between warps changes the result with the order (see run_block_impl);
 //  * every CUDA thread of a block is a user-space fiber with its own stack (one makecontext
 //    per fiber, once; every switch afterwards is _setjmp/_longjmp);
 //  * threadIdx is per fiber; blockIdx, blockDim, gridDim per block / launch (uint3 / dim3,
@@ -394,8 +397,80 @@ inline unsigned long long splitmix(unsigned long long& s) {
     return z ^ (z >> 31);
 }
 
+// Run fiber f until it waits or exits.  False on an error.
+inline bool step(Fiber& f, int& alive) {
+    Runtime& r = rt();
+    resume(&f);
+    if (f.state == DONE) --alive;
+    else if (f.state != AT_BARRIER && f.state != AT_SHUFFLE) fail("internal: a thread yielded in state %d", f.state);
+    return !r.err;
+}
+
+// Warp w exchanges its shuffle values if every lane named in the mask waits at the same
+// shuffle; `done` tells whether it did.  False on an error (mismatched or incomplete shuffle).
+inline bool resolve_warp(int w, int n, bool& done) {
+    Runtime& r = rt();
+    Fiber* fb = r.fibers;
+    done = false;
+    const int base = 32 * w;
+    const int lanes = (n - base) < 32 ? (n - base) : 32;
+    int site = -1;
+    unsigned int mask = 0;
+    bool any = false, ok = true;
+    for (int l = 0; l < lanes; ++l) {
+        Fiber& f = fb[base + l];
+        if (f.state != AT_SHUFFLE) continue;
+        if (!any) {
+            any = true;
+            site = f.site;
+            mask = f.shfl_mask;
+        } else if (f.site != site || f.shfl_mask != mask) {
+            fail("warp %d of block (%u,%u,%u): lanes wait at different shuffles (lines %d and %d)", w,
+                 r.block_idx.x, r.block_idx.y, r.block_idx.z, site, f.site);
+            return false;
+        }
+    }
+    if (!any) return true;
+    for (int l = 0; l < 32 && ok; ++l)
+        if ((mask >> l & 1u) && (l >= lanes || fb[base + l].state != AT_SHUFFLE)) ok = false;
+    for (int l = 0; l < lanes && ok; ++l)
+        if (fb[base + l].state == AT_SHUFFLE && !(mask >> l & 1u)) ok = false;
+    if (!ok) {
+        // Lanes still running (READY) may yet arrive: only a lane that exited or waits at a
+        // barrier makes the shuffle impossible.
+        int missing = -1;
+        for (int l = 0; l < 32; ++l)
+            if ((mask >> l & 1u) && (l >= lanes || fb[base + l].state != AT_SHUFFLE)) { missing = l; break; }
+        if (missing >= 0 && missing < lanes && fb[base + missing].state == READY) return true;
+        fail("warp %d of block (%u,%u,%u): __shfl_xor_sync (line %d, mask 0x%08x) while lane %d %s", w,
+             r.block_idx.x, r.block_idx.y, r.block_idx.z, site, mask, missing,
+             missing < 0 ? "is not in the mask" :
+             missing >= lanes ? "does not exist" :
+             fb[base + missing].state == DONE ? "has exited" : "waits at a __syncthreads");
+        return false;
+    }
+    for (int l = 0; l < lanes; ++l) {
+        Fiber& f = fb[base + l];
+        if (f.state != AT_SHUFFLE) continue;
+        const int src = l ^ f.shfl_lane_mask;
+        // A source lane outside the warp returns the caller's own value (CUDA).
+        f.shfl_result = (src >= 0 && src < 32 && (mask >> src & 1u)) ? fb[base + src].shfl_value : f.shfl_value;
+    }
+    for (int l = 0; l < lanes; ++l)
+        if (fb[base + l].state == AT_SHUFFLE) fb[base + l].state = READY;
+    done = true;
+    return true;
+}
+
 // One block to completion.  Returns false on an error (rt().err set).
-inline bool run_block(int n) {
+// Thread schedule, from the launch's order:
+//  0 (forward): round robin over all threads in index order, each running until it waits;
+//  1 (reverse): warp by warp from warp 0, each warp running as far as it can (shuffles
+//     resolved at once) before the next starts, its lanes in reverse order;
+//  2 (random):  warp by warp as in 1, warps and lanes in a fresh random order per phase.
+// Race-free kernels give identical results under all three; a missing barrier between
+// warps shows as a difference.
+inline bool run_block_impl(int n, int order, unsigned long long& rng) {
     Runtime& r = rt();
     Fiber* fb = r.fibers;
     const dim3 bd = r.block_dim;
@@ -411,74 +486,48 @@ inline bool run_block(int n) {
     poison_shared();
     int alive = n;
     const int warps = (n + 31) / 32;
+    int worder[kMaxThreads / 32];
+    int lorder[32];
     while (alive > 0) {
-        for (int i = 0; i < n; ++i)
-            if (fb[i].state == READY) {
-                resume(&fb[i]);
-                if (fb[i].state == DONE) --alive;
-                else if (fb[i].state != AT_BARRIER && fb[i].state != AT_SHUFFLE)
-                    fail("internal: thread %d yielded in state %d", i, fb[i].state);
-                if (r.err) {
-                    r.broken = true;
-                    return false;
+        if (order == 0) {
+            bool progressed = true;
+            while (progressed && alive > 0) {
+                for (int i = 0; i < n; ++i)
+                    if (fb[i].state == READY && !step(fb[i], alive)) return false;
+                progressed = false;
+                for (int w = 0; w < warps; ++w) {
+                    bool done;
+                    if (!resolve_warp(w, n, done)) return false;
+                    progressed |= done;
                 }
             }
-        if (alive == 0) break;
-        // Every live thread now waits at a barrier or a shuffle.  Shuffles first: a warp whose
-        // named lanes all wait at the same shuffle exchanges its values.
-        bool progressed = false;
-        for (int w = 0; w < warps; ++w) {
-            const int base = 32 * w;
-            const int lanes = (n - base) < 32 ? (n - base) : 32;
-            int site = -1;
-            unsigned int mask = 0;
-            bool any = false, ok = true;
-            for (int l = 0; l < lanes; ++l) {
-                Fiber& f = fb[base + l];
-                if (f.state != AT_SHUFFLE) continue;
-                if (!any) {
-                    any = true;
-                    site = f.site;
-                    mask = f.shfl_mask;
-                } else if (f.site != site || f.shfl_mask != mask) {
-                    fail("warp %d of block (%u,%u,%u): lanes wait at different shuffles (lines %d and %d)", w,
-                         r.block_idx.x, r.block_idx.y, r.block_idx.z, site, f.site);
-                    r.broken = true;
-                    return false;
+        } else {
+            for (int k = 0; k < warps; ++k) worder[k] = k;
+            if (order == 2)
+                for (int k = warps - 1; k > 0; --k) {
+                    const int j = (int)(splitmix(rng) % (unsigned long long)(k + 1));
+                    const int t = worder[k]; worder[k] = worder[j]; worder[j] = t;
+                }
+            for (int k = 0; k < warps; ++k) {
+                const int w = worder[k];
+                const int base = 32 * w;
+                const int lanes = (n - base) < 32 ? (n - base) : 32;
+                for (bool done = true; done;) {
+                    for (int l = 0; l < lanes; ++l) lorder[l] = order == 1 ? lanes - 1 - l : l;
+                    if (order == 2)
+                        for (int l = lanes - 1; l > 0; --l) {
+                            const int j = (int)(splitmix(rng) % (unsigned long long)(l + 1));
+                            const int t = lorder[l]; lorder[l] = lorder[j]; lorder[j] = t;
+                        }
+                    for (int l = 0; l < lanes; ++l)
+                        if (fb[base + lorder[l]].state == READY && !step(fb[base + lorder[l]], alive)) return false;
+                    if (!resolve_warp(w, n, done)) return false;
                 }
             }
-            if (!any) continue;
-            for (int l = 0; l < 32 && ok; ++l) {
-                if (!(mask >> l & 1u)) continue;
-                if (l >= lanes || fb[base + l].state != AT_SHUFFLE) ok = false;
-            }
-            for (int l = 0; l < lanes && ok; ++l)
-                if (fb[base + l].state == AT_SHUFFLE && !(mask >> l & 1u)) ok = false;
-            if (!ok) {
-                int missing = -1;
-                for (int l = 0; l < 32; ++l)
-                    if ((mask >> l & 1u) && (l >= lanes || fb[base + l].state != AT_SHUFFLE)) { missing = l; break; }
-                fail("warp %d of block (%u,%u,%u): __shfl_xor_sync (line %d, mask 0x%08x) while lane %d %s", w,
-                     r.block_idx.x, r.block_idx.y, r.block_idx.z, site, mask, missing,
-                     missing < 0 ? "is not in the mask" :
-                     missing >= lanes ? "does not exist" :
-                     fb[base + missing].state == DONE ? "has exited" : "waits at a __syncthreads");
-                r.broken = true;
-                return false;
-            }
-            for (int l = 0; l < lanes; ++l) {
-                Fiber& f = fb[base + l];
-                if (f.state != AT_SHUFFLE) continue;
-                const int src = l ^ f.shfl_lane_mask;
-                // A source lane outside the warp returns the caller's own value (CUDA).
-                f.shfl_result = (src >= 0 && src < 32 && (mask >> src & 1u)) ? fb[base + src].shfl_value : f.shfl_value;
-            }
-            for (int l = 0; l < lanes; ++l)
-                if (fb[base + l].state == AT_SHUFFLE) fb[base + l].state = READY;
-            progressed = true;
         }
-        if (progressed) continue;
-        // No shuffle could complete: every live thread must wait at the same __syncthreads().
+        if (alive == 0) break;
+        // No thread can run and no shuffle complete: every live thread must wait at the same
+        // __syncthreads().
         int site = -1;
         for (int i = 0; i < n; ++i) {
             Fiber& f = fb[i];
@@ -486,14 +535,12 @@ inline bool run_block(int n) {
             if (f.state == AT_SHUFFLE) {
                 fail("block (%u,%u,%u): thread %d waits at a shuffle (line %d) that cannot complete",
                      r.block_idx.x, r.block_idx.y, r.block_idx.z, i, f.site);
-                r.broken = true;
                 return false;
             }
             if (site < 0) site = f.site;
             else if (f.site != site) {
                 fail("block (%u,%u,%u): barrier divergence: threads wait at __syncthreads() of lines %d and %d",
                      r.block_idx.x, r.block_idx.y, r.block_idx.z, site, f.site);
-                r.broken = true;
                 return false;
             }
         }
@@ -501,6 +548,12 @@ inline bool run_block(int n) {
             if (fb[i].state == AT_BARRIER) fb[i].state = READY;
     }
     return true;
+}
+
+inline bool run_block(int n, int order, unsigned long long& rng) {
+    if (run_block_impl(n, order, rng)) return true;
+    rt().broken = true;        // fibers were abandoned mid-kernel: recreate them next launch
+    return false;
 }
 
 // order: 0 forward, 1 reverse, 2 random (seeded).  Returns 0, or 1 with the message in err.
@@ -533,12 +586,13 @@ inline int launch(void (*body)(void**), void** args, const unsigned* grid, const
                 }
             }
         }
+        unsigned long long s = seed ^ 0xD1B54A32D192ED03ULL;   // thread schedules (order 2)
         for (unsigned long long k = 0; k < nblocks && !r.err; ++k) {
             const unsigned long long b = order == 0 ? k : order == 1 ? nblocks - 1 - k : perm[k];
             r.block_idx.x = (unsigned)(b % grid[0]);
             r.block_idx.y = (unsigned)((b / grid[0]) % grid[1]);
             r.block_idx.z = (unsigned)(b / ((unsigned long long)grid[0] * grid[1]));
-            run_block((int)nthreads);
+            run_block((int)nthreads, order, s);
         }
         free(perm);
     }

@@ -32,8 +32,10 @@ then have libasan preloaded (see kernels/NOTES.md).
 
 Block order: forward (default), reverse or random with a seed - from ``block_order()``, or
 the environment variable ``HKSTORE_EMU_BLOCK_ORDER`` (``forward``, ``reverse``,
-``random`` or ``random:SEED``).  Kernels whose blocks write disjoint outputs give identical
-results in every order.
+``random`` or ``random:SEED``).  The order also picks the thread schedule inside a block
+(round robin; warp by warp with lanes reversed; warp by warp in random order: see
+cuda_emu.h).  Race-free kernels whose blocks write disjoint outputs give identical results
+in every order.
 
 Launches are serialised (one lock per process), as kernels of one device stream would be.
 """
