@@ -77,6 +77,20 @@ def test_application_checks_its_options(tmp_path):
     assert ray_app.router_config("punica").request_router_kwargs == {"max_models": 4096}
 
 
+def test_held_pet_handles_survive_a_reload():
+    from runtime.serve.ray_app import _Pet, merge_metrics
+
+    held = {}
+    old = _Pet("acme", held)
+    old.__del__()  # Ray's LRU eviction
+    assert "acme" not in held
+    new = _Pet("acme", held)  # loaded again
+    del old  # the evicted handle's own finalizer must not unmark the new one
+    assert held == {"acme": new}
+    text = merge_metrics([("manager", b"# TYPE q gauge\nq 1.0\n"), ("w1", b"# TYPE q gauge\nq 2.0\n")]).decode()
+    assert 'q{replica="manager"} 1.0' in text and 'q{replica="w1"} 2.0' in text and text.count("# TYPE q ") == 1
+
+
 def test_serve_cli_has_the_ray_options():
     from click.testing import CliRunner
 

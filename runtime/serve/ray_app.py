@@ -96,10 +96,13 @@ class _Pet:
 
     def __init__(self, tenant, held):
         self.tenant, self._held = tenant, held
-        held.add(tenant)
+        held[tenant] = self
 
     def __del__(self):
-        self._held.discard(self.tenant)
+        # Ray calls this on LRU eviction, and Python again when the object goes: only the handle
+        # that is still the tenant's unmarks it (a reloaded tenant has a new one).
+        if self._held.get(self.tenant) is self:
+            del self._held[self.tenant]
 
 
 class _AppReplica:
@@ -145,7 +148,7 @@ class TenantWorker(_AppReplica):
         await self._open(store, admin_token, options)
         self.manager = manager
         self._push_task = asyncio.get_running_loop().create_task(self._push_metrics()) if manager else None
-        self.held = set()
+        self.held = {}  # tenant -> its _Pet, while Ray's multiplexing holds it
         held, rt = self.held, self.service.rt
 
         async def load_pet(tenant):
