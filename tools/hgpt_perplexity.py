@@ -64,6 +64,8 @@ def main(argv=None) -> int:
     ap.add_argument("--store-dir", default=None, help="also build and evaluate real stores here (one per n)")
     ap.add_argument("--corpus", default=None, help="store corpus (default: WikiText-2 valid.txt)")
     ap.add_argument("--no-position", action="store_true", help="stores without a position table")
+    ap.add_argument("--distill-steps", type=int, default=0, help="window-distill the stores' lower layers first")
+    ap.add_argument("--no-windowed", action="store_true", help="skip the full-coverage rows")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None, help="write the results as JSON here too")
     args = ap.parse_args(argv)
@@ -107,7 +109,7 @@ def main(argv=None) -> int:
             return h, mask
         return inputs_of
 
-    for n in args.n:
+    for n in [] if args.no_windowed else args.n:
         t0 = time.perf_counter()
         rows.append(row(f"windowed n={n}", nll_of(dec, blocks, windowed(n)), time.perf_counter() - t0))
     if args.store_dir:
@@ -116,7 +118,8 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             path = os.path.join(args.store_dir, f"n{n}-l{args.lower_layers}")
             built = build_decoder(path, model_path=args.model, corpus_paths=[corpus], n=n,
-                                  lower_layers=args.lower_layers, position=not args.no_position, progress=False)
+                                  lower_layers=args.lower_layers, position=not args.no_position, progress=False,
+                                  distill_steps=args.distill_steps)
             t1 = time.perf_counter()
             orders = {}
             with hkstore.open(path) as store:
@@ -132,7 +135,8 @@ def main(argv=None) -> int:
                 nll = nll_of(dec, blocks, inputs_of)
             total = sum(orders.values())
             size = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(path) for f in fs)
-            rows.append(row(f"store n={n}", nll, time.perf_counter() - t1, build_seconds=round(t1 - t0, 1),
+            rows.append(row(f"store n={n}" + (f" distilled {args.distill_steps}" if args.distill_steps else ""), nll,
+                            time.perf_counter() - t1, build_seconds=round(t1 - t0, 1), distill=built.get("distill"),
                             keys=built["keys"], store_bytes=size, position=built.get("position"),
                             served_by_order={k: round(v / total, 4) for k, v in sorted(orders.items())}))
     result = {"model": os.path.abspath(args.model), "lower_layers": args.lower_layers,
