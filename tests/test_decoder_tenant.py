@@ -91,3 +91,19 @@ def test_cli_tenant_create_and_generate_with_the_tenant(store_path):
     assert json.loads(r.output)["text"] == "the mat and the"
     r = CliRunner().invoke(main, ["generate", s, "the cat", "--tenant", "nobody"])
     assert r.exit_code == 1 and "unknown tenant" in r.output
+
+
+def test_cli_tenant_eval_reports_perplexity(store_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from hkstore.cli import main
+
+    s = str(store_path / "s")
+    lm_tenant_create(s, "eval-acme", train_path=store_path / "acme.txt", epochs=25, batch_size=4, lr=1e-2,
+                     progress=False)
+    r = CliRunner().invoke(main, ["tenant", "eval", s, "eval-acme", "--test", str(store_path / "acme.txt"), "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    assert out["perplexity"] < out["base_perplexity"] / 2 and out["tokens"] > 0

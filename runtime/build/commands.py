@@ -177,15 +177,7 @@ def tenant_create(store, tenant, version, train_path, task, pet_type, epochs, ma
                   bottleneck, rank, seed, replace, quiet, as_json):
     """Fine-tune a PET for TENANT on PLOT inputs of --version and store it. On a decoder store:
     an lm PET (causal LM loss) on --train as plain text (--task and the head do not apply)."""
-    import hkstore
-    from runtime.plot.causal import is_decoder_store
-
-    try:
-        with hkstore.open(store) as st:
-            decoder_store = is_decoder_store(st.meta)
-    except Exception:  # noqa: BLE001  (a missing or damaged store: manager.tenant_create says why)
-        decoder_store = False
-    if decoder_store:
+    if _is_decoder_store(store):
         from runtime.build.decoder_tenant import lm_tenant_create
 
         _run(lm_tenant_create, store, tenant, train_path=train_path, version=version, pet_type=pet_type,
@@ -216,6 +208,17 @@ def tenant_update(store, tenant, train_path, version, epochs, max_examples, lr, 
          max_examples=max_examples, lr=lr, batch_size=batch_size, seed=seed, progress=not quiet, as_json=as_json)
 
 
+def _is_decoder_store(store) -> bool:
+    import hkstore
+    from runtime.plot.causal import is_decoder_store
+
+    try:
+        with hkstore.open(store) as st:
+            return is_decoder_store(st.meta)
+    except Exception:  # noqa: BLE001  (a missing or damaged store: the encoder path says why)
+        return False
+
+
 @tenant.command("eval")
 @_store_arg
 @click.argument("tenant")
@@ -223,7 +226,13 @@ def tenant_update(store, tenant, train_path, version, epochs, max_examples, lr, 
 @click.option("--max-examples", type=int, default=None)
 @_json_option
 def tenant_eval(store, tenant, test_path, max_examples, as_json):
-    """Score TENANT on a labeled file through the serving path."""
+    """Score TENANT on a labeled file through the serving path (a decoder tenant: the
+    perplexity of a text file, and the base model's)."""
+    if _is_decoder_store(store):
+        from runtime.build.decoder_tenant import lm_tenant_eval
+
+        _run(lm_tenant_eval, store, tenant, test_path, max_examples=max_examples, as_json=as_json)
+        return
     _run(manager.tenant_eval, store, tenant, test_path, max_examples=max_examples, as_json=as_json)
 
 

@@ -134,6 +134,33 @@ def _ppl(dec, pet, inputs, seqs) -> float:
     return math.exp(nll / count)
 
 
+def lm_tenant_eval(store_path, tenant, test_path, *, max_examples: int | None = None, corpus_format=None) -> dict:
+    """Perplexity (per token) of a text file under the tenant and under the base model, both
+    through the serving path (PLOT inputs of the tenant's version + the upper layers)."""
+    import torch
+
+    from runtime.build.decoder_store import base_decoder, tokenize_decoder_corpus
+    from runtime.build.manager import read_corpora
+    from runtime.plot.retrieve import retrieve_list
+
+    with hkstore.open(store_path) as store:
+        snap = store.snapshot()
+        if tenant not in snap.pets:
+            raise ManagerError(f"unknown tenant {tenant!r}")
+        dec = base_decoder(store)
+        pet = load_lm_pet(store, tenant, dec)
+        version = snap.read_pet(tenant).meta.get("version") or snap.version_names[0]
+        seqs = [s for s in tokenize_decoder_corpus(dec, read_corpora(test_path, corpus_format), dec.config.max_len)
+                if len(s) > 1][:max_examples]
+        if not seqs:
+            raise ValueError(f"{test_path}: no text to evaluate on")
+        inputs = retrieve_list(snap, version, seqs)
+    with torch.no_grad():
+        tuned, base = _ppl(dec, pet, inputs, seqs), _ppl(dec, None, inputs, seqs)
+    return {"tenant": tenant, "version": version, "sequences": len(seqs), "tokens": sum(len(s) - 1 for s in seqs),
+            "perplexity": round(tuned, 3), "base_perplexity": round(base, 3)}
+
+
 def load_lm_pet(store, tenant, decoder):
     """The served form of a decoder tenant's PET (runtime.model.pet.load_pet) from the store."""
     from runtime.model import pet as petlib
