@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hkstore.errors import StoreError, UnknownTenant
+from runtime.errors import BadRequest, EmptyText, IncompatiblePet, TextTooLong
 
 __all__ = [
     "BadRequest", "EmptyText", "IncompatiblePet", "Request", "Result", "Runtime", "StoreError", "TextTooLong",
@@ -38,23 +39,6 @@ __all__ = [
 DEFAULT_PET_CACHE_BYTES = 512 << 20  # device PET cache (GPU)
 DEFAULT_HOST_CACHE_BYTES = 4 << 30  # host PET cache: 10K adapter/LoRA tenants of MiniLM fit
 DEFAULT_HOT_TIER_ROWS = 65536  # GPU PLOT hot tier: (window, version) rows kept on the device
-
-
-class BadRequest(ValueError):
-    """A request that is not {tenant, text | ids}, or holds ids outside the vocabulary."""
-
-
-class EmptyText(BadRequest):
-    """The text (or ids) of a request holds no token."""
-
-
-class TextTooLong(BadRequest):
-    """The request has more tokens than the runtime's max_len."""
-
-
-class IncompatiblePet(StoreError):
-    """The tenant's PET was trained for another base model or a PLOT version this store does
-    not hold, or its tensors do not fit the model."""
 
 
 @dataclass

@@ -10,7 +10,8 @@ from hkstore.errors import StoreError
 from runtime.build.decoder_store import base_decoder, build_decoder
 from runtime.model.decoder import load_decoder
 from runtime.model.tiny_decoder import make_tiny_decoder
-from runtime.plot.causal import causal_values, is_decoder_store, windowed_lower
+from runtime.model.stored import is_decoder_store
+from runtime.plot.causal import causal_values, windowed_lower
 from runtime.plot.retrieve import retrieve
 
 TEXTS = ["the cat sat on the mat .", "a dog ran in the park and the cat ran too .",

@@ -14,10 +14,11 @@ ALLOWED = {
     "exec": {"model", "plot"},
     "sched": {"model", "plot", "exec"},
     "build": {"model", "plot"},
-    "api": {"model", "plot", "exec", "sched"},
+    "api": {"model", "plot", "exec", "sched", "gen"},
     "serve": {"api", "model", "plot", "sched", "build"},
     "demo": {"api", "model", "build"},
     "gen": {"model", "plot", "exec", "sched"},
+    "errors": set(),
 }
 # serve reaches build only through the manager's public functions (the manage jobs)
 SERVE_MAY_IMPORT_FROM_BUILD = {"runtime.build", "runtime.build.manager", "runtime.build.plot", "runtime.build.train"}
@@ -47,6 +48,8 @@ def _room(module: str) -> str:
     """runtime/__init__.py and the files beside it (the API's command-line front, e.g. infer_cli)
     are the "api" room; a subpackage is its own room."""
     parts = module.split(".")
+    if module == "runtime.errors":
+        return "errors"
     return parts[1] if len(parts) > 1 and (ROOT / parts[1]).is_dir() else "api"
 
 
@@ -61,7 +64,7 @@ def test_rooms_point_one_way():
         room = _room(mod)
         for dep in deps:
             target = _room(dep)
-            if target == room:
+            if target == room or target == "errors":  # every room may raise the request errors
                 continue
             if target not in ALLOWED[room]:
                 bad.append(f"{mod} -> {dep}")

@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     import torch
 
     import hkstore
-    from runtime.build.decoder_store import base_decoder
+    from runtime.model.stored import base_decoder
     from runtime.gen.batcher import Batcher
     from runtime.gen.plot_decode import PlotDecoder
     from runtime.gen.sampling import SamplingParams

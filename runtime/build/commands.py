@@ -210,7 +210,7 @@ def tenant_update(store, tenant, train_path, version, epochs, max_examples, lr, 
 
 def _is_decoder_store(store) -> bool:
     import hkstore
-    from runtime.plot.causal import is_decoder_store
+    from runtime.model.stored import is_decoder_store
 
     try:
         with hkstore.open(store) as st:

@@ -15,31 +15,7 @@ import os
 import time
 
 import hkstore
-from runtime.model.stored import ManagerError
-
-
-def load_decoder_model(model_path, lower_layers: int):
-    from runtime.model.decoder import load_decoder
-
-    try:
-        return load_decoder(model_path, lower_layers)
-    except ValueError as e:
-        raise ManagerError(str(e)) from None
-
-
-def base_decoder(store):
-    """The decoder of a decoder store (meta["model_path"]), checked against the store's meta."""
-    from runtime.model.stored import check_encoder
-    from runtime.plot.causal import is_decoder_store
-
-    meta = store.meta
-    if not is_decoder_store(meta):
-        raise ManagerError(f"{store.path}: an encoder store, not a decoder store")
-    if not meta.get("model_path"):
-        raise ManagerError(f"{store.path}: the store names no model_path")
-    dec = load_decoder_model(meta["model_path"], meta["lower_layers"])
-    check_encoder(meta, dec)
-    return dec
+from runtime.model.stored import ManagerError, base_decoder, load_decoder_model  # noqa: F401 - re-exported
 
 
 def tokenize_decoder_corpus(decoder, docs: list[str], max_len: int) -> list[list[int]]:

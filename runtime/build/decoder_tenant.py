@@ -17,6 +17,7 @@ import time
 import numpy as np
 
 import hkstore
+from runtime.model.stored import load_lm_pet  # noqa: F401 - re-exported
 from runtime.model.stored import ManagerError
 
 LM_PET_TYPES = ("lora", "adapter", "bitfit", "diff")
@@ -70,10 +71,11 @@ def lm_tenant_create(store_path, tenant, *, train_path, version=None, pet_type: 
     before and after)."""
     import torch
 
-    from runtime.build.decoder_store import base_decoder, tokenize_decoder_corpus
+    from runtime.build.decoder_store import tokenize_decoder_corpus
+    from runtime.model.stored import base_decoder
     from runtime.build.manager import read_corpora
     from runtime.model import pet as petlib
-    from runtime.plot.causal import is_decoder_store
+    from runtime.model.stored import is_decoder_store
     from runtime.plot.retrieve import retrieve_list
 
     t0 = time.perf_counter()
@@ -139,7 +141,8 @@ def lm_tenant_eval(store_path, tenant, test_path, *, max_examples: int | None = 
     through the serving path (PLOT inputs of the tenant's version + the upper layers)."""
     import torch
 
-    from runtime.build.decoder_store import base_decoder, tokenize_decoder_corpus
+    from runtime.build.decoder_store import tokenize_decoder_corpus
+    from runtime.model.stored import base_decoder
     from runtime.build.manager import read_corpora
     from runtime.plot.retrieve import retrieve_list
 
@@ -159,13 +162,3 @@ def lm_tenant_eval(store_path, tenant, test_path, *, max_examples: int | None = 
         tuned, base = _ppl(dec, pet, inputs, seqs), _ppl(dec, None, inputs, seqs)
     return {"tenant": tenant, "version": version, "sequences": len(seqs), "tokens": sum(len(s) - 1 for s in seqs),
             "perplexity": round(tuned, 3), "base_perplexity": round(base, 3)}
-
-
-def load_lm_pet(store, tenant, decoder):
-    """The served form of a decoder tenant's PET (runtime.model.pet.load_pet) from the store."""
-    from runtime.model import pet as petlib
-
-    record = store.snapshot().read_pet(tenant)
-    if record.meta.get("task") != "lm":
-        raise ValueError(f"tenant {tenant!r} is a {record.meta.get('task')} tenant, not a decoder (lm) tenant")
-    return petlib.load_pet(decoder, record.tensors, petlib.pet_meta(record.meta))

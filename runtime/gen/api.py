@@ -21,7 +21,7 @@ DEFAULT_KV_BUDGET = 256 << 20
 
 def is_decoder_store_path(path) -> bool:
     import hkstore
-    from runtime.plot.causal import is_decoder_store
+    from runtime.model.stored import is_decoder_store
 
     try:
         with hkstore.open(path) as st:
@@ -34,7 +34,7 @@ class DecoderRuntime:
     def __init__(self, store_path, device: str = "auto", *, kv_budget_bytes: int = DEFAULT_KV_BUDGET,
                  max_running: int = 64, decoder=None, **_ignored):
         import hkstore
-        from runtime.build.decoder_store import base_decoder
+        from runtime.model.stored import base_decoder
 
         if device == "cuda":
             raise ValueError("the decoder path runs on the CPU executor only so far (device='cpu' or 'auto')")
@@ -61,14 +61,14 @@ class DecoderRuntime:
         return sorted(t for t in self.store.snapshot().pets)
 
     def infer(self, requests):
-        from runtime import BadRequest
+        from runtime.errors import BadRequest
 
         raise BadRequest("this is a decoder store: it generates text (generate / stream), it does not classify")
 
     def _parse(self, snap, request):
         from hkstore.errors import UnknownTenant
-        from runtime import BadRequest
-        from runtime.build.decoder_tenant import load_lm_pet
+        from runtime.errors import BadRequest
+        from runtime.model.stored import load_lm_pet
 
         if not isinstance(request, dict) or not isinstance(request.get("prompt"), str):
             raise BadRequest("each request is an object with a string 'prompt'")

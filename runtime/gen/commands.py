@@ -32,7 +32,7 @@ def generate(store, prompt, version, tenant, max_tokens, temperature, top_k, top
     import hkstore
     from formats.errors import FormatError
     from hkstore.errors import StoreError
-    from runtime.build.decoder_store import base_decoder
+    from runtime.model.stored import base_decoder
     from runtime.gen.batcher import Batcher
     from runtime.gen.plot_decode import PlotDecoder
     from runtime.gen.sampling import SamplingParams
@@ -43,7 +43,7 @@ def generate(store, prompt, version, tenant, max_tokens, temperature, top_k, top
             dec = base_decoder(st)
             pet = None
             if tenant is not None:
-                from runtime.build.decoder_tenant import load_lm_pet
+                from runtime.model.stored import load_lm_pet
 
                 if tenant not in snap.pets:
                     raise ValueError(f"unknown tenant {tenant!r}")

@@ -26,7 +26,7 @@ import torch
 
 from formats.backoff import windows as causal_windows
 from runtime.model.decoder import KVCache
-from runtime.plot.causal import is_decoder_store
+from runtime.model.stored import is_decoder_store
 from runtime.plot.retrieve import retrieve
 
 

@@ -151,3 +151,39 @@ def lower_fingerprint(encoder) -> str:
     for p in encoder.lower_parameters():
         h = checksum(p.detach().contiguous().float().numpy().tobytes()) ^ ((h * 0x9E3779B97F4A7C15) & (2**64 - 1))
     return f"{h:016x}"
+
+
+def is_decoder_store(meta: dict) -> bool:
+    """Stores made before decoders existed have no "architecture": they are encoder stores."""
+    return meta.get("architecture", "encoder") == "decoder"
+
+
+def load_decoder_model(model_path, lower_layers: int):
+    from runtime.model.decoder import load_decoder
+
+    try:
+        return load_decoder(model_path, lower_layers)
+    except ValueError as e:
+        raise ManagerError(str(e)) from None
+
+
+def base_decoder(store):
+    """The decoder of a decoder store (meta["model_path"]), checked against the store's meta."""
+    meta = store.meta
+    if not is_decoder_store(meta):
+        raise ManagerError(f"{store.path}: an encoder store, not a decoder store")
+    if not meta.get("model_path"):
+        raise ManagerError(f"{store.path}: the store names no model_path")
+    dec = load_decoder_model(meta["model_path"], meta["lower_layers"])
+    check_encoder(meta, dec)
+    return dec
+
+
+def load_lm_pet(store, tenant, decoder):
+    """The served form of a decoder tenant's PET (runtime.model.pet.load_pet) from the store."""
+    from runtime.model import pet as petlib
+
+    record = store.snapshot().read_pet(tenant)
+    if record.meta.get("task") != "lm":
+        raise ValueError(f"tenant {tenant!r} is a {record.meta.get('task')} tenant, not a decoder (lm) tenant")
+    return petlib.load_pet(decoder, record.tensors, petlib.pet_meta(record.meta))

@@ -26,11 +26,6 @@ from runtime.plot.window import windows
 ARCHITECTURES = ("encoder", "decoder")
 
 
-def is_decoder_store(meta: dict) -> bool:
-    """Stores made before decoders existed have no "architecture": they are encoder stores."""
-    return meta.get("architecture", "encoder") == "decoder"
-
-
 def last_slot(values: torch.Tensor, lengths) -> torch.Tensor:
     """Upper-layer inputs (B, L, d) from right-padded window values (B, L, n, d): each
     position's own window's last slot; positions >= length come out zero."""

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from runtime.plot.causal import is_decoder_store, last_slot
+from runtime.model.stored import is_decoder_store
+from runtime.plot.causal import last_slot
 from runtime.plot.window import aggregate_batch, corpus_windows
 
 
