@@ -27,7 +27,7 @@ Two sizes (PRESETS), the same model, text, steps and tenants:
   steps, each tenant trains on at most QUICK_EXAMPLES examples of at most 48 tokens for fewer
   epochs, and the four tenants are trained in one pass (manager.tenants_create: one loaded
   model, one commit). Held-out accuracies are lower than the full run's; the output says so.
-- **full** (``--full``, about 2-4 minutes): every example, the longer schedules.
+- **full** (``--full``, 73 s measured): every example, the longer schedules.
 
 A store remembers its size (STORE_DIR/demo/preset.json); the other size needs another
 directory. Data files go to ``STORE_DIR/demo/`` (the store's gc leaves them alone).
