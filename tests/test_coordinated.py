@@ -124,6 +124,10 @@ def test_length_sorting_cuts_padding():
     assert cb.padded_share(queue, alpha) < cb.padded_share(queue, fixed)
     assert cb.predicted_cost(queue, alpha, model) < cb.predicted_cost(queue, fixed, model)
     assert cb.predicted_cost(queue, coord, model) < cb.predicted_cost(queue, fixed, model)
+    # with compare, coordinated is never predicted worse than alpha-only
+    assert cb.predicted_cost(queue, coord, model) <= cb.predicted_cost(queue, alpha, model) + 1e-12
+    plain = cb.coordinated(queue, model, 32, cv_threshold=10.0, compare=False)
+    assert sorted(k for b in plain for k in b) == list(range(len(queue)))
 
 
 def test_latency_model_file_and_interpolation(tmp_path):

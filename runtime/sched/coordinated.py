@@ -19,7 +19,9 @@ queue indices, at most ``max_batch`` requests each):
   high (coefficient of variation above ``cv_threshold``) it falls back to ``alpha_only``
   (PetS §6.4). One adaptation to this runtime's executors: a macro-batch pads every request to
   its longest, PET operators included, so the inter-task DP charges a macro-batch
-  ``alpha(N, L) + sum over its mini-batches of beta(type, n, L)``.
+  ``alpha(N, L) + sum over its mini-batches of beta(type, n, L)``. With ``compare`` (default)
+  it also keeps the alpha-only cut when the model predicts that one cheaper (with batched PET
+  operators, mixing tenants costs little and alpha-only's lower padding can win).
 
 ``dp_split`` is the DP both levels use: the optimal cut of a sequence sorted by length into
 contiguous groups (optimal among all partitions too, for costs nondecreasing in the length;
@@ -195,9 +197,10 @@ def beta_only(queue, model, max_batch: int = 32) -> list:
     return batches
 
 
-def coordinated(queue, model, max_batch: int = 32, cv_threshold: float = 1.0) -> list:
+def coordinated(queue, model, max_batch: int = 32, cv_threshold: float = 1.0, compare: bool = True) -> list:
     """PetS Alg. 1 (see the module doc); falls back to alpha_only when the coefficient of
-    variation of the queue's lengths exceeds cv_threshold."""
+    variation of the queue's lengths exceeds cv_threshold, and (compare=True) also when the
+    latency model predicts the alpha-only cut to be cheaper than Alg. 1's."""
     if not queue:
         return []
     lengths = np.array([q[2] for q in queue], dtype=float)
@@ -209,7 +212,12 @@ def coordinated(queue, model, max_batch: int = 32, cv_threshold: float = 1.0) ->
         return model.a(n, length) + sum(model.b(m[1], len(m[2]), length) for m in minis[i:j])
 
     cuts = dp_split([len(m[2]) for m in minis], [m[3] for m in minis], cost, max_batch)
-    return [[k for m in minis[i:j] for k in m[2]] for i, j in cuts]
+    batches = [[k for m in minis[i:j] for k in m[2]] for i, j in cuts]
+    if compare:  # the model-based form of the fallback: keep whichever plan the model finds cheaper
+        alpha = alpha_only(queue, model, max_batch)
+        if predicted_cost(queue, alpha, model) < predicted_cost(queue, batches, model):
+            return alpha
+    return batches
 
 
 POLICIES = {"fixed": fixed, "alpha_only": alpha_only, "beta_only": beta_only, "coordinated": coordinated}
