@@ -57,6 +57,27 @@ class DecoderRuntime:
     def __exit__(self, *exc):
         self.close()
 
+    def parse(self, snap, request):
+        """(version, prompt ids, SamplingParams, PET) of one request, or BadRequest / UnknownTenant
+        (what generate checks first; a server's own engine calls it per request)."""
+        return self._parse(snap, request)
+
+    def batcher(self, snap, version):
+        """A continuous batcher over one PLOT version of snap, with this runtime's KV budget."""
+        from runtime.gen.batcher import Batcher
+        from runtime.gen.plot_decode import PlotDecoder
+
+        return Batcher(PlotDecoder(snap, version, self.decoder), self.kv_budget_bytes, self.max_running)
+
+    def refresh(self):
+        """Serve the store's newest manifest (what hkstore serve calls when a commit lands):
+        new tenants become visible; an lm PET already loaded stays as it was."""
+        self.store.refresh()
+
+    def stats(self) -> dict:
+        """What the server's /metrics reports of this runtime (as Runtime.stats())."""
+        return {"device": self.device, "lm_pets_loaded": len(self._pets)}
+
     def tenants(self) -> list[str]:
         return sorted(t for t in self.store.snapshot().pets)
 

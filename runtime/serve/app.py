@@ -336,6 +336,7 @@ def _result_view(r) -> dict:
 _INFER_PATH = re.compile(r"^/v1/tenants/[^/]+/infer$")
 _UPLOAD_PATH = re.compile(r"^/v1/(domains|tenants)(/[^/]+/update)?$")  # POSTs carrying documents or examples
 _SPOOL_IN_MEMORY = 1 << 20  # an upload past this goes to a temporary file while it arrives
+_TENANT_POSTS = ("/v1/embeddings", "/v1/completions", "/v1/chat/completions")  # beside infer
 
 
 class _Gate:
@@ -359,7 +360,7 @@ class _Gate:
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
         headers = dict(scope.get("headers") or [])
-        infer = bool(_INFER_PATH.match(path)) or path == "/v1/embeddings"  # tenant tokens welcome
+        infer = bool(_INFER_PATH.match(path)) or path in _TENANT_POSTS  # tenant tokens welcome
         if self.service is not None and path.startswith("/v1/"):
             denied = self.service.header_denial(headers.get(b"authorization"), admin=not infer)
             if denied is not None:
@@ -760,4 +761,7 @@ def create_app(store_path, *, admin_token, max_batch=32, max_wait_ms=5, queue_li
         jobs = await asyncio.to_thread(svc.jobs.list, limit, state)
         return {"jobs": [svc.jobs.view(j) for j in jobs]}
 
+    from runtime.serve.openai_routes import add_openai_routes
+
+    add_openai_routes(app, svc, bearer, HTTPError)  # /v1/completions, /v1/chat/completions, /v1/models
     return app

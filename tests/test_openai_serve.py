@@ -1,0 +1,160 @@
+"""hkstore serve on a decoder store through the official openai client: /v1/completions,
+/v1/chat/completions (streamed and not), /v1/models, and the 4xx answers (raw httpx)."""
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+
+import runtime
+from runtime.build.decoder_store import build_decoder
+from runtime.build.decoder_tenant import lm_tenant_create
+from runtime.model.tiny_decoder import make_tiny_decoder
+from runtime.serve.tokens import issue
+from test_serve import ADMIN, Server, auth
+
+TEXTS = ["the cat sat on the mat .", "a dog ran in the park and the cat ran too ."]
+TENANT_TEXT = ["the cat sat on the mat and the dog sat on the mat ."] * 4
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    tmp = tmp_path_factory.mktemp("oai")
+    model = make_tiny_decoder(tmp / "m", TEXTS + TENANT_TEXT, d=32, layers=4, max_len=1024, scale=1.0)
+    (tmp / "c.txt").write_text("\n".join(TEXTS + TENANT_TEXT))
+    build_decoder(tmp / "s", model_path=model, corpus_paths=[tmp / "c.txt"], n=3, lower_layers=2, progress=False)
+    (tmp / "acme.txt").write_text("\n".join(TENANT_TEXT))
+    lm_tenant_create(tmp / "s", "acme", train_path=tmp / "acme.txt", epochs=5, batch_size=4, lr=1e-2, progress=False)
+    torch.set_num_threads(threads)
+    (tmp / "admin.token").write_text(ADMIN)
+    token = issue(str(tmp / "s"), "acme")["token"]
+    server = Server(str(tmp / "s"), str(tmp / "admin.token"), "--queue-limit", 1)
+    yield {"store": str(tmp / "s"), "server": server, "token": token, "tmp": tmp}
+    server.stop()
+
+
+def client(env, token):
+    return openai.OpenAI(base_url=env["server"].url + "/v1", api_key=token, max_retries=0, timeout=30)
+
+
+def test_completions_and_chat_with_the_openai_client(env):
+    with runtime.open(env["store"]) as rt:  # the same greedy text in process
+        want = rt.generate([{"tenant": "acme", "prompt": "the cat sat on", "max_tokens": 6}])[0]
+    c = client(env, env["token"])  # the tenant's own token
+    r = c.completions.create(model="acme", prompt="the cat sat on", max_tokens=6, temperature=0, logprobs=2)
+    assert r.choices[0].text == want["text"] and r.choices[0].finish_reason in ("length", "stop")
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (5, len(want["ids"]),
+                                                                                        5 + len(want["ids"]))
+    lp = r.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx(want["logprobs"], abs=1e-4) and all(len(t) == 2 for t in lp.top_logprobs)
+
+    # Streamed: the deltas make the same text, then [DONE] (the client ends the iteration there).
+    chunks = list(c.completions.create(model="acme", prompt="the cat sat on", max_tokens=6, temperature=0,
+                                       stream=True, stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want["text"]
+    assert chunks[-1].usage.completion_tokens == len(want["ids"])
+
+    # Seeded sampling repeats; stop ends the text before the stop sequence.
+    a, b = (c.completions.create(model="tiny-gpt2", prompt="a dog", max_tokens=8, temperature=1.5, top_p=0.9,
+                                 seed=7).choices[0].text for _ in range(2))
+    assert a == b
+    r = c.completions.create(model="acme", prompt="the cat sat on", max_tokens=6, temperature=0, stop=["mat"])
+    assert "mat" not in r.choices[0].text and r.choices[0].finish_reason == "stop" or "mat" not in want["text"]
+
+    # Chat: the template's prompt, streamed or not, with logprobs.
+    messages = [{"role": "system", "content": "the cat"}, {"role": "user", "content": "the dog sat on"}]
+    r = c.chat.completions.create(model="acme", messages=messages, max_tokens=5, temperature=0, logprobs=True,
+                                  top_logprobs=1)
+    text = r.choices[0].message.content
+    assert r.choices[0].message.role == "assistant" and r.usage.completion_tokens == len(r.choices[0].logprobs.content)
+    stream = c.chat.completions.create(model="acme", messages=messages, max_tokens=5, temperature=0, stream=True)
+    assert "".join(ch.choices[0].delta.content or "" for ch in stream) == text
+    with runtime.open(env["store"]) as rt:
+        prompt = "system: the cat\nuser: the dog sat on\nassistant:"
+        assert rt.generate([{"tenant": "acme", "prompt": prompt, "max_tokens": 5}])[0]["text"] == text
+
+    # Models: a tenant's token sees the base model and its own tenant; the admin every one.
+    assert [m.id for m in c.models.list()] == ["tiny-gpt2", "acme"]
+    assert {m.id for m in client(env, ADMIN).models.list()} == {"tiny-gpt2", "acme"}
+
+
+def test_bad_requests_get_clear_4xx(env):
+    s = env["server"]
+    ok = {"model": "acme", "prompt": "the cat"}
+    cases = [({"model": "nobody", "prompt": "x"}, 404, "unknown model"),
+             (dict(ok, n=2), 400, "n must be 1"),
+             (dict(ok, prompt="the cat " * 600), 400, "context"),  # 1200 tokens, a context of 1024
+             (dict(ok, max_tokens=1100), 400, "context"),
+             (dict(ok, temperature=-1), 400, "temperature"),
+             (dict(ok, top_p=0), 400, "top_p"),
+             (dict(ok, logprobs=9), 400, "logprobs"),
+             ({"prompt": "x"}, 422, "model")]
+    for body, status, words in cases:
+        r = s.client.post("/v1/completions", json=body, headers=auth(ADMIN))
+        assert r.status_code == status and words in r.text, (body, r.status_code, r.text)
+    r = s.client.post("/v1/chat/completions", json={"model": "acme", "messages": [], "max_tokens": 2},
+                      headers=auth(ADMIN))
+    assert r.status_code == 400
+    assert s.client.post("/v1/completions", json=ok).status_code == 401
+    assert s.client.post("/v1/completions", json=ok, headers=auth("acme~wrong")).status_code == 401
+    with pytest.raises(openai.NotFoundError):
+        client(env, ADMIN).completions.create(model="nobody", prompt="x")
+
+
+def wait_for_a_place(s):
+    for _ in range(100):
+        r = s.client.post("/v1/completions", json={"model": "acme", "prompt": "x", "max_tokens": 1},
+                          headers=auth(ADMIN))
+        if r.status_code == 200:
+            return
+        time.sleep(0.05)
+    raise AssertionError(r.text)
+
+
+def test_queue_bound_429_and_a_disconnect_cancels(env):
+    """The server holds one sequence (--queue-limit 1): a stream in progress keeps its place,
+    a second request gets 429; the stream's client going away frees it."""
+    s = env["server"]
+    body = {"model": "acme", "prompt": "the cat", "max_tokens": 1000, "temperature": 0, "stream": True}
+    # (greedy, this tenant never chooses EOS: about a second of tokens)
+    with httpx.Client(base_url=s.url, timeout=30) as c:
+        with c.stream("POST", "/v1/completions", json=body, headers=auth(ADMIN)) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            lines = r.iter_lines()  # (kept: a dropped iterator closes the response)
+            first = next(lines)
+            assert json.loads(first.removeprefix("data: "))["object"] == "text_completion"
+            full = s.client.post("/v1/completions", json={"model": "acme", "prompt": "x"}, headers=auth(ADMIN))
+            assert full.status_code == 429 and int(full.headers["Retry-After"]) >= 1
+    # The place frees when the server sees the disconnect, and the sequence stops early; so with
+    # a client that stops waiting for an answer that is not streamed.
+    wait_for_a_place(s)
+    with pytest.raises(httpx.ReadTimeout):
+        s.client.post("/v1/completions", json=dict(body, stream=False), headers=auth(ADMIN), timeout=0.3)
+    wait_for_a_place(s)
+    metrics = s.client.get("/metrics", headers=auth(ADMIN)).text
+    assert 'hkstore_gen_requests_total{route="completions",status="429"}' in metrics
+    assert 'hkstore_gen_requests_total{route="completions",status="499"} 2.0' in metrics  # both cancelled
+    tokens = float(metrics.split("\nhkstore_gen_tokens_total ")[1].split()[0])
+    assert tokens < 1500, tokens  # both stopped well before their 1000 tokens
+    assert "hkstore_gen_time_to_first_token_seconds_count" in metrics and "hkstore_gen_running_sequences 0.0" in metrics
+
+
+def test_an_encoder_store_refuses_to_generate(tmp_path):
+    from runtime.build.manager import build
+    from runtime.model.tiny import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "m", TEXTS, d=16, layers=2)
+    (tmp_path / "c.txt").write_text("\n".join(TEXTS))
+    build(tmp_path / "s", model_path=model, corpus_paths=[tmp_path / "c.txt"], lower_layers=1, progress=False)
+    (tmp_path / "admin.token").write_text(ADMIN)
+    s = Server(str(tmp_path / "s"), str(tmp_path / "admin.token"))
+    try:
+        r = s.client.post("/v1/completions", json={"model": "base", "prompt": "x"}, headers=auth(ADMIN))
+        assert r.status_code == 400 and "encoder store" in r.text
+    finally:
+        s.stop()
