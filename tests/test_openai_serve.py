@@ -8,13 +8,13 @@ import httpx
 import openai
 import pytest
 import torch
+from test_serve import ADMIN, Server, auth
 
 import runtime
 from runtime.build.decoder_store import build_decoder
 from runtime.build.decoder_tenant import lm_tenant_create
 from runtime.model.tiny_decoder import make_tiny_decoder
 from runtime.serve.tokens import issue
-from test_serve import ADMIN, Server, auth
 
 TEXTS = ["the cat sat on the mat .", "a dog ran in the park and the cat ran too ."]
 TENANT_TEXT = ["the cat sat on the mat and the dog sat on the mat ."] * 4

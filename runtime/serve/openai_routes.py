@@ -35,8 +35,8 @@ import uuid
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, Request
-from fastapi.security import HTTPAuthorizationCredentials
 from fastapi.responses import Response, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials
 from pydantic import BaseModel, ConfigDict
 
 CHAT_DEFAULT_MAX_TOKENS = 256
@@ -174,7 +174,7 @@ class GenEngine:
                 rid = batcher.submit(prompt, params, pet)
             except ValueError as e:
                 raise runtime.BadRequest(str(e)) from None
-        except Exception as e:  # noqa: BLE001 - the caller's answer
+        except Exception as e:
             h.sink({"type": "error", "error": e})
             return
         h.key = (version, rid)
@@ -213,7 +213,7 @@ class GenEngine:
     def _step(self, version, b):
         try:
             events = b.step()
-        except Exception as e:  # noqa: BLE001 - every sequence of this batcher fails with it
+        except Exception as e:
             for key in [k for k in self.handles if k[0] == version]:
                 h = self.handles.pop(key)
                 h.sink({"type": "error", "error": e})
@@ -262,7 +262,7 @@ def _metrics(registry):
                                 ["route", "status"], registry=registry)}
 
 
-def add_openai_routes(app, svc, bearer, HTTPError):  # noqa: N803 (runtime.serve.app's error class)
+def add_openai_routes(app, svc, bearer, HTTPError):
     """Mount /v1/completions, /v1/chat/completions and /v1/models on app (runtime.serve.app's
     create_app calls it with its Service, bearer scheme and HTTPError)."""
     from hkstore.errors import CorruptError, UnknownTenant
