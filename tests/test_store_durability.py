@@ -17,31 +17,10 @@ from formats import segment as sg
 from formats.pack import PetRecord
 from formats.xxh64 import hash_keys, xxh64_rows
 from tools import reliability
+# the crash campaign's store and commits (tools/reliability runs the larger campaign); other tests import them here
+from tools.reliability import D, V, commit_keys, commit_values, make_store, position_table  # noqa: F401
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-D, V = 8, 40
-
-
-def commit_keys(i):
-    """Commit i's keys: unique to it, so later commits never shadow them."""
-    return np.array([[1 + i % 39, 1 + j, 1 + (i // 39) % 39] for j in range(4)], dtype=np.uint32)
-
-
-def commit_values(i):
-    return np.random.default_rng(i).standard_normal((4, 3, D)).astype(np.float16)
-
-
-def position_table(i):
-    return np.random.default_rng(10_000 + i).standard_normal((5 + i % 4, D)).astype(np.float32)
-
-
-def make_store(path):
-    store = hkstore.create(path, d=D, vocab_size=V)
-    uni = np.zeros((V, 3), dtype=np.uint32)
-    uni[:, 1] = np.arange(V)
-    store.add_segment("root", uni, np.random.default_rng(0).standard_normal((V, 3, D)))
-    store.create_version("dom", "root")
-    return store
 
 
 def check_crash_campaign(path, kills):

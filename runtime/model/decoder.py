@@ -31,6 +31,7 @@ from torch import nn
 
 from runtime.model import pet as petlib
 from runtime.model.decoder_config import DecoderConfig, read_config, tokenizer_file
+from runtime.model.encoder import right_pad
 
 # -- pieces -------------------------------------------------------------------------------------
 
@@ -150,12 +151,7 @@ class Decoder(nn.Module):
 
     def pad(self, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Right-pad id lists into (ids (B, L) int64, mask (B, L) bool)."""
-        L = max(len(s) for s in seqs)
-        ids = torch.full((len(seqs), L), self.config.pad_id, dtype=torch.long)
-        for b, s in enumerate(seqs):
-            ids[b, : len(s)] = torch.as_tensor(s, dtype=torch.long)
-        mask = torch.arange(L)[None, :] < torch.tensor([len(s) for s in seqs])[:, None]
-        return ids, mask
+        return right_pad(seqs, self.config.pad_id)
 
     # -- the network ------------------------------------------------------------------------
 

@@ -93,12 +93,7 @@ class Encoder(nn.Module):
 
     def pad(self, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Right-pad id lists into (ids (B, L) int64, mask (B, L) bool)."""
-        L = max(len(s) for s in seqs)
-        ids = torch.full((len(seqs), L), self.config.pad_id, dtype=torch.long)
-        for b, s in enumerate(seqs):
-            ids[b, : len(s)] = torch.as_tensor(s, dtype=torch.long)
-        mask = torch.arange(L)[None, :] < torch.tensor([len(s) for s in seqs])[:, None]
-        return ids, mask
+        return right_pad(seqs, self.config.pad_id)
 
     # -- the network ------------------------------------------------------------------------
 
@@ -262,3 +257,13 @@ def _read_weights(path: Path, config: Config) -> dict[str, torch.Tensor]:
     weights = {mine: hf[theirs] for mine, theirs in ours.items()}
     weights["type0"] = hf["embeddings.token_type_embeddings.weight"][0]
     return weights
+
+
+def right_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad id lists into (ids (B, L) int64, mask (B, L) bool): the encoder's and the decoder's."""
+    L = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
+    for b, s in enumerate(seqs):
+        ids[b, : len(s)] = torch.as_tensor(s, dtype=torch.long)
+    mask = torch.arange(L)[None, :] < torch.tensor([len(s) for s in seqs])[:, None]
+    return ids, mask
