@@ -31,7 +31,7 @@ from torch import nn
 
 from runtime.model import pet as petlib
 from runtime.model.decoder_config import DecoderConfig, read_config, tokenizer_file
-from runtime.model.encoder import right_pad
+from runtime.model.encoder import frozen_with, right_pad
 
 # -- pieces -------------------------------------------------------------------------------------
 
@@ -285,12 +285,7 @@ def load_decoder(path: str | Path, lower_layers: int = 2) -> Decoder:
         raise ValueError(f"{path}: no such model directory")
     config = read_config(path)
     tokenizer, tokenizer_bytes = read_tokenizer(path)
-    dec = Decoder(config, tokenizer, tokenizer_bytes, lower_layers)
-    try:
-        dec.load_state_dict(_read_weights(path, config))
-    except RuntimeError as e:  # shape or name mismatch between config.json and the weights
-        raise ValueError(f"{path / 'model.safetensors'}: does not match config.json ({str(e).splitlines()[0]})") from None
-    return dec.requires_grad_(False).eval()
+    return frozen_with(Decoder(config, tokenizer, tokenizer_bytes, lower_layers), _read_weights(path, config), path)
 
 
 def read_tokenizer(path: Path):

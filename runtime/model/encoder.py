@@ -175,12 +175,17 @@ def load_encoder(path: str | Path | None = None, lower_layers: int = 3) -> Encod
         raise ValueError(f"{path}: no such model directory")
     config = _read_config(path)
     tokenizer, tokenizer_bytes = _read_tokenizer(path)
-    encoder = Encoder(config, tokenizer, tokenizer_bytes, lower_layers)
+    return frozen_with(Encoder(config, tokenizer, tokenizer_bytes, lower_layers), _read_weights(path, config), path)
+
+
+def frozen_with(model, state: dict, path: Path):
+    """model with the checkpoint's weights, frozen (requires_grad False) and in eval mode; a
+    shape or name mismatch between config.json and the weights is a one-line ValueError."""
     try:
-        encoder.load_state_dict(_read_weights(path, config))
-    except RuntimeError as e:  # shape or name mismatch between config.json and the weights
+        model.load_state_dict(state)
+    except RuntimeError as e:
         raise ValueError(f"{path / 'model.safetensors'}: does not match config.json ({str(e).splitlines()[0]})") from None
-    return encoder.requires_grad_(False).eval()
+    return model.requires_grad_(False).eval()
 
 
 def _read_config(path: Path) -> Config:
