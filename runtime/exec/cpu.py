@@ -198,7 +198,7 @@ class CpuExecutor:
             return y
 
         q, k, v = (proj(t, x, getattr(blk, t)).view(B, L, heads, dh).transpose(1, 2) for t in ("q", "k", "v"))
-        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=m[:, None, None, :])
+        ctx = cpu_batched.attention(q, k, v, m, plan.received)
         ctx = ctx.transpose(1, 2).reshape(B * L, d)
         tick("attention")
         h = norm(proj("o", ctx, blk.o), x, "ln_attn", blk.ln_attn)
@@ -219,7 +219,10 @@ class CpuExecutor:
         q, k, v = (proj(t, x, getattr(blk, t)).view(B, L, heads, dh).transpose(1, 2) for t in ("q", "k", "v"))
         scores = (q @ k.transpose(-2, -1)) / (dh ** 0.5)
         scores = scores.masked_fill(~m[:, None, None, :], torch.finfo(scores.dtype).min)
-        ctx = (scores.softmax(-1) @ v).transpose(1, 2).reshape(B * L, d)
+        probs = scores.softmax(-1)
+        if plan.received is not None:  # opt-in, as cpu_batched.attention
+            plan.received += (probs * m[:, None, :, None]).sum(2).mean(1)
+        ctx = (probs @ v).transpose(1, 2).reshape(B * L, d)
         h = self.norm(proj("o", ctx, blk.o), x, "ln_attn", blk.ln_attn, groups, seg_rows)
         f = F.gelu(proj("ffn_in", h, blk.ffn_in))
         return self.norm(proj("ffn_out", f, blk.ffn_out), h, "ln_ffn", blk.ln_ffn, groups, seg_rows)

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["adapter", "bias", "diff", "layernorm", "lora", "order_by_count", "segment_runs", "stack_into"]
+__all__ = ["adapter", "attention", "bias", "diff", "layernorm", "lora", "order_by_count", "segment_runs", "stack_into"]
 
 
 def order_by_count(keys: list, kinds: list | None = None) -> np.ndarray:
@@ -152,6 +152,20 @@ def adapter(y, runs, down, down_bias, up, up_bias) -> torch.Tensor:
         yv.baddbmm_(h, up[t0:t0 + n].transpose(1, 2))
         yv.add_(up_bias[t0:t0 + n].unsqueeze(1))
     return y
+
+
+def attention(q, k, v, m, received=None) -> torch.Tensor:
+    """Attention of (B, heads, L, dh) q, k, v under key mask m (B, L): torch's fused kernel;
+    with received (a (B, L) tensor, BatchPlan.received) the probabilities are formed
+    explicitly instead, and each key's, summed over real queries and averaged over heads,
+    is added to received (the same pass, not a second one)."""
+    if received is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m[:, None, None, :])
+    scores = (q @ k.transpose(-2, -1)).mul_(q.shape[-1] ** -0.5)
+    scores.masked_fill_(~m[:, None, None, :], torch.finfo(scores.dtype).min)
+    probs = scores.softmax(-1)
+    received += (probs * m[:, None, :, None]).sum(2).mean(1)
+    return probs @ v
 
 
 def layernorm(y, residual, ln, runs=None, gaps=None, gain=None, shift=None) -> torch.Tensor:

@@ -131,6 +131,10 @@ class BatchPlan:
     seg_starts: np.ndarray  # (S+1,) in requests; segment s = tenant s
     groups: dict  # (kind, layer, target) -> Group
     lengths: np.ndarray | None = None  # (B,) executed order, when known
+    # Opt-in (runtime.level's word pruning): a zeroed (B, L) float tensor, executed order; the
+    # executor adds the attention each token receives in every upper layer (summed over
+    # queries, averaged over heads) while it computes attention. None: not asked for.
+    received: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
