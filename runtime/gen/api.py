@@ -86,6 +86,15 @@ class DecoderRuntime:
 
         raise BadRequest("this is a decoder store: it generates text (generate / stream), it does not classify")
 
+    @property
+    def meta(self) -> dict:
+        return self.store.snapshot().meta
+
+    def embed(self, texts, tenant=None, **_):
+        from runtime.errors import BadRequest
+
+        raise BadRequest("this is a decoder store: it generates text (POST /v1/completions), it does not embed")
+
     def _parse(self, snap, request):
         from hkstore.errors import UnknownTenant
         from runtime.errors import BadRequest

@@ -144,6 +144,7 @@ class Service:
         self._watch_task = None
         self._refresh = threading.Lock()
         self.damage = None  # (reason, unix time) of the last CorruptError seen, until the store changes
+        self.taken_elsewhere = set  # tenant names of the other stores one server serves (runtime.serve.stores)
 
     async def start(self):
         import runtime
@@ -702,6 +703,8 @@ def create_app(store_path, *, admin_token, max_batch=32, max_wait_ms=5, queue_li
         tenants, versions = svc.planned()
         if body.tenant in tenants:
             raise HTTPError(409, f"tenant {body.tenant!r} already exists (or a queued job creates it)")
+        if body.tenant in svc.taken_elsewhere():
+            raise HTTPError(409, f"tenant {body.tenant!r} is a tenant of another store this server serves")
         if body.version not in versions:
             raise HTTPError(404, f"unknown version {body.version!r}")
         name, data = _examples_file(body.examples)

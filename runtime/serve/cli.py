@@ -9,6 +9,7 @@ import click
 from hkstore.errors import StoreError
 from runtime.serve.app import create_app
 from runtime.serve.files import atomic_write
+from runtime.serve.stores import create_stores_app, read_stores
 
 
 def resolve_admin_token(store, token_file=None) -> str:
@@ -41,7 +42,7 @@ def admin_token_source(store, token_file=None) -> str:
 
 
 @click.command("serve")
-@click.argument("store", type=click.Path(file_okay=False, exists=True))
+@click.argument("stores", nargs=-1, required=True, type=click.Path(file_okay=False, exists=True))
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback unless told otherwise).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
 @click.option("--admin-token-file", type=click.Path(dir_okay=False, exists=True),
@@ -78,22 +79,34 @@ def admin_token_source(store, token_file=None) -> str:
 @click.option("--router", type=click.Choice(["multiplex", "punica", "round_robin"]), default="multiplex",
               show_default=True, help="--ray: routing among replicas (multiplex: by tenant, Ray's default).")
 @click.option("--autoscale", default=None, metavar="MIN:MAX", help="--ray: autoscale the workers on queue length.")
-def serve(store, host, port, admin_token_file, device, max_batch, max_wait_ms, queue_limit, request_timeout, max_len,
+def serve(stores, host, port, admin_token_file, device, max_batch, max_wait_ms, queue_limit, request_timeout, max_len,
           truncate, mode, dedicated_resident, job_threads, torch_threads, metrics_public, header_timeout, log_level,
           access_log, use_ray, **ray_options):
     """Serve STORE over HTTP: POST /v1/tenants/TENANT/infer for every tenant, manage jobs
-    (/v1/tenants, /v1/domains, /v1/jobs), /healthz, /metrics; the OpenAPI description at /docs.
-    Tenants' tokens: hkstore token issue STORE TENANT."""
+    (/v1/tenants, /v1/domains, /v1/jobs), /healthz, /metrics; the OpenAPI description at /docs;
+    on a decoder store the OpenAI routes (/v1/completions, /v1/chat/completions, /v1/models).
+    Several stores (an encoder and a decoder store side by side): requests go to the store of
+    the tenant they name, each store's own routes under /stores/NAME/;
+    tenant names must be unique across them. Tenants' tokens: hkstore token issue STORE TENANT."""
     import uvicorn
 
     import hkstore
 
-    try:  # a store, before anything (an admin token) is written into the directory
-        hkstore.open(store).close()
-    except (StoreError, OSError) as e:
-        raise click.ClickException(f"{e}" if "store" in str(e) else f"{store}: not a store ({e})") from None
-    if not os.path.exists(os.path.join(store, "CURRENT")):
-        raise click.ClickException(f"{store}: not a store (no CURRENT); make one with hkstore build or hkstore init")
+    for store in stores:  # stores, before anything (an admin token) is written into a directory
+        try:
+            hkstore.open(store).close()
+        except (StoreError, OSError) as e:
+            raise click.ClickException(f"{e}" if "store" in str(e) else f"{store}: not a store ({e})") from None
+        if not os.path.exists(os.path.join(store, "CURRENT")):
+            raise click.ClickException(f"{store}: not a store (no CURRENT); make one with hkstore build or hkstore init")
+    if len(stores) > 1 and use_ray:
+        raise click.ClickException("--ray serves one store")
+    if len(stores) > 1:
+        try:
+            read_stores(stores)  # unique names, before an admin token is written
+        except ValueError as e:
+            raise click.ClickException(str(e)) from None
+    store = stores[0]  # the admin token's default home
     if device == "cuda":
         from runtime import _cuda_available
 
@@ -113,15 +126,17 @@ def serve(store, host, port, admin_token_file, device, max_batch, max_wait_ms, q
                        dedicated_resident=dedicated_resident, job_threads=job_threads, torch_threads=torch_threads,
                        metrics_public=metrics_public, **ray_options)
     try:
-        app = create_app(store, admin_token=resolve_admin_token(store, admin_token_file), max_batch=max_batch,
-                         max_wait_ms=max_wait_ms, queue_limit=queue_limit, request_timeout_s=request_timeout,
-                         device=device, max_len=max_len, mode=mode, dedicated_resident=dedicated_resident,
-                         job_threads=job_threads, torch_threads=torch_threads, metrics_public=metrics_public,
-                         runtime_options={"truncate": True} if truncate else None)
+        options = {"admin_token": resolve_admin_token(store, admin_token_file), "max_batch": max_batch,
+                   "max_wait_ms": max_wait_ms, "queue_limit": queue_limit, "request_timeout_s": request_timeout,
+                   "device": device, "max_len": max_len, "mode": mode, "dedicated_resident": dedicated_resident,
+                   "job_threads": job_threads, "torch_threads": torch_threads, "metrics_public": metrics_public,
+                   "runtime_options": {"truncate": True} if truncate else None}
+        app = create_app(store, **options) if len(stores) == 1 else create_stores_app(stores, **options)
     except (StoreError, ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
-    click.echo(f"serving {store} on http://{host}:{port} (admin token: {admin_token_source(store, admin_token_file)}; "
-               f"tenant tokens: hkstore token issue {store} TENANT)", err=True)
+    click.echo(f"serving {', '.join(stores)} on http://{host}:{port} (admin token: "
+               f"{admin_token_source(store, admin_token_file)}; tenant tokens: hkstore token issue "
+               f"{store if len(stores) == 1 else 'STORE'} TENANT)", err=True)
     uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=access_log, timeout_graceful_shutdown=5,
                 http=header_timeout_protocol(header_timeout))
 
