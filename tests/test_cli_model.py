@@ -40,7 +40,7 @@ def run(cli, *args):
 
 def test_commands_are_exported():
     assert set(COMMANDS) == {"build", "domain", "tenant"}
-    assert set(COMMANDS["domain"].commands) == {"create", "update"}
+    assert set(COMMANDS["domain"].commands) == {"create", "update", "grow"}
     assert {"create", "update", "rm"} <= set(COMMANDS["tenant"].commands)
 
 

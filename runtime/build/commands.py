@@ -3,6 +3,7 @@
     hkstore build STORE --corpus FILE [--corpus FILE ...] [--distill-steps N]
     hkstore domain create STORE NAME --corpus FILE [--parent root] [--alpha 50] [--mlm-steps N] [--distill-steps N]
     hkstore domain update STORE NAME NEW_NAME --corpus FILE [--distill-steps N]
+    hkstore domain grow STORE NAME --corpus FILE
     hkstore tenant create STORE TENANT --version V --train FILE [--task tagging] [--pet lora]
     hkstore tenant update STORE TENANT [--train FILE] [--version V]
     hkstore tenant eval STORE TENANT --test FILE
@@ -128,6 +129,21 @@ def domain_create(store, name, corpus_paths, mlm_steps, lr, batch_size, corpus_f
          seed=seed, progress=not quiet, as_json=as_json)
 
 
+@domain.command("grow")
+@_store_arg
+@click.argument("name")
+@click.option("--corpus", "corpus_paths", multiple=True, required=True, type=click.Path(dir_okay=False),
+              help="Text the version's tenants were asked about (plain text / JSON lines / CoNLL); repeat for more.")
+@click.option("--format", "corpus_format", type=click.Choice(["text", "jsonl", "conll"]), default=None)
+@click.option("--max-len", type=int, default=None, help="Tokens per document (default: the version's).")
+@_json_option
+def domain_grow(store, name, corpus_paths, corpus_format, max_len, as_json):
+    """Add the windows of a corpus that NAME serves only by backing off, valued by NAME's own
+    lower layers: the PLOT as a cache that grows with its tenants' traffic."""
+    _run(manager.domain_grow, store, name, list(corpus_paths), max_len=max_len, corpus_format=corpus_format,
+         as_json=as_json)
+
+
 @domain.command("update")
 @_store_arg
 @click.argument("name")
@@ -224,8 +240,9 @@ def _is_decoder_store(store) -> bool:
 @click.argument("tenant")
 @click.option("--test", "test_path", required=True, type=click.Path(dir_okay=False))
 @click.option("--max-examples", type=int, default=None)
+@click.option("--version", default=None, help="Serve the PLOT inputs from this version (default: the tenant's).")
 @_json_option
-def tenant_eval(store, tenant, test_path, max_examples, as_json):
+def tenant_eval(store, tenant, test_path, max_examples, version, as_json):
     """Score TENANT on a labeled file through the serving path (a decoder tenant: the
     perplexity of a text file, and the base model's)."""
     if _is_decoder_store(store):
@@ -233,7 +250,7 @@ def tenant_eval(store, tenant, test_path, max_examples, as_json):
 
         _run(lm_tenant_eval, store, tenant, test_path, max_examples=max_examples, as_json=as_json)
         return
-    _run(manager.tenant_eval, store, tenant, test_path, max_examples=max_examples, as_json=as_json)
+    _run(manager.tenant_eval, store, tenant, test_path, max_examples=max_examples, version=version, as_json=as_json)
 
 
 @tenant.command("rm")

@@ -326,6 +326,24 @@ def domain_update(store_path, name, new_name, corpus_paths, *, alpha: float | No
                 "seconds": round(time.perf_counter() - t0, 3)}
 
 
+def domain_grow(store_path, name, corpus_paths, *, max_len: int | None = None, corpus_format=None) -> dict:
+    """Add to version `name` the windows of a corpus (e.g. a log of the text tenants were asked
+    about) that it serves only by backing off, valued by the version's own lower layers
+    (runtime.build.grow). The corpus is tokenized as construction does (max_len: the version's)."""
+    from runtime.build.grow import grow
+
+    t0 = time.perf_counter()
+    docs = read_corpora(corpus_paths, corpus_format)
+    with _open_writable(store_path) as store:
+        snap = store.snapshot()
+        info = snap.versions[snap.version_index(name)]["info"]
+        max_len = max_len or info.get("max_len", 128)
+        seqs = tokenize_corpus(base_encoder(store), docs, max_len)
+        out = grow(store, name, seqs)
+        return {"store": os.fspath(store_path), "documents": len(docs), **out,
+                "seconds": round(time.perf_counter() - t0, 3)}
+
+
 def _train_cfg(pet_type, lr, epochs, batch_size, seed, progress, max_steps=None):
     from runtime.build.train import TrainConfig
 
@@ -541,9 +559,10 @@ def encode_eval(encoder, data, task: str, label_names: list[str], max_len: int):
 
 
 def tenant_eval(store_path, tenant, test_path, *, max_examples: int | None = None, max_len: int | None = None,
-                batch_size: int = 64, seed: int = 0) -> dict:
+                batch_size: int = 64, seed: int = 0, version: str | None = None) -> dict:
     """Score a tenant on a labeled file through the serving path (retrieve + upper + PET):
-    accuracy for classification, entity-level F1 for tagging."""
+    accuracy for classification, entity-level F1 for tagging. `version` serves the PLOT inputs
+    from another version than the tenant's (e.g. a grown child of it)."""
     import torch
 
     from runtime.build.data import accuracy, entity_f1, word_tags
@@ -554,6 +573,8 @@ def tenant_eval(store_path, tenant, test_path, *, max_examples: int | None = Non
     try:
         encoder = base_encoder(store)
         meta, pet = load_tenant(store, tenant, encoder)
+        version = version or meta["version"]
+        store.snapshot().version_index(version)  # UnknownVersion before any work
         task, labels = meta["task"], list(meta["labels"])
         data, _ = read_task(test_path, task)
         max_len = max_len or (meta.get("train") or {}).get("max_len", 128)
@@ -564,7 +585,7 @@ def tenant_eval(store_path, tenant, test_path, *, max_examples: int | None = Non
         predicted = []
         with torch.no_grad():
             for start in range(0, len(ids), batch_size):
-                inputs, mask, _ = retrieve(store.snapshot(), meta["version"], ids[start:start + batch_size])
+                inputs, mask, _ = retrieve(store.snapshot(), version, ids[start:start + batch_size])
                 logits = head(pet, encoder.upper(inputs, mask, pet))
                 predicted += logits.argmax(-1).tolist()
         if task == "classification":
@@ -574,7 +595,7 @@ def tenant_eval(store_path, tenant, test_path, *, max_examples: int | None = Non
             pred_tags = [word_tags(p, t, labels, len(words)) for p, t, words in zip(predicted, targets, x)]
             score = entity_f1([[t if t in labels else "O" for t in ts] for ts in y], pred_tags)
             metric = "entity_f1"
-        return {"tenant": tenant, "version": meta["version"], "metric": metric, "score": score, "examples": len(ids)}
+        return {"tenant": tenant, "version": version, "metric": metric, "score": score, "examples": len(ids)}
     finally:
         store.close()
 
@@ -591,6 +612,6 @@ def status(store_path) -> dict:
         store.close()
 
 
-__all__ = ["ManagerError", "build", "domain_create", "domain_update", "tenant_create", "tenants_create", "tenant_update",
+__all__ = ["ManagerError", "build", "domain_create", "domain_grow", "domain_update", "tenant_create", "tenants_create", "tenant_update",
            "tenant_rm",
            "tenant_eval", "version_encoder", "base_encoder", "status"]
