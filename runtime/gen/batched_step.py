@@ -5,6 +5,9 @@ runs per sequence against its own KV cache (caches have different lengths).
 
     logits = upper_step(decoder, seqs, h)     # h (B, d): each sequence's newest token's input
 
+When every PET of the step is a pure LoRA (or none), the base projections run once for all rows
+and each row's LoRA is added by BGMV / SGMV (runtime.gen.lora_batch): no per-group loop.
+
 Equal to running runtime.model.decoder.Decoder.upper on each sequence alone with its cache and
 PET (tests/test_batcher.py checks the generated text), with one weight read per group instead
 of one per sequence.
@@ -17,6 +20,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from runtime.gen.lora_batch import LoraBatch, lora_only
 from runtime.model import pet as petlib
 from runtime.model.decoder import _act, _norm, _rotate
 
@@ -41,13 +45,39 @@ def _grouped(groups, out_dim: int, x: torch.Tensor, fn) -> torch.Tensor:
     return y
 
 
+# (row PETs' ids, LoraBatch) of the latest step: reused while the batch stays the same (its
+# stacks hold the PETs, so equal ids are the same PETs); one tuple, swapped whole, for threads.
+_last_lora: tuple = ((), None)
+
+
+def _lora_batch(pets) -> LoraBatch:
+    global _last_lora
+    key, last = tuple(id(p) for p in pets), _last_lora
+    if last[0] == key:
+        return last[1]
+    lb = LoraBatch(pets)
+    _last_lora = (key, lb)
+    return lb
+
+
 @torch.no_grad()
 def upper_step(decoder, seqs, h: torch.Tensor) -> torch.Tensor:
     """Run the upper layers on one new position per sequence (h (B, d)), appending to each
     sequence's cache; returns the next-token logits (B, vocab)."""
     c = decoder.config
     B = h.shape[0]
-    groups = _groups(seqs)
+    pets = [s.pet for s in seqs]
+    if all(lora_only(p) for p in pets):  # base projections once, LoRA by BGMV / SGMV (runtime.gen.lora_batch)
+        lb = _lora_batch(pets)
+        groups = [(None, None)]
+
+        def _lin(i, target, x, lin_):
+            y = F.linear(x, lin_.weight, lin_.bias)
+            d = lb.delta(i, target, x)
+            return y if d is None else y + d
+    else:
+        groups = _groups(seqs)
+        _lin = None
     positions = torch.stack([s.cache.positions.reshape(()) for s in seqs])  # (B,)
     hd, H, KV = c.head_dim, c.heads, c.kv_heads
     for i in range(decoder.lower_layers, c.num_layers):
@@ -57,6 +87,8 @@ def upper_step(decoder, seqs, h: torch.Tensor) -> torch.Tensor:
             return _grouped(groups, c.d, x, lambda pet, xs: _norm(pet, i, name, xs, getattr(blk, name)))
 
         def lin(target, x, out_dim, blk=blk, i=i):
+            if _lin is not None:
+                return _lin(i, target, x, getattr(blk, target))
             return _grouped(groups, out_dim, x, lambda pet, xs: petlib.linear(pet, i, target, xs, getattr(blk, target)))
 
         x = norm("ln_attn", h)

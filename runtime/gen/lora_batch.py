@@ -1,0 +1,100 @@
+"""Every row of a decode step with its own tenant's LoRA, in batched ops (Punica's BGMV and
+SGMV, CPU reference): the base projection runs once for all rows, the LoRA deltas are added
+from the tenants' A and B stacked for the step.
+
+    lb = LoraBatch([pet_of_row0, None, pet_of_row2, ...])     # None: the base model
+    y = F.linear(x, W, b) + lb.delta(i, "q", x)                # == petlib.linear(pet_r, i, "q", x[r], lin)
+
+- BGMV (every row its own adapter): A (B, r, d_in) and B (B, d_out, r) gathered per row once
+  a step, the delta is two batched matrix-vector products, one call each for all rows;
+- SGMV (rows share few adapters): one GEMM pair per adapter on its rows (segments), for steps
+  with at least SGMV_ROWS rows per adapter on average (a GEMM pays off over a gather there).
+
+Ranks may differ (zero-padded to the step's largest; exact), as may the targets and layers a
+LoRA covers (rows without that projection add nothing). Only pure-LoRA PETs (no LayerNorm
+deltas, nothing else) take this path; runtime.gen.batched_step groups any other PET.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SGMV_ROWS = 4
+
+
+def lora_only(pet) -> bool:
+    """Whether pet is None or a LoRA with nothing else (its norms are the base model's)."""
+    # (a head, if any, is not applied in a decoder: its LM head serves every tenant)
+    return pet is None or (pet.meta.get("pet_type") == "lora" and
+                           all(".lora." in k or k.startswith("head.") for k in pet.tensors))
+
+
+class LoraBatch:
+    def __init__(self, pets: list, mode: str | None = None):
+        self.B = len(pets)
+        index: dict[int, int] = {}
+        self.adapters: list = []
+        row_adapter = []
+        for pet in pets:
+            if pet is not None and id(pet) not in index:
+                index[id(pet)] = len(self.adapters)
+                self.adapters.append(pet)
+            row_adapter.append(-1 if pet is None else index[id(pet)])
+        self.row_adapter = torch.tensor(row_adapter, dtype=torch.long)
+        G = len(self.adapters)
+        self.mode = mode or ("sgmv" if G and self.B >= SGMV_ROWS * G else "bgmv")
+        # SGMV: the rows of each adapter (a segment); BGMV: per (layer, target) the gathered stacks.
+        self.segments = [torch.nonzero(self.row_adapter == g).flatten() for g in range(G)]
+        self._stacks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor] | None] = {}
+
+    @property
+    def empty(self) -> bool:
+        return not self.adapters
+
+    def _stack(self, i: int, target: str):
+        """(A (B, r, d_in), B (B, d_out, r) scaled), zeros for rows without this projection's LoRA."""
+        key = (i, target)
+        if key not in self._stacks:
+            a_name, b_name = f"layers.{i}.lora.{target}.A", f"layers.{i}.lora.{target}.B"
+            have = [p for p in self.adapters if a_name in p.tensors]
+            if not have:
+                self._stacks[key] = None
+                return None
+            r = max(p.tensors[a_name].shape[0] for p in have)
+            d_in, d_out = have[0].tensors[a_name].shape[1], have[0].tensors[b_name].shape[0]
+            A = torch.zeros(len(self.adapters) + 1, r, d_in)  # the last one: rows without it
+            Bm = torch.zeros(len(self.adapters) + 1, d_out, r)
+            for g, p in enumerate(self.adapters):
+                if a_name in p.tensors:
+                    k = p.tensors[a_name].shape[0]
+                    A[g, :k] = p.tensors[a_name]
+                    Bm[g, :, :k] = p.tensors[b_name] * p.meta["scale"]
+            rows = torch.where(self.row_adapter < 0, len(self.adapters), self.row_adapter)
+            self._stacks[key] = (A[rows], Bm[rows])
+        return self._stacks[key]
+
+    def delta(self, i: int, target: str, x: torch.Tensor) -> torch.Tensor | None:
+        """The LoRA part of projection `target` of layer i for every row of x (B, d_in), or
+        None when no row's PET edits it."""
+        if self.empty:
+            return None
+        if self.mode == "sgmv":
+            a_name, b_name = f"layers.{i}.lora.{target}.A", f"layers.{i}.lora.{target}.B"
+            out = None
+            for p, rows in zip(self.adapters, self.segments):
+                if a_name not in p.tensors:
+                    continue
+                if out is None:
+                    out = x.new_zeros(x.shape[0], p.tensors[b_name].shape[0])
+                xs = x if len(rows) == self.B else x[rows]
+                d = (xs @ p.tensors[a_name].T) @ p.tensors[b_name].T * p.meta["scale"]
+                if len(rows) == self.B:
+                    out += d
+                else:
+                    out[rows] += d
+            return out
+        stack = self._stack(i, target)
+        if stack is None:
+            return None
+        A, Bm = stack
+        return torch.bmm(Bm, torch.bmm(A, x[:, :, None])).squeeze(-1)
