@@ -55,6 +55,9 @@ def test_a_rerun_may_add_rows_but_not_change_settings():
     assert changed_settings(saved, {"lr_adapter": 2e-3, "lower_layers": 3, "rows": "hplm,dedicated"}, defaults) == []
     assert changed_settings(saved, {"lr_adapter": 2e-3, "lower_layers": 2, "rows": "hplm"}, defaults) == ["lower_layers"]
     assert changed_settings(saved, {"lr_adapter": 5e-3, "lower_layers": 3, "rows": "hplm"}, defaults) == ["lr_adapter"]
+    # Before any row is scored only the store's settings are fixed: training ones may change.
+    assert changed_settings(saved, {"lr_adapter": 5e-3, "lower_layers": 3}, defaults, scored=False) == []
+    assert changed_settings(saved, {"lr_adapter": 5e-3, "lower_layers": 2}, defaults, scored=False) == ["lower_layers"]
 
 
 def _suite(tmp_path):
@@ -106,3 +109,20 @@ def test_coverage_table_in_the_markdown():
                                 "by_order": {"3": 0.2, "2": 0.5, "1": 0.3}}}
     md = markdown(r)
     assert "| citation_intent (dev) | root | 1,200 | 20.0 | 50.0 | 30.0 | 25.0 |" in md
+
+
+def test_tune_parses_grids_and_refuses_a_test_run(tmp_path):
+    import json
+
+    import pytest
+
+    from tools.hmi_tune import main, parse_grid, point_key
+
+    assert parse_grid(["lr-full=5e-5,1e-4", "epochs_full=3"]) == {"lr_full": [5e-5, 1e-4], "epochs_full": [3]}
+    assert point_key("dedicated", {"lr_full": 1e-4, "epochs_full": 3}) == "dedicated@epochs_full=3,lr_full=0.0001"
+    for bad in (["lower_layers=2"], ["epochs=three"], ["lr_full"]):
+        with pytest.raises(SystemExit):
+            parse_grid(bad)
+    (tmp_path / "results.json").write_text(json.dumps({"config": {"eval_split": "test", "tasks": ["x"]}}))
+    with pytest.raises(SystemExit, match="dev only"):
+        main(["--run", str(tmp_path), "--row", "dedicated", "--grid", "lr_full=1e-4"])

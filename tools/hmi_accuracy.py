@@ -14,6 +14,10 @@ Rows (Table 3):
                 bottleneck 64, plus LayerNorm deltas): a tenant made by
                 runtime.build.manager.tenant_create and scored by tenant_eval, i.e. through the
                 serving path (runtime.plot.retrieve)
+  hplm-grown    the hplm row's tenant (same PET), served from a child of its domain version grown
+                with the windows of the evaluation text it served only by backing off, valued by
+                the domain's lower layers (`hkstore domain grow`): the PLOT as a cache that grows
+                with a tenant's traffic (text, never labels). Needs the hplm row first.
   hplm-lora     the same with LoRA
   hplm-wide     hplm with a wider adapter (bottleneck --wide-bottleneck, default 256): how much
                 of the gap to dedicated is the adapter's capacity, at what cost in bytes
@@ -60,13 +64,14 @@ TASKS = {  # name: (task kind, directory under --data, domain)
     "NCBI-disease": ("tagging", "ner/NCBI-disease", "biology"),
     "sciie": ("tagging", "ner/sciie", "cs"),
 }
-ROWS = ("dedicated", "shared", "adapter-only", "plot-only", "hplm", "hplm-lora", "hplm-wide")
+ROWS = ("dedicated", "shared", "adapter-only", "plot-only", "hplm", "hplm-grown", "hplm-lora", "hplm-wide")
 ROW_TITLES = {
     "dedicated": "dedicated (full fine-tuning)",
     "shared": "shared (frozen encoder, head only)",
     "adapter-only": "adapter-only (full lower + adapter)",
     "plot-only": "PLOT-only (domain PLOT + upper fine-tuning)",
     "hplm": "hPLM (domain PLOT + adapter)",
+    "hplm-grown": "hPLM, PLOT grown with the evaluation text's missed windows",
     "hplm-lora": "hPLM with LoRA",
     "hplm-wide": "hPLM, adapter bottleneck {wide_bottleneck}",
 }
@@ -79,7 +84,7 @@ VARIANTS = {  # ablation rows -> title; "root-plain*" read OUT/store-plain, whos
     "domain-nonorm": "domain PLOT, MLM + distillation; adapter without its LayerNorm deltas",
 }
 ALPHAS = (0, 30, 50, 100)
-SEED_ROWS = ("dedicated", "hplm", "hplm-wide")  # the rows the goal compares, repeated under --extra-seeds
+SEED_ROWS = ("dedicated", "hplm", "hplm-grown", "hplm-wide")  # the rows the goal compares, repeated under --extra-seeds
 T0 = time.time()
 
 
@@ -301,6 +306,8 @@ def run_row(args, ctx, task: Task, row, suffix=""):
         score, log = row_adapter_only(args, ctx, task)
     elif row == "plot-only":
         score, log = row_plot_only(args, ctx, task, TASKS[task.name][2])
+    elif row == "hplm-grown":
+        score, log, extra = row_grown(args, ctx, task, suffix)
     else:
         options = {"bottleneck": args.wide_bottleneck} if row == "hplm-wide" else {}
         score, log, extra = row_tenant(args, ctx, task, ctx["store"], TASKS[task.name][2],
@@ -322,6 +329,31 @@ def row_tenant(args, ctx, t: Task, store, version, pet_type, tenant, **options):
                                 progress=args.progress, **options)
     score = manager.tenant_eval(store, tenant, ctx["data"]["tasks"][t.name]["eval"], max_len=args.max_len)
     return score["score"], [out["loss_first"], out["loss_last"]], {"pet_bytes": out["pet_bytes"]}
+
+
+def row_grown(args, ctx, t: Task, suffix=""):
+    """The hplm row's tenant served from '<domain>-traffic-<split>' (a child of its domain version
+    that every task of the domain grows with its evaluation text): the score, and what growing cost
+    against computing the lower layers in full context for the same text."""
+    import hkstore
+    from runtime.build import manager
+    from runtime.build.grow import grow
+
+    tenant, version = f"{t.name}-hplm{suffix}", f"{TASKS[t.name][2]}-traffic-{args.eval_split}"
+    with hkstore.open(ctx["store"], writable=True) as st:
+        if tenant not in st.pets():
+            raise SystemExit(f"row hplm-grown needs the hplm row's tenant {tenant!r}: add hplm to --rows")
+        if version not in st.snapshot().version_names:
+            st.create_version(version, TASKS[t.name][2], info={"grown_from": "evaluation text (no labels)"})
+        grown = grow(st, version, t.test_ids)
+    t0 = time.time()
+    full_lower(ctx["base"], t.test_ids)
+    full_s = time.time() - t0
+    score = manager.tenant_eval(ctx["store"], tenant, ctx["data"]["tasks"][t.name]["eval"], max_len=args.max_len,
+                                version=version)
+    extra = {"grown": {k: grown[k] for k in ("windows", "missed", "distinct_missed", "value_seconds")},
+             "full_lower_seconds": round(full_s, 3)}
+    return score["score"], [None, None], extra
 
 
 # -- the store --------------------------------------------------------------------------------
@@ -559,13 +591,17 @@ def markdown(results) -> str:
 # -- main -------------------------------------------------------------------------------------
 
 RESUMABLE = ("tasks", "rows", "alpha_tasks", "distill_tasks", "extra_seeds")  # may differ on a rerun
+# Settings only rows depend on (not the store): free to change while no row has a score, so the
+# store of a final run can be built while its settings are still being chosen on dev.
+TRAINING = ("epochs", "epochs_full", "batch_size", "lr_full", "lr_head", "lr_adapter", "lr_lora", "wide_bottleneck")
 
 
-def changed_settings(saved: dict, config: dict, defaults: dict) -> list[str]:
-    """The settings of config that would change the meaning of a saved run's rows. An option
-    the saved run predates counts as its default (what that run used)."""
+def changed_settings(saved: dict, config: dict, defaults: dict, scored: bool = True) -> list[str]:
+    """The settings of config that would change the meaning of a saved run's rows (or store,
+    while nothing is scored yet). An option the saved run predates counts as its default."""
     old = defaults | saved
-    return [k for k in config if k not in RESUMABLE and old.get(k) != config[k]]
+    free = RESUMABLE + (() if scored else TRAINING)
+    return [k for k in config if k not in free and old.get(k) != config[k]]
 
 
 
@@ -585,7 +621,7 @@ def main(argv=None):
     p.add_argument("--eval-split", choices=("dev", "test"), default="dev",
                    help="the split scored: choose settings on dev, report test once with the chosen ones")
     p.add_argument("--fast", action="store_true",
-                   help="the quick table: tasks citation_intent,NCBI-disease; rows dedicated,adapter-only,hplm; "
+                   help="the quick table: tasks citation_intent,NCBI-disease; rows dedicated,adapter-only,hplm,hplm-grown; "
                         "no alpha or ablation rows (about a third of the full run)")
     p.add_argument("--max-domain-docs", type=int, default=3000,
                    help="train documents per task in a domain corpus (MLM + n-gram counts)")
@@ -617,7 +653,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.fast:
         args.tasks, args.rows, args.alpha_tasks, args.distill_tasks = ("citation_intent,NCBI-disease",
-                                                                       "dedicated,adapter-only,hplm", "", "")
+                                                                       "dedicated,adapter-only,hplm,hplm-grown", "", "")
     if args.general is None:
         default = Path(args.data).parent / "wikitext-2" / "valid.txt"
         args.general = str(default) if default.exists() else ""
@@ -652,7 +688,8 @@ def main(argv=None):
     config = {k: v for k, v in vars(args).items() if k not in ("out", "progress", "fast")}
     # A resumed run may pick other tasks or rows, but nothing that changes a finished row's meaning.
     if results.get("config"):
-        differs = changed_settings(results["config"], config, {k: p.get_default(k) for k in config})
+        scored = any(results.get(k) for k in ("rows", "seeds", "alpha", "distill"))
+        differs = changed_settings(results["config"], config, {k: p.get_default(k) for k in config}, scored)
         if differs:
             raise SystemExit(f"{path} was made with other settings ({', '.join(differs)}); use another --out")
     results.setdefault("rows", {})
