@@ -680,24 +680,33 @@ def section_d(w, out, figures=None):
     for fn in runs.values():
         fn()
     seen = {k: [] for k in runs}
+    cpu = {k: [] for k in runs}  # process CPU seconds: what the run itself used, whatever else runs
     load0 = os.getloadavg()[0]
     for rep in range(args.repeats_d):
         log(f"(d) round {rep + 1}/{args.repeats_d}")
         for k, fn in runs.items():
+            c0 = time.process_time()
             seen[k].append(timed(fn))
+            cpu[k].append(time.process_time() - c0)
     load1 = os.getloadavg()[0]
     med = {k: float(np.median(v)) for k, v in seen.items()}
     best = {k: float(min(v)) for k, v in seen.items()}  # interference only slows a run down
+    cpu_best = {k: float(min(v)) for k, v in cpu.items()}
     mm, mmb = med["torch.matmul, same GEMMs"], best["torch.matmul, same GEMMs"]
+    mmc = cpu_best["torch.matmul, same GEMMs"]
     upper_runs = [k for k in runs if k.startswith(("torch", "batched", "reference"))]
     rows = [[k, f"{med[k] * 1e3:.0f}", f"{best[k] * 1e3:.0f}"]
             + ([f"{flops / best[k] / 1e9:.1f}", f"{mm / med[k]:.2f}", f"{mmb / best[k]:.2f}"] if k in upper_runs
-               else ["–", "–", "–"]) + [f"{max(seen[k]) / min(seen[k]):.2f}"] for k in runs]
+               else ["–", "–", "–"]) + [f"{max(seen[k]) / min(seen[k]):.2f}", f"{cpu_best[k] * 1e3:.0f}"]
+            + ([f"{mmc / cpu_best[k]:.2f}"] if k in upper_runs else ["–"]) for k in runs]
     out.append(f"### CPU: the upper layers of one batch ({B} x {L} tokens, {upper} layers, two adapters a layer "
-               f"b = 64 + LayerNorm deltas + heads), {args.repeats_d} interleaved rounds; load average "
-               f"{load0:.1f} -> {load1:.1f}\n")
+               f"b = 64 + LayerNorm deltas + heads), {args.repeats_d} interleaved rounds, {torch.get_num_threads()} "
+               f"torch threads; load average {load0:.1f} -> {load1:.1f}\n")
     out.append(md_table(["run", "median ms", "best ms", "GFLOP/s (GEMM FLOPs / best)", "vs torch.matmul (median)",
-                         "vs torch.matmul (best)", "max/min"], rows))
+                         "vs torch.matmul (best)", "max/min", "CPU ms (best)", "vs torch.matmul (CPU)"], rows))
+    out.append("\n(CPU ms: the process's CPU time of a run, best of the rounds; with one torch thread it is the "
+               "run's own work whatever else the machine runs; with more, it also counts OpenMP workers "
+               "spinning at barriers)")
     out.append(f"\n- GEMM FLOPs of a batch's upper layers: {flops / 1e9:.1f} GFLOP (adapters {adapters / 1e9:.2f}); "
                f"torch.matmul on the same shapes: {flops / mmb / 1e9:.1f} GFLOP/s (best), {flops / mm / 1e9:.1f} "
                "(median)")
@@ -799,7 +808,10 @@ def main(argv=None):
     ap.add_argument("--tenants", help="(a): comma-separated tenant counts (default 1,10,100,1000,10000)")
     ap.add_argument("--repeats-a", type=int, help="(a): passes per cell (default 3)")
     ap.add_argument("--figures", help="(d): write runtime_cpu_profile.png into this directory")
+    ap.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's, one per core)")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     tenants_arg, repeats_a_arg = args.tenants, args.repeats_a
     if args.quick:
         args.seq_len, args.batch, args.requests, args.dedicated_requests = 32, 16, 32, 8

@@ -169,8 +169,8 @@ class CpuExecutor:
                 prof[stage] = prof.get(stage, 0.0) + now - clock[0]
                 clock[0] = now
 
-        def proj(target, inp, lin):
-            y = F.linear(inp, lin.weight, lin.bias)
+        def proj(target, inp, lin, out):
+            y = torch.addmm(lin.bias, inp, lin.weight.t(), out=out)
             tick("shared GEMMs")
             if ("bias", target) in groups:
                 runs, _, w = groups[("bias", target)]
@@ -188,23 +188,31 @@ class CpuExecutor:
             return y
 
         def norm(y, residual, name, ln):
+            # into residual's memory: the residual is dead once added
             if ("norm", name) in groups:
                 runs, gaps, w = groups[("norm", name)]
-                y = cpu_batched.layernorm(y, residual, ln, runs, gaps, w["weight"], w["bias"])
+                y = cpu_batched.layernorm(y, residual, ln, runs, gaps, w["weight"], w["bias"], out=residual)
                 tick("LayerNorm with PET deltas")
             else:
-                y = cpu_batched.layernorm(y, residual, ln)
+                y = cpu_batched.layernorm(y, residual, ln, out=residual)
                 tick("LayerNorm, GELU")
             return y
 
-        q, k, v = (proj(t, x, getattr(blk, t)).view(B, L, heads, dh).transpose(1, 2) for t in ("q", "k", "v"))
+        # Activations live in reused per-thread buffers and x is updated in place (the caller
+        # hands a fresh copy): a new 50 MB tensor per projection costs as much as GELU.
+        R, buffers = B * L, self._local.buffers
+        qkv = cpu_batched.scratch(buffers, "qkv", (3, R, d))
+        q, k, v = (proj(t, x, getattr(blk, t), qkv[j]).view(B, L, heads, dh).transpose(1, 2)
+                   for j, t in enumerate(("q", "k", "v")))
         ctx = cpu_batched.attention(q, k, v, m, plan.received)
-        ctx = ctx.transpose(1, 2).reshape(B * L, d)
+        flat = cpu_batched.scratch(buffers, "ctx", (R, d))
+        flat.view(B, L, heads, dh).copy_(ctx.transpose(1, 2))
         tick("attention")
-        h = norm(proj("o", ctx, blk.o), x, "ln_attn", blk.ln_attn)
-        f = F.gelu(proj("ffn_in", h, blk.ffn_in))
+        a = cpu_batched.scratch(buffers, "a", (R, d))
+        h = norm(proj("o", flat, blk.o, a), x, "ln_attn", blk.ln_attn)
+        f = torch.ops.aten.gelu_(proj("ffn_in", h, blk.ffn_in, cpu_batched.scratch(buffers, "f", (R, c.ffn))))
         tick("LayerNorm, GELU")
-        return norm(proj("ffn_out", f, blk.ffn_out), h, "ln_ffn", blk.ln_ffn)
+        return norm(proj("ffn_out", f, blk.ffn_out, a), h, "ln_ffn", blk.ln_ffn)
 
     def layer(self, i, x, m, B, L, plan, stacked, seg_rows):
         blk, c = self.encoder.layers[i], self.config

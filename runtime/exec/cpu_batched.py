@@ -22,7 +22,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["adapter", "attention", "bias", "diff", "layernorm", "lora", "order_by_count", "segment_runs", "stack_into"]
+__all__ = ["adapter", "attention", "bias", "diff", "layernorm", "lora", "order_by_count", "scratch", "segment_runs",
+           "stack_into"]
 
 
 def order_by_count(keys: list, kinds: list | None = None) -> np.ndarray:
@@ -79,21 +80,27 @@ def _view(t: torch.Tensor, r0: int, r1: int, n: int) -> torch.Tensor:
     return t[r0:r1].view(n, (r1 - r0) // n, t.shape[1])
 
 
+def scratch(buffers: dict, key, shape, dtype=torch.float32) -> torch.Tensor:
+    """A (shape) view of the reused buffer buffers[key], grown as needed. A fresh multi-megabyte
+    tensor per batch costs its page faults every time (glibc maps allocations above 32 MB
+    anew), as much as a GELU pass; callers must not keep the result past the next call with
+    the same key."""
+    numel = int(np.prod(shape))
+    buf = buffers.get(key)
+    if buf is None or buf.numel() < numel or buf.dtype != dtype:
+        buf = torch.empty(max(numel, int(1.25 * numel)), dtype=dtype)
+        buffers[key] = buf
+    return buf[:numel].view(shape)
+
+
 def stack_into(buffers: dict, key, tensors: list, pad_dim: int | None = None) -> torch.Tensor:
-    """torch.stack(tensors) into a reused buffer of buffers[key] (grown as needed), zero-padding
-    dimension pad_dim (of each tensor) to the largest. A reused buffer avoids the page faults of
-    a fresh multi-megabyte allocation per batch; callers must not keep the result past the
-    next call with the same key."""
+    """torch.stack(tensors) into scratch(buffers, key), zero-padding dimension pad_dim (of each
+    tensor) to the largest."""
     shape = list(tensors[0].shape)
     if pad_dim is not None:
         shape[pad_dim] = max(t.shape[pad_dim] for t in tensors)
     shape = [len(tensors), *shape]
-    numel = int(np.prod(shape))
-    buf = buffers.get(key)
-    if buf is None or buf.numel() < numel:
-        buf = torch.empty(max(numel, int(1.25 * numel)), dtype=tensors[0].dtype)
-        buffers[key] = buf
-    out = buf[:numel].view(shape)
+    out = scratch(buffers, key, shape, tensors[0].dtype)
     if pad_dim is None or all(t.shape[pad_dim] == shape[pad_dim + 1] for t in tensors):
         torch.stack(tensors, out=out)
     else:
@@ -168,20 +175,28 @@ def attention(q, k, v, m, received=None) -> torch.Tensor:
     return probs @ v
 
 
-def layernorm(y, residual, ln, runs=None, gaps=None, gain=None, shift=None) -> torch.Tensor:
+def layernorm(y, residual, ln, runs=None, gaps=None, gain=None, shift=None, out=None) -> torch.Tensor:
     """LayerNorm(y + residual) with ln's gain and shift, plus per-tenant deltas on runs
-    (ops_cpu.segmented_layernorm; without runs, F.layer_norm). y is overwritten and returned."""
+    (ops_cpu.segmented_layernorm; without runs, F.layer_norm), written into out (default y;
+    residual is fine too) and returned. y is overwritten."""
     y.add_(residual)
-    if runs is None:
-        return F.layer_norm(y, ln.normalized_shape, ln.weight, ln.bias, ln.eps)
-    nrm = F.layer_norm(y, ln.normalized_shape, None, None, ln.eps)
+    out = y if out is None else out
+    affine = runs is None
+    rows = y.shape[0]
+    # the out= form of layer_norm: no fresh (rows, d) tensor per call
+    torch.ops.aten.native_layer_norm.out(y, ln.normalized_shape, ln.weight if affine else None,
+                                         ln.bias if affine else None, ln.eps, out0=out,
+                                         out1=torch.empty(rows, 1), out2=torch.empty(rows, 1))
+    if affine:
+        return out
     for r0, r1 in gaps:
-        torch.addcmul(ln.bias, nrm[r0:r1], ln.weight, out=y[r0:r1])
+        torch.addcmul(ln.bias, out[r0:r1], ln.weight, out=out[r0:r1])
     for r0, r1, n, t0 in runs:
         g = (ln.weight + gain[t0:t0 + n]).unsqueeze(1)
         b = (ln.bias + shift[t0:t0 + n]).unsqueeze(1)
-        torch.addcmul(b, _view(nrm, r0, r1, n), g, out=_view(y, r0, r1, n))
-    return y
+        o = _view(out, r0, r1, n)
+        torch.addcmul(b, o, g, out=o)
+    return out
 
 
 def stack_group_into(buffers: dict, plan, group) -> dict:
