@@ -47,6 +47,7 @@ class Request:
     text: str | None = None
     ids: list | None = None
     truncate: bool | None = None  # cut to max_len tokens instead of TextTooLong (None: the runtime's default)
+    policy: str | None = None  # fast | auto | exact (runtime.level.serve; None: auto once profiled, else fast)
 
 
 @dataclass
@@ -63,6 +64,9 @@ class Result:
     batch_size: int = 0  # requests in the batch that computed it
     logits: np.ndarray = field(default=None, repr=False)  # raw head output: (labels,) or (tokens, labels)
     truncated: int = 0  # tokens cut off the end of the request (truncate), 0 when none
+    level: int = 1  # which level answered: 1 the PLOT (hPLM), 2 full-context lower layers (runtime.level)
+    confidence: float | None = None  # calibrated confidence (runtime.level.dispatch.confidence)
+    pruned: int = 0  # words level 2 did not see (Tabi word pruning); their tags are level 1's
 
 
 def _cuda_available() -> bool:
@@ -129,7 +133,12 @@ class Runtime:
             self.executor = CpuExecutor(encoder, lora_kernel=lora_kernel, prefetch=prefetch)
         self.pets = PetCache(host_cache_bytes)
         self._refresh_lock = threading.Lock()
-        self.scheduler = Scheduler(self.executor, self.store.snapshot, max_batch=self.max_batch, pipeline=pipeline)
+        executor = self.executor
+        if device == "cpu":  # level-2 items (full-context lower layers) batch with level-1 ones
+            from runtime.level.executor import LevelExecutor
+
+            executor = LevelExecutor(self.executor, self.store, encoder)
+        self.scheduler = Scheduler(executor, self.store.snapshot, max_batch=self.max_batch, pipeline=pipeline)
         tok = encoder.tokenizer
         self._cls, self._sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
 
@@ -204,7 +213,7 @@ class Runtime:
             pet = load_pet(self.encoder, record.tensors, pet_meta(meta))
         except ValueError as e:
             raise IncompatiblePet(f"tenant {tenant!r}'s PET does not fit the model: {e}") from None
-        pet.meta.update(version=version, tenant=tenant)
+        pet.meta.update(version=version, tenant=tenant, levels=meta.get("levels"))
         return self.executor.load_pet(pet, key=tenant, token=token)
 
     def _normalize(self, requests) -> list:
@@ -214,26 +223,29 @@ class Runtime:
         parsed, texts = [], []
         for r in requests:
             if isinstance(r, Request):
-                tenant, text, ids, cut = r.tenant, r.text, r.ids, r.truncate
+                tenant, text, ids, cut, policy = r.tenant, r.text, r.ids, r.truncate, r.policy
             elif isinstance(r, dict):
-                unknown = set(r) - {"tenant", "text", "ids", "truncate"}
+                unknown = set(r) - {"tenant", "text", "ids", "truncate", "policy"}
                 if unknown:
                     raise BadRequest(f"unknown request fields {sorted(unknown)}; expected tenant, text or ids, "
-                                     "and truncate")
+                                     "truncate and policy")
                 tenant, text, ids, cut = r.get("tenant"), r.get("text"), r.get("ids"), r.get("truncate")
+                policy = r.get("policy")
             else:
                 raise BadRequest(f"a request is a dict or runtime.Request, got {type(r).__name__}")
             if tenant is None:
                 raise BadRequest("a request needs a tenant")
             if (text is None) == (ids is None):
                 raise BadRequest("a request needs exactly one of text and ids")
+            if policy is not None and policy not in ("fast", "auto", "exact"):
+                raise BadRequest(f"policy must be fast, auto or exact, got {policy!r}")
             if text is not None:
                 if not isinstance(text, str):
                     raise BadRequest(f"text must be a string, got {type(text).__name__}")
                 if not text.strip():
                     raise EmptyText(f"tenant {tenant!r}: the text is empty")
                 texts.append(len(parsed))
-            parsed.append([tenant, ids, None, text, self.truncate if cut is None else bool(cut), 0])
+            parsed.append([tenant, ids, None, text, self.truncate if cut is None else bool(cut), 0, policy])
         if texts:
             encodings = self.encoder.tokenizer.encode_batch([parsed[j][3] for j in texts])
             for j, e in zip(texts, encodings):
@@ -241,7 +253,7 @@ class Runtime:
                 parsed[j][2] = _words(parsed[j][3], e)
         vocab = self.encoder.config.vocab_size
         for p in parsed:
-            tenant, ids, words, text, cut, _ = p
+            tenant, ids, words, text, cut, _, _ = p
             if text is None:
                 try:
                     arr = np.asarray(ids)
@@ -267,8 +279,11 @@ class Runtime:
         return parsed
 
     def infer(self, requests) -> list:
-        """Results of requests (see the package doc), in request order. Thread-safe."""
-        from runtime.sched.scheduler import Item
+        """Results of requests (see the package doc), in request order. Thread-safe. A
+        request's ``policy`` picks the level (runtime.level.serve): ``fast`` the PLOT level,
+        ``exact`` full-context lower layers, ``auto`` Tabi's dispatcher (the default once the
+        tenant is profiled, runtime.level.profile)."""
+        from runtime.level.serve import answer
 
         parsed = self._normalize(list(requests) if not isinstance(requests, (dict, Request)) else requests)
         if not parsed:
@@ -277,9 +292,17 @@ class Runtime:
         for tenant, *_ in parsed:
             if tenant not in pets:
                 pets[tenant] = self.pet(tenant)
-        items = [Item([int(t) for t in ids], pets[tenant], pets[tenant].version) for tenant, ids, *_ in parsed]
-        outputs = self.scheduler.run(items)
-        return [self._result(p, item, out) for p, item, out in zip(parsed, items, outputs)]
+        asks = [(tenant, [int(t) for t in ids], self._positions(pets[tenant], ids, words), pets[tenant],
+                 pets[tenant].version, policy) for tenant, ids, words, _, _, _, policy in parsed]
+        answers = answer(self.scheduler, asks, level2=self.device == "cpu")
+        return [self._result(p, pets[p[0]], a) for p, a in zip(parsed, answers)]
+
+    @staticmethod
+    def _positions(pet, ids, words):
+        """The token positions a tagging request reports: a word's first sub-token, or every id."""
+        if pet.task == "classification":
+            return None
+        return list(range(len(ids))) if words is None else [first for first, _ in words]
 
     def generate(self, requests):
         """Encoder stores do not generate text: a BadRequest (decoder stores: runtime.gen.api)."""
@@ -317,27 +340,23 @@ class Runtime:
                 pooled = torch.nn.functional.normalize(pooled, dim=-1)
         return pooled.numpy().astype(np.float32), [len(s) for s in seqs]
 
-    def _result(self, parsed, item, out):
-        tenant, ids, words, _, _, truncated = parsed
-        pet = item.pet
-        logits = np.asarray(out.logits, dtype=np.float32)
-        probs = _softmax(logits)
+    def _result(self, parsed, pet, a):
+        """A Result from a runtime.level.serve.Answer (probabilities calibrated, per word)."""
+        tenant, ids, words, _, _, truncated, _ = parsed
         labels = list(pet.labels)
+        probs = a.probs
         if pet.task == "classification":
-            label, tags, tokens, p = labels[int(probs.argmax())], None, None, probs.tolist()
+            label, tags, tokens = labels[int(probs.argmax())], None, None
         else:
             if words is None:  # ids request: a tag per id
-                positions = list(range(len(ids)))
                 tokens = [self.encoder.tokenizer.id_to_token(int(t)) for t in ids]
             else:
-                positions = [first for first, _ in words]
                 tokens = [w for _, w in words]
             label = None
-            tags = [labels[int(probs[j].argmax())] for j in positions]
-            p = probs[positions].tolist()
+            tags = [labels[int(row.argmax())] for row in probs]
         return Result(tenant=tenant, task=pet.task, labels=labels, label=label, tags=tags, tokens=tokens,
-                      probabilities=p, version=item.version, timings=out.timings, batch_size=out.batch_size,
-                      logits=logits, truncated=truncated)
+                      probabilities=probs.tolist(), version=pet.version, timings=a.timings, batch_size=a.batch_size,
+                      logits=a.logits, truncated=truncated, level=a.level, confidence=a.confidence, pruned=a.pruned)
 
 
 def _words(text, encoding) -> list:
@@ -352,11 +371,6 @@ def _words(text, encoding) -> list:
             out[-1][2] = end
         previous = w
     return [(j, text[a:b]) for j, a, b in out]
-
-
-def _softmax(x: np.ndarray) -> np.ndarray:
-    e = np.exp(x - x.max(-1, keepdims=True))
-    return e / e.sum(-1, keepdims=True)
 
 
 def open(store_path, device: str = "auto", **options) -> Runtime:  # noqa: A001 - the package's verb

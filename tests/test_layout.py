@@ -14,10 +14,12 @@ ALLOWED = {
     "exec": {"model", "plot"},
     "sched": {"model", "plot", "exec"},
     "build": {"model", "plot"},
-    "api": {"model", "plot", "exec", "sched", "gen"},
+    "level": {"model", "plot", "exec", "sched"},
+    "api": {"model", "plot", "exec", "sched", "gen", "level"},
     "serve": {"api", "model", "plot", "sched", "build"},
     "demo": {"api", "model", "build"},
     "gen": {"model", "plot", "exec", "sched"},
+    "student": {"model", "plot", "build"},  # construction reads the teacher through build's manager
     "errors": set(),
 }
 # serve reaches build only through the manager's public functions (the manage jobs)

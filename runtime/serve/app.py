@@ -331,6 +331,8 @@ def _result_view(r) -> dict:
         out["tags"], out["tokens"] = list(r.tags), list(r.tokens)
     if getattr(r, "truncated", 0):
         out["truncated"] = int(r.truncated)
+    if getattr(r, "confidence", None) is not None:
+        out.update(level=int(r.level), confidence=float(r.confidence), pruned=int(r.pruned))
     return out
 
 
@@ -580,7 +582,8 @@ def create_app(store_path, *, admin_token, max_batch=32, max_wait_ms=5, queue_li
             texts = body.all_texts()
             if len(texts) > svc.queue_limit:
                 raise HTTPError(422, f"{len(texts)} texts, more than the queue holds ({svc.queue_limit})")
-            entries = svc.dispatcher.offer(tenant, texts, t0 + svc.request_timeout_s, truncate=body.truncate)
+            entries = svc.dispatcher.offer(tenant, texts, t0 + svc.request_timeout_s, truncate=body.truncate,
+                                           policy=body.policy)
             if entries is None:
                 m.rejected.labels("queue_full").inc()
                 raise HTTPError(429, f"the input queue is full ({svc.queue_limit} texts); retry later",

@@ -15,11 +15,17 @@ log = logging.getLogger("hkstore.serve")
 
 
 class _Entry:
-    __slots__ = ("tenant", "text", "future", "enqueued", "deadline", "state", "truncate")
+    __slots__ = ("tenant", "text", "future", "enqueued", "deadline", "state", "truncate", "policy")
 
     def __init__(self, tenant, text, future, enqueued, deadline):
         self.tenant, self.text, self.future, self.enqueued, self.deadline = tenant, text, future, enqueued, deadline
         self.state = "queued"  # queued | taken | dropped
+
+
+def _options(entry) -> dict:
+    """The request fields an entry sets (truncate, policy); unset ones take the defaults."""
+    names = ("truncate", "policy")
+    return {k: getattr(entry, k) for k in names if getattr(entry, k, None) is not None}
 
 
 class Expired(Exception):
@@ -60,7 +66,7 @@ class Dispatcher:
                 e.future.set_exception(RuntimeError("the server is shutting down"))
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def offer(self, tenant, texts, deadline=math.inf, truncate=None):
+    def offer(self, tenant, texts, deadline=math.inf, truncate=None, policy=None):
         """Queue texts of one request (answer by `deadline`, perf_counter time); None when the
         queue has no room for them."""
         if self.depth + len(texts) > self.queue_limit:
@@ -70,6 +76,7 @@ class Dispatcher:
         entries = [_Entry(tenant, t, loop.create_future(), now, deadline) for t in texts]
         for e in entries:
             e.truncate = truncate  # None: the runtime's default
+            e.policy = policy  # None: the tenant's default (runtime.level.serve)
         self.pending.extend(entries)
         self.depth += len(entries)
         self.m.queue_depth.set(self.depth)
@@ -161,7 +168,7 @@ class Dispatcher:
             self.m.queue_wait.observe(started - e.enqueued)
         try:
             outs = await loop.run_in_executor(self._pool, self._compute,
-                                              [(e.tenant, e.text, getattr(e, "truncate", None)) for e in batch])
+                                              [(e.tenant, e.text, _options(e)) for e in batch])
         except Exception as exc:  # noqa: BLE001 - handed to the callers
             outs = [exc] * len(batch)
         finally:
@@ -193,8 +200,7 @@ class Dispatcher:
         import runtime
 
         try:
-            return self.rt.infer([{"tenant": t, "text": x} if cut is None else {"tenant": t, "text": x, "truncate": cut}
-                                  for t, x, cut in requests])
+            return self.rt.infer([{"tenant": t, "text": x, **options} for t, x, options in requests])
         except (runtime.BadRequest, StoreError, CorruptError) as e:
             # infer checks every request before it runs any: one bad request (or one tenant's
             # damaged PET) fails the whole batch. Split it to find the culprits; the others are

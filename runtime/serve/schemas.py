@@ -59,6 +59,9 @@ class InferBody(Strict):
     texts: Optional[Annotated[list[Text], Field(min_length=1, max_length=MAX_TEXTS)]] = None
     truncate: Optional[bool] = Field(None, description="Cut texts over the server's max_len tokens instead of "
                                                        "answering 422 (default: the server's --truncate)")
+    policy: Optional[Literal["fast", "auto", "exact"]] = Field(
+        None, description="fast: the PLOT level only; exact: full-context lower layers; auto: Tabi's dispatcher "
+                          "(default once the tenant is profiled, else fast)")
 
     @model_validator(mode="after")
     def _one(self):
@@ -84,6 +87,9 @@ class InferResult(BaseModel):
     batch_size: int
     timings_ms: dict
     truncated: Optional[int] = Field(None, description="Tokens cut off the text's end (truncate)")
+    level: Optional[int] = Field(None, description="The level that answered: 1 PLOT, 2 full context")
+    confidence: Optional[float] = Field(None, description="Calibrated confidence of the answer")
+    pruned: Optional[int] = Field(None, description="Words level 2 did not see (word pruning)")
 
 
 class InferResponse(BaseModel):

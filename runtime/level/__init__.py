@@ -1,0 +1,14 @@
+"""Multi-level inference after Tabi (Wang et al., EuroSys '23): answer from the PLOT level
+when it is sure, re-route the rest to the exact level.
+
+* Level 1: the tenant's hPLM (PLOT inputs + PET), what ``runtime.infer`` always served.
+* Level 2: the same tenant with its lower layers computed in full context (the encoder the
+  tenant's PLOT version stands for, ``runtime.model.stored.context_encoder``), PET unchanged.
+
+Rooms of the idea: ``calibrate`` (Eq. 3, a temperature per tenant and level; ECE),
+``dispatch`` (Eq. 4 and the coverage gate), ``prune`` (Eq. 5, words by level-1 attention),
+``ensemble`` (Eq. 6), ``profile`` (§5: choose c, k, alpha, w and the coverage gate on
+held-out data from saved level outputs; the tenant's ``levels`` record), ``executor``
+(level-1 and level-2 items in the same mixed-tenant batches) and ``serve`` (the policies
+``fast`` | ``auto`` | ``exact`` behind ``runtime.Runtime.infer``).
+"""

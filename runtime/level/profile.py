@@ -1,0 +1,190 @@
+"""Profiling (Tabi §5): calibrate each level and choose a tenant's policy on held-out data by
+re-using saved level outputs, then record it with the tenant.
+
+``collect`` runs the held-out queries once per level through the scheduler (level 1 with its
+attention and coverage; level 2 on the full text and on the text pruned at each alpha) and
+keeps the logits and the measured seconds. Everything after that is arithmetic on the saved
+outputs, as in Tabi: ``calibrate`` fits the temperatures (runtime.level.calibrate), and
+``choose`` scores every candidate (c, k, alpha, w, gate) by its *expected* metric and cost:
+a query is re-routed with Eq. 4's probability p, so its expected scoring counts (correct for
+classification; true positives, predicted and gold entities for tagging) are
+(1 - p) * level 1's + p * the ensemble's, summed over queries before the metric is taken
+(entity F1 is not a mean over queries, its counts are sums). Cost: the measured seconds of
+each level, shared over queries in proportion to their tokens (level 2 on a pruned text:
+its kept tokens); a query below the coverage gate costs the lookup plus level 2.
+
+The chosen candidate is the cheapest whose expected metric is within ``target`` of level 2's
+(else the most accurate); ``save`` writes the tenant's levels record into its PET meta
+(FORMAT.md §5, key ``levels``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from runtime.level import calibrate as cal
+from runtime.level import dispatch, ensemble
+from runtime.level.executor import LevelTag
+from runtime.level.prune import prune, word_spans
+from runtime.sched.scheduler import Item
+
+GRID = {"c": [0.0, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.99, 1.01], "k": [10.0, 30.0, 100.0, 1000.0],
+        "alpha": [0.0, 0.25, 0.5, 0.75], "w": [0.0, 0.25, 0.5], "gate": [0.0, 0.1, 0.2, 0.3, 0.4]}
+
+
+@dataclass
+class Saved:
+    """Level outputs of held-out queries (logits at the reported positions)."""
+
+    task: str
+    tokens: np.ndarray  # (N,) tokens per query
+    coverage: np.ndarray  # (N,) share of windows at full order
+    logits1: list
+    logits2: dict  # alpha -> per query logits at the reported positions level 2 saw
+    seen: dict  # alpha -> per query indices (into the reported positions) level 2 saw
+    kept_tokens: dict  # alpha -> (N,) tokens level 2 ran on
+    seconds: dict = field(default_factory=dict)  # level1, retrieval, level2 (full text)
+
+
+def _run(scheduler, items, batch):
+    outs, t0 = [], time.perf_counter()
+    for s in range(0, len(items), batch):
+        outs += scheduler.run(items[s:s + batch])
+    return outs, time.perf_counter() - t0
+
+
+def collect(scheduler, pet, queries, alphas=GRID["alpha"], n: int = 3, batch: int = 32) -> Saved:
+    """Saved level outputs of queries: (ids, positions) each; positions as serve.answer takes
+    them (None for classification)."""
+    tags = [LevelTag(level=1, attention=True) for _ in queries]
+    items = [Item(list(ids), pet, pet.version, t) for (ids, _), t in zip(queries, tags)]
+    outs, s1 = _run(scheduler, items, batch)
+    retrieval = sum(o.timings.get("retrieval", 0.0) / max(o.batch_size, 1) for o in outs)
+
+    def at(logits, positions):
+        logits = np.asarray(logits, dtype=np.float32)
+        return logits if positions is None else logits[positions]
+
+    logits1 = [at(o.logits, pos) for o, (_, pos) in zip(outs, queries)]
+    cover = np.array([dispatch.coverage(o.served[1], n) for o in outs])
+    saved = Saved(pet.task, np.array([len(ids) for ids, _ in queries]), cover, logits1, {}, {}, {},
+                  {"level1": s1, "retrieval": retrieval})
+    for alpha in sorted(set(alphas) | {0.0}):
+        kept_all, runs = [], []
+        for (ids, pos), t in zip(queries, tags):
+            firsts = None if pos is None or (len(pos) == len(ids) and pos[0] == 0) else pos
+            kept, _ = prune(t.received, word_spans(firsts, len(ids)), alpha)
+            kept_all.append(kept)
+            runs.append(Item([ids[j] for j in kept], pet, pet.version, LevelTag(level=2)))
+        outs2, s2 = _run(scheduler, runs, batch)
+        if alpha == 0.0:
+            saved.seconds["level2"] = s2
+        saved.kept_tokens[alpha] = np.array([len(k) for k in kept_all])
+        saved.logits2[alpha], saved.seen[alpha] = [], []
+        for o, kept, (_, pos) in zip(outs2, kept_all, queries):
+            logits = np.asarray(o.logits, dtype=np.float32)
+            if pos is None:
+                saved.logits2[alpha].append(logits)
+                saved.seen[alpha].append(None)
+                continue
+            where = np.searchsorted(kept, pos)
+            seen = [j for j, p in enumerate(pos) if where[j] < len(kept) and kept[where[j]] == p]
+            saved.logits2[alpha].append(logits[where[seen]])
+            saved.seen[alpha].append(seen)
+    return saved
+
+
+def calibrate(saved: Saved, targets) -> dict:
+    """Temperatures of both levels fitted on saved outputs, with ECE before and after.
+    targets: per query the label index (classification) or the index per reported position
+    (tagging; -1 positions are left out)."""
+    out = {"temperature": {}, "ece": {}}
+    for level, logits in (("1", saved.logits1), ("2", saved.logits2[0.0])):
+        z, y = _samples(logits, targets)
+        T = cal.fit_temperature(z, y)
+        out["temperature"][level] = T
+        out["ece"][level] = {"before": cal.reliability(cal.softmax(z), y)["ece"],
+                             "after": cal.reliability(cal.softmax(z, T), y)["ece"]}
+    return out
+
+
+def _samples(logits, targets):
+    if np.ndim(targets[0]) == 0:
+        return np.stack(logits), np.asarray(targets)
+    z = np.concatenate(logits)
+    y = np.concatenate([np.asarray(t) for t in targets])
+    return z[y >= 0], y[y >= 0]
+
+
+def _probs(saved, temps, alpha, w):
+    """Per query the answer probabilities of a re-routed query at (alpha, w)."""
+    p1 = [cal.softmax(z, temps["1"]) for z in saved.logits1]
+    out = []
+    for q, z2 in enumerate(saved.logits2[alpha]):
+        p2 = cal.softmax(z2, temps["2"])
+        if saved.task == "classification":
+            out.append(ensemble.combine(p1[q], p2, w))
+        else:
+            out.append(ensemble.tagging(p1[q], p2, saved.seen[alpha][q], w))
+    return out
+
+
+def choose(saved: Saved, temps: dict, stats, metric, target: float, grid: dict = GRID) -> dict:
+    """Evaluate every candidate of grid on saved outputs; stats(probs, q) -> counts vector of
+    query q, metric(summed counts) -> score. Returns {"chosen", "candidates", "level1",
+    "level2"} (candidates: dicts with c, k, alpha, w, gate, metric, cost (relative to level 2
+    alone), reroute (expected share))."""
+    N = len(saved.logits1)
+    p1 = [cal.softmax(z, temps["1"]) for z in saved.logits1]
+    st1 = np.array([stats(p, q) for q, p in enumerate(p1)], dtype=np.float64)
+    conf = np.array([dispatch.confidence(p, saved.task) for p in p1])
+    tok = saved.tokens.astype(np.float64)
+    per_tok = {k: v / tok.sum() for k, v in saved.seconds.items()}
+    c1 = per_tok["level1"] * tok
+    lookup = per_tok["retrieval"] * tok
+    full2 = per_tok["level2"] * tok
+    st2 = np.array([stats(p, q) for q, p in enumerate(_probs(saved, temps, 0.0, 0.0))])
+    ref_cost = full2.sum()
+    m1, m2 = metric(st1.sum(0)), metric(st2.sum(0))
+    ens = {(a, w): np.array([stats(p, q) for q, p in enumerate(_probs(saved, temps, a, w))])
+           for a in grid["alpha"] for w in grid["w"] if a in saved.logits2}
+    cands = []
+    for g, c, k in itertools.product(grid["gate"], grid["c"], grid["k"]):
+        gated = saved.coverage < g
+        p = np.where(gated, 0.0, dispatch.reroute_probability(conf, c, k))
+        base_stats = st2[gated].sum(0)
+        base_cost = (lookup[gated] + full2[gated]).sum() + c1[~gated].sum()
+        for (a, w), ste in ens.items():
+            s = base_stats + ((1 - p[~gated, None]) * st1[~gated] + p[~gated, None] * ste[~gated]).sum(0)
+            cost = base_cost + (p[~gated] * per_tok["level2"] * saved.kept_tokens[a][~gated]).sum()
+            cands.append({"c": c, "k": k, "alpha": a, "w": w, "gate": g, "metric": float(metric(s)),
+                          "cost": float(cost / ref_cost), "reroute": float((p.sum() + gated.sum()) / N)})
+    ok = [x for x in cands if x["metric"] >= m2 - target]
+    chosen = min(ok, key=lambda x: (x["cost"], -x["metric"])) if ok else max(cands, key=lambda x: x["metric"])
+    return {"chosen": chosen, "candidates": cands, "level1": {"metric": m1, "cost": float(c1.sum() / ref_cost)},
+            "level2": {"metric": m2, "cost": 1.0}, "met": bool(ok)}
+
+
+def record(temps: dict, ece: dict, chosen: dict, result: dict, target: float, examples: int) -> dict:
+    """The levels record a tenant's PET meta keeps (FORMAT.md §5)."""
+    return {"levels": [1, 2], "temperature": temps, "ece": ece,
+            "policy": {k: chosen[k] for k in ("c", "k", "alpha", "w", "gate")},
+            "profile": {"target": target, "expected_metric": chosen["metric"], "expected_cost": chosen["cost"],
+                        "expected_reroute": chosen["reroute"], "level1_metric": result["level1"]["metric"],
+                        "level2_metric": result["level2"]["metric"], "level1_cost": result["level1"]["cost"],
+                        "met": result["met"], "examples": examples, "profiled": time.time()}}
+
+
+def save(store_path, tenant: str, levels: dict) -> None:
+    """Write a tenant's levels record into its PET meta (the record is rewritten whole)."""
+    import hkstore
+    from formats.pack import PetRecord
+
+    with hkstore.open(store_path, writable=True) as store:
+        old = store.get_pet(tenant)
+        meta = dict(old.meta, levels=levels)
+        store.put_pet(PetRecord(tenant=tenant, meta=meta, tensors=old.tensors))

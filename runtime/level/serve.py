@@ -1,0 +1,127 @@
+"""The policies behind runtime.Runtime.infer: ``fast`` (level 1 only), ``auto`` (Tabi's
+dispatcher with the tenant's profiled policy), ``exact`` (level 2 only).
+
+The engine steps, the scheduler decides the batches, the executor computes: ``answer`` hands
+every request of a call to the scheduler at once (level-1 and level-2 items of all tenants
+batch together; runtime.level.executor), dispatches the level-1 answers of ``auto``
+requests (runtime.level.dispatch), prunes the re-routed ones' words with the attention
+level 1 returned (runtime.level.prune), sends all re-routed requests back as one more
+submission at level 2, and ensembles (runtime.level.ensemble).
+
+A tenant's levels record (its PET meta ``levels``, FORMAT.md §5; runtime.level.profile
+writes it) gives the temperatures and the policy; a tenant without one is served with
+T = 1 and ``auto`` means ``fast`` for it (there is no profiled policy to follow).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from runtime.errors import BadRequest
+from runtime.level import dispatch, ensemble
+from runtime.level.calibrate import softmax
+from runtime.level.executor import LevelTag
+from runtime.level.prune import prune, word_spans
+from runtime.sched.scheduler import Item
+
+POLICIES = ("fast", "auto", "exact")
+
+
+@dataclass
+class Answer:
+    probs: np.ndarray  # calibrated: (labels,) or (reported positions, labels)
+    logits: np.ndarray  # the raw head output of the level that answered last
+    level: int  # 1 or 2 (2: level 2 alone or the ensemble of a re-routed request)
+    confidence: float  # runtime.level.dispatch.confidence of probs
+    pruned: int  # words level 2 did not see (pruning); their tags are level 1's
+    timings: dict
+    batch_size: int
+
+
+def levels(pet) -> dict:
+    return pet.meta.get("levels") or {}
+
+
+def temperature(pet, level: int) -> float:
+    return float((levels(pet).get("temperature") or {}).get(str(level), 1.0))
+
+
+def policy_of(pet, asked):
+    """(policy name, profiled parameters or None) for a request that asked `asked` (None:
+    the default, auto once the tenant is profiled, else fast)."""
+    chosen = levels(pet).get("policy")
+    if asked is None:
+        asked = "auto" if chosen else "fast"
+    if asked not in POLICIES:
+        raise BadRequest(f"policy must be one of {', '.join(POLICIES)}, got {asked!r}")
+    if asked == "auto" and not chosen:
+        return "fast", None
+    return asked, chosen
+
+
+def answer(scheduler, requests, level2: bool = True) -> list:
+    """Answers of requests: (tenant, ids, positions, pet, version, asked policy) each;
+    positions: the token positions a tagging request reports (None: classification)."""
+    items, plans = [], []
+    for tenant, ids, positions, pet, version, asked in requests:
+        name, chosen = policy_of(pet, asked)
+        if name != "fast" and not level2:
+            raise BadRequest("this runtime's executor serves level 1 only (policy fast)")
+        tag = None
+        if name == "exact":
+            tag = LevelTag(level=2)
+        elif name == "auto":
+            tag = LevelTag(level=1, gate=float(chosen.get("gate", 0.0)), attention=float(chosen.get("alpha", 0)) > 0)
+        items.append(Item(list(ids), pet, version, tag))
+        plans.append((name, chosen))
+    outs = scheduler.run(items)
+    answers, again, later = [], [], []
+    for b, ((tenant, ids, positions, pet, version, _), (name, chosen), item, out) in enumerate(
+            zip(requests, plans, items, outs)):
+        level = 2 if isinstance(item.tag, LevelTag) and item.tag.level == 2 else 1
+        a = _single(pet, out, level, positions)
+        answers.append(a)
+        if name != "auto" or level == 2:
+            continue
+        if dispatch.reroute(tenant, ids, a.confidence, float(chosen["c"]), float(chosen["k"])):
+            spans = word_spans(_firsts(positions, len(ids)), len(ids))
+            received = item.tag.received if item.tag.received is not None else np.zeros(len(ids))
+            kept, dropped = prune(received, spans, float(chosen.get("alpha", 0.0)))
+            again.append(Item([ids[j] for j in kept], pet, version, LevelTag(level=2)))
+            later.append((b, kept, len(dropped), float(chosen.get("w", 0.0))))
+    if again:
+        for (b, kept, n_dropped, w), out in zip(later, scheduler.run(again)):
+            answers[b] = _rerouted(answers[b], requests[b], out, kept, n_dropped, w)
+    return answers
+
+
+def _firsts(positions, length):
+    """First sub-token positions of a tagging request's words (None: ids or classification)."""
+    if positions is None or (len(positions) == length and positions[0] == 0):
+        return None
+    return list(positions)
+
+
+def _single(pet, out, level, positions) -> Answer:
+    logits = np.asarray(out.logits, dtype=np.float32)
+    probs = softmax(logits, temperature(pet, level))
+    if positions is not None:
+        probs = probs[positions]
+    return Answer(probs, logits, level, dispatch.confidence(probs, pet.task), 0, dict(out.timings), out.batch_size)
+
+
+def _rerouted(first: Answer, request, out, kept, n_dropped, w) -> Answer:
+    _, _, positions, pet, _, _ = request
+    logits = np.asarray(out.logits, dtype=np.float32)
+    p2 = softmax(logits, temperature(pet, 2))
+    if positions is None:
+        probs = ensemble.combine(first.probs, p2, w)
+    else:
+        where = np.searchsorted(kept, positions)
+        seen = [j for j, p in enumerate(positions) if where[j] < len(kept) and kept[where[j]] == p]
+        probs = ensemble.tagging(first.probs, p2[where[seen]], seen, w)
+    timings = dict(first.timings, level2=out.timings.get("total", 0.0))
+    timings["total"] = first.timings.get("total", 0.0) + timings["level2"]
+    return Answer(probs, logits, 2, dispatch.confidence(probs, pet.task), n_dropped, timings, out.batch_size)

@@ -1,0 +1,347 @@
+"""Multi-level inference (runtime.level, issue 16): calibration, the dispatcher, word pruning,
+the ensemble and profiling against simple references; the levels through runtime.infer on a
+tiny store (level 2 equals full-context lower layers + the tenant's PET run alone; mixed
+batches of both levels equal one request at a time); the executor's opt-in attention."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_runtime import shared_tiny_store
+
+import hkstore
+import runtime
+from runtime.build import manager
+from runtime.level import calibrate, dispatch, ensemble, profile
+from runtime.level.prune import prune, word_spans
+from runtime.model import pet as petlib
+from runtime.model.stored import base_encoder, context_encoder
+from runtime.plot.retrieve import retrieve
+
+# -- calibration ----------------------------------------------------------------------------------
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.floats(0.3, 4.0), st.integers(0, 10_000))
+def test_fit_temperature_recovers_the_generating_temperature(T0, seed):
+    rng = np.random.default_rng(seed)
+    z = rng.normal(0, 3, size=(4000, 4))
+    p = calibrate.softmax(z, T0)
+    y = np.array([rng.choice(4, p=row) for row in p])
+    T = calibrate.fit_temperature(z, y)
+    assert abs(np.log(T / T0)) < 0.15
+    assert calibrate.nll(z, y, T) <= min(calibrate.nll(z, y, t) for t in (T * 0.9, T * 1.1, 1.0)) + 1e-9
+
+
+def test_temperature_lowers_ece_of_overconfident_logits():
+    rng = np.random.default_rng(0)
+    z = rng.normal(0, 2, size=(3000, 3))
+    y = np.array([rng.choice(3, p=row) for row in calibrate.softmax(z, 1.0)])
+    hot = 3 * z  # overconfident by 3x
+    T = calibrate.fit_temperature(hot, y)
+    before = calibrate.reliability(calibrate.softmax(hot), y)["ece"]
+    after = calibrate.reliability(calibrate.softmax(hot, T), y)["ece"]
+    assert 2.5 < T < 3.5 and after < before / 2
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 1.0), st.booleans()), min_size=1, max_size=60))
+def test_ece_equals_a_loop(rows):
+    conf = np.array([0.5 + 0.5 * c for c, _ in rows])  # two classes: top probability in [0.5, 1]
+    y = np.array([0 if ok else 1 for _, ok in rows])
+    probs = np.stack([conf, 1 - conf], 1)
+    y = np.where(probs[:, 0] >= probs[:, 1], y, 1 - y)  # ties: argmax is 0
+    ece, edges = 0.0, np.linspace(0, 1, 11)
+    for b in range(10):
+        lo, hi = edges[b], edges[b + 1]
+        inside = [(c, p.argmax() == t) for c, p, t in zip(probs.max(1), probs, y)
+                  if (lo <= c < hi) or (b == 9 and c == 1.0)]
+        if inside:
+            ece += len(inside) / len(y) * abs(np.mean([ok for _, ok in inside]) - np.mean([c for c, _ in inside]))
+    assert calibrate.reliability(probs, y)["ece"] == pytest.approx(ece, abs=1e-9)
+
+
+# -- the dispatcher ---------------------------------------------------------------------------------
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.floats(0, 1), st.floats(0, 1), st.floats(0.1, 1000))
+def test_reroute_probability_is_eq4(s, c, k):
+    p = dispatch.reroute_probability(s, c, k)
+    assert 0.0 <= p <= 1.0
+    if s < c:
+        assert p == 1.0
+    else:
+        assert p == pytest.approx(2 * (1 - 1 / (1 + np.exp(-k * (s - c)))), abs=1e-9)
+        assert p <= dispatch.reroute_probability(max(c, s - 0.01), c, k) + 1e-12  # falls with confidence
+    assert dispatch.reroute_probability(c + 0.05, c, 1e4) < 1e-9  # k -> inf: a step at c
+
+
+def test_confidence_is_top_probability_or_min_over_words():
+    assert dispatch.confidence(np.array([0.2, 0.7, 0.1]), "classification") == pytest.approx(0.7)
+    words = np.array([[0.9, 0.05, 0.05], [0.4, 0.35, 0.25], [0.1, 0.1, 0.8]])
+    assert dispatch.confidence(words, "tagging") == pytest.approx(0.4)  # the least sure word, not the mean
+
+
+def test_draw_is_fixed_by_the_request_and_roughly_uniform():
+    assert dispatch.draw("a", [101, 7, 102]) == dispatch.draw("a", [101, 7, 102])
+    assert dispatch.draw("a", [101, 7, 102]) != dispatch.draw("b", [101, 7, 102])
+    u = np.array([dispatch.draw("t", [101, j, 102]) for j in range(4000)])
+    assert 0.47 < u.mean() < 0.53 and (u < 0.1).mean() == pytest.approx(0.1, abs=0.02)
+
+
+def test_coverage_is_the_share_at_full_order():
+    assert dispatch.coverage(np.array([3, 3, 2, 1]), 3) == 0.5
+
+
+# -- word pruning and the ensemble -------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 3), min_size=1, max_size=12), st.floats(0, 2), st.integers(0, 10_000))
+def test_prune_against_a_reference(word_lengths, alpha, seed):
+    firsts = list(np.cumsum([1] + word_lengths[:-1]))
+    length = 1 + sum(word_lengths) + 1  # [CLS] words [SEP]
+    imp = np.random.default_rng(seed).random(length)
+    spans = word_spans(firsts, length)
+    assert [b - a for a, b in spans] == word_lengths
+    kept, dropped = prune(imp, spans, alpha)
+    assert 0 in kept and length - 1 in kept  # special tokens stay
+    bar = alpha * imp[1:-1].mean()
+    expect = [w for w, (a, b) in enumerate(spans) if alpha > 0 and all(imp[j] < bar for j in range(a, b))]
+    if len(expect) == len(spans):
+        assert len(dropped) == len(spans) - 1  # the most important word is kept
+    else:
+        assert dropped == expect
+    dropped_tokens = {j for w in dropped for j in range(*spans[w])}
+    assert sorted(kept.tolist()) == [j for j in range(length) if j not in dropped_tokens]
+
+
+def test_ids_requests_prune_single_tokens():
+    assert word_spans(None, 5) == [(1, 2), (2, 3), (3, 4)]
+
+
+def test_tagging_ensemble_keeps_level1_on_pruned_words():
+    p1 = np.array([[0.9, 0.1], [0.2, 0.8], [0.6, 0.4]])
+    p2 = np.array([[0.0, 1.0], [1.0, 0.0]])  # level 2 saw words 0 and 2
+    out = ensemble.tagging(p1, p2, [0, 2], 0.25)
+    assert np.allclose(out[1], p1[1])
+    assert np.allclose(out[0], 0.25 * p1[0] + 0.75 * p2[0]) and np.allclose(out[2], 0.25 * p1[2] + 0.75 * p2[1])
+    assert ensemble.accuracy_weight(0.6, 0.9) == pytest.approx(0.4)
+
+
+# -- through the runtime ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return shared_tiny_store()
+
+
+@pytest.fixture()
+def store_copy(tiny, tmp_path):
+    path = tmp_path / "store"
+    shutil.copytree(tiny[0], path)
+    return path
+
+
+def level2_reference(store_path, tenant, ids):
+    """Full-context lower layers of the tenant's version's encoder + its PET, the request alone."""
+    st_ = hkstore.open(store_path)
+    try:
+        base = base_encoder(st_)
+        meta, pet = manager.load_tenant(st_, tenant, base)
+        ctx = context_encoder(st_, meta["version"], base)
+        ids_t, m = base.pad([ids])
+        with torch.no_grad():
+            return petlib.head(pet, base.upper(ctx.lower(ids_t, m), m, pet))[0].numpy()
+    finally:
+        st_.close()
+
+
+def level1_reference(store_path, tenant, ids):
+    st_ = hkstore.open(store_path)
+    try:
+        base = base_encoder(st_)
+        meta, pet = manager.load_tenant(st_, tenant, base)
+        x, m, _ = retrieve(st_.snapshot(), meta["version"], [ids])
+        with torch.no_grad():
+            return petlib.head(pet, base.upper(x, m, pet))[0].numpy()
+    finally:
+        st_.close()
+
+
+def test_levels_in_mixed_batches_equal_the_references(tiny):
+    store, info = tiny
+    tenants, texts = list(info["tenants"]), info["texts"]
+    reqs = [{"tenant": tenants[j % len(tenants)], "text": texts[(3 * j) % len(texts)],
+             "policy": ("fast", "exact", None)[j % 3]} for j in range(15)]
+    with runtime.open(store, device="cpu", max_len=48) as rt:
+        together = rt.infer(reqs)
+        alone = [rt.infer([r])[0] for r in reqs]
+        ids = [rt._normalize([r])[0][1] for r in reqs]
+    for r, a, b, i in zip(reqs, together, alone, ids):
+        level = 2 if r["policy"] == "exact" else 1  # auto without a profile is fast
+        assert a.level == b.level == level and a.pruned == 0
+        ref = (level2_reference if level == 2 else level1_reference)(store, r["tenant"], i)
+        np.testing.assert_allclose(a.logits, ref, atol=2e-4, rtol=1e-4)
+        np.testing.assert_allclose(a.logits, b.logits, atol=2e-4, rtol=1e-4)
+        assert a.confidence == pytest.approx(dispatch.confidence(np.array(a.probabilities), a.task), abs=1e-6)
+
+
+def test_bad_policy_is_a_bad_request(tiny):
+    with runtime.open(tiny[0], device="cpu", max_len=48) as rt, pytest.raises(runtime.BadRequest, match="policy"):
+        rt.infer([{"tenant": "adapter-cls", "text": "Return a path.", "policy": "fastest"}])
+
+
+def _policy(store, tenant, **policy):
+    levels = {"levels": [1, 2], "temperature": {"1": 2.0, "2": 0.5}, "policy": policy}
+    profile.save(store, tenant, levels)
+
+
+def test_auto_follows_the_stored_policy(tiny, store_copy):
+    texts = tiny[1]["texts"][:8]
+    _policy(store_copy, "adapter-cls", c=1.01, k=100.0, alpha=0.0, w=0.0, gate=0.0)  # always re-route
+    _policy(store_copy, "bitfit-tag", c=0.0, k=1000.0, alpha=0.0, w=0.0, gate=0.0)  # never
+    _policy(store_copy, "mask-tag", c=1.01, k=100.0, alpha=0.0, w=0.0, gate=1.01)  # coverage gate: all straight to 2
+    with runtime.open(store_copy, device="cpu", max_len=48) as rt:
+        reqs = [{"tenant": t, "text": x} for x in texts for t in ("adapter-cls", "bitfit-tag", "mask-tag")]
+        out = rt.infer(reqs)  # default policy: auto, all three profiled
+        exact = rt.infer([dict(r, policy="exact") for r in reqs])
+        fast = rt.infer([dict(r, policy="fast") for r in reqs])
+    for r, a, e, f in zip(reqs, out, exact, fast):
+        if r["tenant"] == "bitfit-tag":
+            assert a.level == 1 and np.allclose(a.probabilities, f.probabilities)
+        else:
+            assert a.level == 2 and a.pruned == 0
+            np.testing.assert_allclose(a.probabilities, e.probabilities, atol=1e-5)  # w = 0: level 2 alone
+    cls = [(a, f) for r, a, f in zip(reqs, out, fast) if r["tenant"] == "adapter-cls"]
+    for a, f in cls:  # calibrated with the stored temperatures
+        np.testing.assert_allclose(f.probabilities, calibrate.softmax(f.logits, 2.0), atol=1e-5)
+        np.testing.assert_allclose(a.probabilities, calibrate.softmax(a.logits, 0.5), atol=1e-5)
+
+
+def test_rerouted_tagging_words_pruned_keep_level1_tags(tiny, store_copy):
+    texts = [t for t in tiny[1]["texts"] if len(t.split()) > 6][:6]
+    _policy(store_copy, "bitfit-tag", c=1.01, k=100.0, alpha=1.0, w=0.3, gate=0.0)
+    with runtime.open(store_copy, device="cpu", max_len=48) as rt:
+        auto = rt.infer([{"tenant": "bitfit-tag", "text": x} for x in texts])
+        fast = rt.infer([{"tenant": "bitfit-tag", "text": x, "policy": "fast"} for x in texts])
+    assert all(a.level == 2 for a in auto) and sum(a.pruned for a in auto) > 0
+    for a, f in zip(auto, fast):
+        p, q = np.array(a.probabilities), np.array(f.probabilities)
+        same = np.isclose(p, q, atol=1e-6).all(1)
+        assert same.sum() >= a.pruned  # a pruned word answers with level 1's probabilities
+        assert len(a.tags) == len(f.tags) == len(a.tokens)
+
+
+def test_executor_attention_is_opt_in_and_equals_the_reference(tiny):
+    store, info = tiny
+    from runtime.exec.cpu import CpuExecutor
+    from runtime.plot.mixed import retrieve_mixed
+
+    with runtime.open(store, device="cpu", max_len=48) as rt:
+        pets = [rt.pet(t) for t in ("adapter-cls", "lora-cls", "bitfit-tag")]
+        seqs = [rt._normalize([{"tenant": "x", "text": t}])[0][1] for t in info["texts"][:3]]
+        snap = rt.store.snapshot()
+        x, m, _ = retrieve_mixed(snap, seqs, [p.version for p in pets])
+        for kernels in ("batched", "reference"):
+            ex = CpuExecutor(rt.encoder, kernels=kernels, prefetch=False)
+            plain = ex.forward(x, m, ex.plan(pets))
+            plan = ex.plan(pets)
+            plan.received = torch.zeros(m.shape)
+            with_attention = ex.forward(x, m, plan)
+            for a, b in zip(plain, with_attention):
+                np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-5)
+            received = plan.received.numpy()[np.argsort(plan.perm)]
+            # reference: Encoder.layer's own attention probabilities, per request alone
+            enc = rt.encoder
+            for b, (seq, p) in enumerate(zip(seqs, pets)):
+                raw = manager.load_tenant(rt.store, p.key, enc)[1]
+                h, mm = x[b:b + 1, :len(seq)], m[b:b + 1, :len(seq)]
+                total = torch.zeros(len(seq))
+                for i in range(enc.lower_layers, enc.config.num_layers):
+                    total += _attention_received(enc, i, h, mm, raw)
+                    h = enc.layer(i, h, mm, raw)
+                np.testing.assert_allclose(received[b, :len(seq)], total.numpy(), rtol=1e-4, atol=1e-5)
+                assert (received[b, len(seq):] == 0).all()
+
+
+def _attention_received(enc, i, h, mask, pet):
+    blk, c = enc.layers[i], enc.config
+    B, L, d = h.shape
+    q, k = (petlib.linear(pet, i, t, h, getattr(blk, t)).view(B, L, c.heads, d // c.heads).transpose(1, 2)
+            for t in ("q", "k"))
+    probs = (q @ k.transpose(-2, -1) / (d // c.heads) ** 0.5).softmax(-1)
+    return probs.sum(2).mean(1)[0]
+
+
+def test_profile_on_saved_outputs(tiny, store_copy):
+    texts = tiny[1]["texts"]
+    with runtime.open(store_copy, device="cpu", max_len=48) as rt:
+        pet = rt.pet("adapter-cls")
+        parsed = rt._normalize([{"tenant": "adapter-cls", "text": t} for t in texts])
+        queries = [(p[1], None) for p in parsed]
+        saved = profile.collect(rt.scheduler, pet, queries, alphas=[0.0, 0.5], n=rt.meta["n"])
+        fast = rt.infer([{"tenant": "adapter-cls", "text": t, "policy": "fast"} for t in texts])
+        exact = rt.infer([{"tenant": "adapter-cls", "text": t, "policy": "exact"} for t in texts])
+    for z, f in zip(saved.logits1, fast):
+        np.testing.assert_allclose(z, f.logits, atol=2e-4)
+    for z, e in zip(saved.logits2[0.0], exact):
+        np.testing.assert_allclose(z, e.logits, atol=2e-4)
+    assert (saved.kept_tokens[0.5] <= saved.tokens).all() and (saved.kept_tokens[0.0] == saved.tokens).all()
+    rng = np.random.default_rng(0)
+    targets = rng.integers(0, len(pet.labels), len(texts))
+    cal = profile.calibrate(saved, targets)
+    assert set(cal["temperature"]) == {"1", "2"}
+
+    def stats(p, q):
+        return np.array([float(p.argmax() == targets[q])])
+
+    def metric(s):
+        return s[0] / len(texts)
+
+    grid = {"c": [0.0, 1.01], "k": [1000.0], "alpha": [0.0, 0.5], "w": [0.0], "gate": [0.0]}
+    res = profile.choose(saved, cal["temperature"], stats, metric, target=0.005, grid=grid)
+    by = {(x["c"], x["alpha"]): x for x in res["candidates"]}
+    assert by[(0.0, 0.0)]["metric"] == pytest.approx(res["level1"]["metric"])  # never re-route: level 1
+    assert by[(0.0, 0.0)]["reroute"] == 0.0 and by[(1.01, 0.0)]["reroute"] == 1.0
+    assert by[(1.01, 0.0)]["metric"] == pytest.approx(res["level2"]["metric"])  # always, no pruning: level 2
+    assert by[(1.01, 0.0)]["cost"] == pytest.approx(1.0 + res["level1"]["cost"])
+    assert by[(1.01, 0.5)]["cost"] <= by[(1.01, 0.0)]["cost"] + 1e-12
+    rec = profile.record(cal["temperature"], cal["ece"], res["chosen"], res, 0.005, len(texts))
+    profile.save(store_copy, "adapter-cls", rec)
+    assert hkstore.verify(str(store_copy))["ok"]
+    with runtime.open(store_copy, device="cpu", max_len=48) as rt:
+        assert rt.pet("adapter-cls").meta["levels"]["policy"] == {k: res["chosen"][k] for k in grid}
+        out = rt.infer([{"tenant": "adapter-cls", "text": texts[0]}])[0]
+        assert out.level in (1, 2) and out.confidence is not None
+
+
+def test_policy_over_http(tiny, store_copy, tmp_path):
+    from test_serve import ADMIN, Server, auth
+
+    _policy(store_copy, "adapter-cls", c=1.01, k=100.0, alpha=0.5, w=0.0, gate=0.0)  # auto: always level 2
+    token_file = tmp_path / "admin.token"
+    token_file.write_text(ADMIN + "\n")
+    server = Server(str(store_copy), str(token_file))
+    try:
+        text = tiny[1]["texts"][0]
+        url = "/v1/tenants/adapter-cls/infer"
+        answers = {p: server.client.post(url, json={"text": text, **({"policy": p} if p else {})}, headers=auth(ADMIN))
+                   for p in (None, "fast", "exact")}
+        for r in answers.values():
+            assert r.status_code == 200, r.text
+        levels = {p: r.json()["results"][0]["level"] for p, r in answers.items()}
+        assert levels == {None: 2, "fast": 1, "exact": 2}
+        res = answers[None].json()["results"][0]
+        assert 0 < res["confidence"] <= 1 and res["pruned"] >= 0
+        bad = server.client.post(url, json={"text": text, "policy": "fastest"}, headers=auth(ADMIN))
+        assert bad.status_code == 422 and "policy" in bad.text
+    finally:
+        server.stop()
