@@ -109,8 +109,7 @@ def test_refusals_and_cancellation(gen):
     assert not b.busy and b.result(second)["finish_reason"] == "cancelled" and b.reserved == 0
 
 
-def test_batched_step_equals_single_steps_on_a_llama_layout(tmp_path):
-    """Rotary positions and grouped K/V heads in the batched decode step, mixed PETs."""
+def _llama(tmp_path):
     transformers = pytest.importorskip("transformers")
     from runtime.build.decoder_store import build_decoder
     from runtime.model.tiny_decoder import make_tokenizer
@@ -127,7 +126,12 @@ def test_batched_step_equals_single_steps_on_a_llama_layout(tmp_path):
                   progress=False)
     st = hkstore.open(tmp_path / "s")
     dec = load_decoder(tmp_path / "m", lower_layers=1)
-    gen = PlotDecoder(st.snapshot(), "root", dec)
+    return PlotDecoder(st.snapshot(), "root", dec), dec
+
+
+def test_batched_step_equals_single_steps_on_a_llama_layout(tmp_path):
+    """Rotary positions and grouped K/V heads in the batched decode step, mixed PETs."""
+    gen, dec = _llama(tmp_path)
     prompts = dec.tokenize(["the cat sat on", "a dog", "storage engines keep tables"])
     pets = [None, _pet(dec, 3), _pet(dec, 3)]
     together = [gen.prefill(p, pet) for p, pet in zip(prompts, pets)]
@@ -153,3 +157,29 @@ def test_metrics(gen):
     assert m["tokens"] == made and m["running"] == m["waiting"] == 0 and m["kv_reserved_bytes"] == 0
     assert len(b.ttft) == 2 and len(b.itl) == made - 2
     assert 0 < m["time_to_first_token_s"]["p50"] and m["inter_token_latency_s"]["p99"] > 0
+
+
+def test_the_kv_pool_path_equals_each_sequence_with_its_own_cache(tmp_path):
+    """The batcher's pooled attention (one gather per layer for every sequence; LoRA rows by
+    BGMV, an adapter row through the per-group path) gives each prompt the greedy tokens it gets
+    alone through its own KVCache, on a rotary, grouped-K/V layout; the pool is bounded by the
+    budget and every page comes back."""
+    gen, dec = _llama(tmp_path)
+    adapter = petlib.create_pet(dec, "adapter", "classification", ["lm"], bottleneck=4)
+    with torch.no_grad():
+        for t in adapter.tensors.values():
+            t.add_(torch.randn(t.shape) * 0.5)
+    prompts = dec.tokenize(["the cat sat on", "a dog", "storage engines keep tables", "vectors"])
+    for pets in ([None, _pet(dec, 3), _pet(dec, 4), _pet(dec, 3)], [None, _pet(dec, 3), adapter, None]):
+        alone = [gen.greedy(p, 7, pet) for p, pet in zip(prompts, pets)]
+        b = Batcher(gen, kv_budget_bytes=1 << 30, max_running=3)  # the fourth joins when one ends
+        ids = [b.submit(p, SamplingParams(max_tokens=7 - k), pet) for k, (p, pet) in enumerate(zip(prompts, pets))]
+        b.run()
+        eos = dec.config.eos_id
+        want = [a[:7 - k][:a.index(eos)] if eos in a[:7 - k] else a[:7 - k] for k, a in enumerate(alone)]
+        assert [b.result(i)["ids"] for i in ids] == want
+        assert b.pool.available == b.pool.positions == 3 * dec.config.max_len
+    small = Batcher(gen, kv_budget_bytes=40 * Batcher(gen, 1).bytes_per_token, max_running=8)
+    small.submit(prompts[0], SamplingParams(max_tokens=3))
+    small.step()
+    assert small.pool.positions == 40 and small.pool.available == 40 - len(prompts[0]) - 3

@@ -61,9 +61,11 @@ def _lora_batch(pets) -> LoraBatch:
 
 
 @torch.no_grad()
-def upper_step(decoder, seqs, h: torch.Tensor) -> torch.Tensor:
+def upper_step(decoder, seqs, h: torch.Tensor, pool=None) -> torch.Tensor:
     """Run the upper layers on one new position per sequence (h (B, d)), appending to each
-    sequence's cache; returns the next-token logits (B, vocab)."""
+    sequence's cache (its pages of pool, a runtime.gen.kv_pool.KVPool: attention for all rows
+    at once; else its own KVCache, one sequence after another); returns the next-token
+    logits (B, vocab)."""
     c = decoder.config
     B = h.shape[0]
     pets = [s.pet for s in seqs]
@@ -78,7 +80,11 @@ def upper_step(decoder, seqs, h: torch.Tensor) -> torch.Tensor:
     else:
         groups = _groups(seqs)
         _lin = None
-    positions = torch.stack([s.cache.positions.reshape(()) for s in seqs])  # (B,)
+    if pool is not None:  # every position of a pooled sequence is a real token: position = length
+        positions = torch.tensor([s.kv_len for s in seqs])
+        pages = pool.pages(seqs)
+    else:
+        positions = torch.stack([s.cache.positions.reshape(()) for s in seqs])  # (B,)
     hd, H, KV = c.head_dim, c.heads, c.kv_heads
     for i in range(decoder.lower_layers, c.num_layers):
         blk = decoder.layers[i]
@@ -97,16 +103,10 @@ def upper_step(decoder, seqs, h: torch.Tensor) -> torch.Tensor:
         v = lin("v", x, KV * hd).view(B, KV, 1, hd)
         if c.rotary:
             q, k = _rotate(q, positions[:, None], c.rope_theta), _rotate(k, positions[:, None], c.rope_theta)
-        ctx = h.new_empty(B, H * hd)
-        for b, s in enumerate(seqs):
-            kb, vb = torch.cat([s.cache.k[i], k[b:b + 1]], 2), torch.cat([s.cache.v[i], v[b:b + 1]], 2)
-            s.cache.k[i], s.cache.v[i] = kb, vb
-            if KV != H:
-                kb, vb = kb.repeat_interleave(H // KV, 1), vb.repeat_interleave(H // KV, 1)
-            scores = q[b:b + 1] @ kb.transpose(-2, -1) / math.sqrt(hd)
-            real = torch.cat([s.cache.mask, s.cache.mask.new_ones(1, 1)], 1)  # (1, S): the new token is real
-            scores = scores.masked_fill(~real[:, None, None, :], torch.finfo(scores.dtype).min)
-            ctx[b] = (scores.softmax(-1) @ vb).reshape(H * hd)
+        if pool is not None:
+            ctx = pool.attend(i, seqs, pages, q.view(B, H, hd), k.view(B, KV, hd), v.view(B, KV, hd))
+        else:
+            ctx = _attend_each(i, seqs, q, k, v, c)
         h = h + lin("o", ctx, c.d)
         x = norm("ln_ffn", h)
         if c.gated:
@@ -115,6 +115,25 @@ def upper_step(decoder, seqs, h: torch.Tensor) -> torch.Tensor:
             f = _act(c.act, lin("ffn_in", x, c.ffn))
         h = h + lin("ffn_out", f, c.d)
     for s in seqs:
-        s.cache.mask = torch.cat([s.cache.mask, s.cache.mask.new_ones(1, 1)], 1)
-        s.cache.positions = s.cache.positions + 1
+        if pool is not None:
+            s.kv_len += 1
+        else:
+            s.cache.mask = torch.cat([s.cache.mask, s.cache.mask.new_ones(1, 1)], 1)
+            s.cache.positions = s.cache.positions + 1
     return decoder.logits(h)
+
+
+def _attend_each(i, seqs, q, k, v, c) -> torch.Tensor:
+    """Attention of each sequence against its own KVCache (appending this step's k, v)."""
+    B, H, KV, hd = q.shape[0], c.heads, c.kv_heads, c.head_dim
+    ctx = q.new_empty(B, H * hd)
+    for b, s in enumerate(seqs):
+        kb, vb = torch.cat([s.cache.k[i], k[b:b + 1]], 2), torch.cat([s.cache.v[i], v[b:b + 1]], 2)
+        s.cache.k[i], s.cache.v[i] = kb, vb
+        if KV != H:
+            kb, vb = kb.repeat_interleave(H // KV, 1), vb.repeat_interleave(H // KV, 1)
+        scores = q[b:b + 1] @ kb.transpose(-2, -1) / math.sqrt(hd)
+        real = torch.cat([s.cache.mask, s.cache.mask.new_ones(1, 1)], 1)  # (1, S): the new token is real
+        scores = scores.masked_fill(~real[:, None, None, :], torch.finfo(scores.dtype).min)
+        ctx[b] = (scores.softmax(-1) @ vb).reshape(H * hd)
+    return ctx

@@ -15,7 +15,10 @@ own cache and PET), then retires the finished ones and frees their cache.
 KV memory: a request reserves the upper layers' keys and values for prompt + max_tokens
 positions when admitted (2 x kv_heads x head_dim x 4 bytes x upper layers per position), so a
 running sequence never runs out; requests wait (first come, first served) while the budget is
-full, and one that could never fit is refused at submit with a one-line ValueError.
+full, and one that could never fit is refused at submit with a one-line ValueError. The
+positions live in one pool preallocated at the first admission (runtime.gen.kv_pool: the
+budget's positions, at most max_running full contexts), so a decode step attends for every
+sequence in one batched op and nothing is allocated per step.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ class Batcher:
         self.budget = int(kv_budget_bytes)
         self.max_running = max_running
         self.reserved = 0
+        self.pool = None  # runtime.gen.kv_pool.KVPool, made at the first admission
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []
         self.done: dict[int, _Request] = {}
@@ -87,6 +91,9 @@ class Batcher:
         need = (len(prompt) + params.max_tokens) * self.bytes_per_token
         if need > self.budget:
             raise ValueError(f"the request needs {need} bytes of KV cache, more than the whole budget of {self.budget}")
+        if len(prompt) + params.max_tokens > self.max_running * c.max_len:  # (a rotary model, past its context)
+            raise ValueError(f"prompt + max_tokens ({len(prompt) + params.max_tokens} positions) exceed the KV pool "
+                             f"of {self.max_running} x {c.max_len} positions")
         req = _Request(next(self._ids), list(prompt), params, pet, need, submitted=time.perf_counter())
         self.waiting.append(req)
         return req.id
@@ -111,12 +118,22 @@ class Batcher:
                 "top_logprobs": r.top, "prompt_tokens": len(r.prompt), "completion_tokens": len(r.ids)}
 
     def _admit(self) -> None:
+        if self.pool is None and self.waiting:
+            from runtime.gen.kv_pool import KVPool
+
+            c = self.gen.decoder.config
+            self.pool = KVPool(self.gen.decoder, min(self.budget // self.bytes_per_token, self.max_running * c.max_len))
         while self.waiting and len(self.running) < self.max_running and \
                 self.reserved + self.waiting[0].reserve <= self.budget:
-            req = self.waiting.popleft()
+            req = self.waiting[0]
+            slots = self.pool.alloc(len(req.prompt) + req.params.max_tokens)
+            if slots is None:  # (the pool holds at most max_running contexts) it frees as sequences end
+                break
+            self.waiting.popleft()
             self.reserved += req.reserve
             req.chooser = Chooser(req.params)
             req.seq = self.gen.prefill(req.prompt, req.pet)
+            self.pool.adopt(req.seq, slots)
             self.running.append(req)
 
     def step(self) -> list[Event]:
@@ -151,11 +168,12 @@ class Batcher:
                 tokens.append(token)
             events.append(Event(req.id, token, req.text, req.finish is not None, req.finish))
         if go_on:
-            self.gen.append([r.seq for r in go_on], tokens)
+            self.gen.append([r.seq for r in go_on], tokens, self.pool)
         for req in [r for r in self.running if r.finish is not None]:
             self.running.remove(req)
             self.reserved -= req.reserve
-            req.seq = None  # frees its KV cache
+            self.pool.free(req.seq.slots)
+            req.seq = None
             self.done[req.id] = req
         return events
 

@@ -32,10 +32,10 @@ def generate(store, prompt, version, tenant, max_tokens, temperature, top_k, top
     import hkstore
     from formats.errors import FormatError
     from hkstore.errors import StoreError
-    from runtime.model.stored import base_decoder
     from runtime.gen.batcher import Batcher
     from runtime.gen.plot_decode import PlotDecoder
     from runtime.gen.sampling import SamplingParams
+    from runtime.model.stored import base_decoder
 
     try:
         with hkstore.open(store) as st:

@@ -38,6 +38,8 @@ class Sequence:
     cache: KVCache = field(default_factory=KVCache)
     logits: torch.Tensor | None = None  # (vocab,) next-token logits after the last step
     orders: list[int] = field(default_factory=list)  # served order of each token's window
+    slots: torch.Tensor | None = None  # its pages of a runtime.gen.kv_pool.KVPool (then cache is None)
+    kv_len: int = 0  # positions held in those pages
 
     @property
     def generated(self) -> list[int]:
@@ -85,16 +87,17 @@ class PlotDecoder:
         return h
 
     @torch.no_grad()
-    def append(self, seqs: list[Sequence], tokens: list[int]) -> None:
-        """Add one token to each sequence: look up its window, run the upper layers one position."""
+    def append(self, seqs: list[Sequence], tokens: list[int], pool=None) -> None:
+        """Add one token to each sequence: look up its window, run the upper layers one position
+        (against pool's pages when the sequences live in a KVPool: runtime.gen.batcher's)."""
         for s, t in zip(seqs, tokens):
             self._check_room(len(s.ids) + 1)
             s.ids.append(int(t))
         h = self._step_inputs(seqs)
-        if len(seqs) > 1:  # one GEMM per PET group for all sequences (runtime.gen.batched_step)
+        if len(seqs) > 1 or pool is not None:  # one GEMM per PET group for all sequences (runtime.gen.batched_step)
             from runtime.gen.batched_step import upper_step
 
-            for s, logits in zip(seqs, upper_step(self.decoder, seqs, h)):
+            for s, logits in zip(seqs, upper_step(self.decoder, seqs, h, pool)):
                 s.logits = logits
             return
         for b, s in enumerate(seqs):

@@ -1,0 +1,83 @@
+"""The upper layers' keys and values of every running sequence in one preallocated pool,
+bounded by the batcher's KV budget (a paged pool with pages of one position: no fragmentation,
+and a request reserves exactly prompt + max_tokens positions, as the budget counts them).
+
+    pool = KVPool(decoder, positions=budget // bytes_per_token)
+    slots = pool.alloc(len(prompt) + max_tokens)     # None while the pool is full
+    pool.adopt(seq, slots)                           # the prefill's KVCache moves into the pool
+    ... runtime.gen.batched_step.upper_step(decoder, seqs, h, pool)   # one gather per layer
+    pool.free(slots)
+
+A decode step attends for every sequence at once: the sequences' pages, (B, longest) indices,
+gather the keys and values (B, kv_heads, longest, head_dim) in one index per layer, and one
+batched matmul pair replaces the per-sequence loop; positions past a sequence's length are
+masked. Nothing grows or is concatenated per step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    def __init__(self, decoder, positions: int):
+        c = decoder.config
+        self.first = decoder.lower_layers
+        n = c.num_layers - decoder.lower_layers
+        self.k = torch.zeros(n, positions, c.kv_heads, c.head_dim)
+        self.v = torch.zeros(n, positions, c.kv_heads, c.head_dim)
+        self._free = list(range(positions - 1, -1, -1))  # a stack: the low pages first
+
+    @property
+    def positions(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def available(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        if n > len(self._free):
+            return None
+        taken = [self._free.pop() for _ in range(n)]
+        return torch.tensor(taken, dtype=torch.long)
+
+    def free(self, slots: torch.Tensor) -> None:
+        self._free.extend(reversed(slots.tolist()))
+
+    def adopt(self, seq, slots: torch.Tensor) -> None:
+        """Move seq's KVCache (one unpadded sequence: every position real) into its pages."""
+        T = seq.cache.length
+        for i, k in seq.cache.k.items():
+            self.k[i - self.first, slots[:T]] = k[0].transpose(0, 1)
+            self.v[i - self.first, slots[:T]] = seq.cache.v[i][0].transpose(0, 1)
+        seq.slots, seq.kv_len = slots, T
+        seq.cache = None
+
+    def pages(self, seqs) -> torch.Tensor:
+        """(B, longest + 1) page indices of each sequence's positions so far and the new one;
+        shorter rows repeat their first page (masked by attend)."""
+        width = max(s.kv_len for s in seqs) + 1
+        rows = torch.empty(len(seqs), width, dtype=torch.long)
+        for b, s in enumerate(seqs):
+            n = s.kv_len + 1
+            rows[b, :n] = s.slots[:n]
+            rows[b, n:] = s.slots[0]
+        return rows
+
+    def attend(self, i: int, seqs, pages: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
+        """Layer i: write each sequence's new key and value (B, kv_heads, head_dim) at its next
+        page, then attention of q (B, heads, head_dim) over its positions: (B, heads * head_dim)."""
+        li, B = i - self.first, len(seqs)
+        lengths = torch.tensor([s.kv_len for s in seqs])
+        new = pages[torch.arange(B), lengths]
+        self.k[li, new], self.v[li, new] = k, v
+        keys = self.k[li][pages].permute(0, 2, 3, 1)  # (B, KV, hd, S)
+        values = self.v[li][pages].transpose(1, 2)  # (B, KV, S, hd)
+        KV, hd = k.shape[1], k.shape[2]
+        qg = q.reshape(B, KV, q.shape[1] // KV, hd)  # head h reads K/V head h // (heads / kv_heads)
+        scores = (qg @ keys) / hd ** 0.5  # (B, KV, g, S)
+        real = torch.arange(pages.shape[1])[None, :] <= lengths[:, None]
+        scores = scores.masked_fill(~real[:, None, None, :], torch.finfo(scores.dtype).min)
+        return (scores.softmax(-1) @ values).reshape(B, -1)
