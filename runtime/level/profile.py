@@ -33,7 +33,7 @@ from runtime.level.prune import prune, word_spans
 from runtime.sched.scheduler import Item
 
 GRID = {"c": [0.0, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.99, 1.01], "k": [10.0, 30.0, 100.0, 1000.0],
-        "alpha": [0.0, 0.25, 0.5, 0.75], "w": [0.0, 0.25, 0.5], "gate": [0.0, 0.1, 0.2, 0.3, 0.4]}
+        "alpha": [0.0, 0.25, 0.5, 0.75], "w": [0.0, 0.25, 0.5], "gate": [0.0, 0.1, 0.2, 0.3, 0.4, 1.01]}
 
 
 @dataclass
@@ -81,6 +81,7 @@ def collect(scheduler, pet, queries, alphas=GRID["alpha"], n: int = 3, batch: in
             kept_all.append(kept)
             runs.append(Item([ids[j] for j in kept], pet, pet.version, LevelTag(level=2)))
         outs2, s2 = _run(scheduler, runs, batch)
+        saved.seconds[f"level2@{alpha}"] = s2
         if alpha == 0.0:
             saved.seconds["level2"] = s2
         saved.kept_tokens[alpha] = np.array([len(k) for k in kept_all])
