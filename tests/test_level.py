@@ -188,6 +188,7 @@ def test_levels_in_mixed_batches_equal_the_references(tiny):
     for r, a, b, i in zip(reqs, together, alone, ids):
         level = 2 if r["policy"] == "exact" else 1  # auto without a profile is fast
         assert a.level == b.level == level and a.pruned == 0
+        assert a.batch_size == len(reqs)  # both levels, six tenants: one batch
         ref = (level2_reference if level == 2 else level1_reference)(store, r["tenant"], i)
         np.testing.assert_allclose(a.logits, ref, atol=2e-4, rtol=1e-4)
         np.testing.assert_allclose(a.logits, b.logits, atol=2e-4, rtol=1e-4)
@@ -345,3 +346,21 @@ def test_policy_over_http(tiny, store_copy, tmp_path):
         assert bad.status_code == 422 and "policy" in bad.text
     finally:
         server.stop()
+
+
+def test_level1_only_executors_default_to_fast(tiny, store_copy):
+    from runtime.level.serve import answer
+    from runtime.sched.scheduler import Scheduler
+
+    _policy(store_copy, "adapter-cls", c=1.01, k=100.0, alpha=0.0, w=0.0, gate=0.0)
+    with runtime.open(store_copy, device="cpu", max_len=48) as rt:
+        plain = Scheduler(rt.executor, rt.store.snapshot, pipeline=False)  # no LevelExecutor: as on the GPU
+        try:
+            pet = rt.pet("adapter-cls")
+            ids = rt._normalize([{"tenant": "x", "text": tiny[1]["texts"][0]}])[0][1]
+            (a,) = answer(plain, [("adapter-cls", ids, None, pet, pet.version, None)], level2=False)
+            assert a.level == 1
+            with pytest.raises(runtime.BadRequest, match="level 1 only"):
+                answer(plain, [("adapter-cls", ids, None, pet, pet.version, "exact")], level2=False)
+        finally:
+            plain.close()

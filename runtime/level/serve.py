@@ -48,12 +48,12 @@ def temperature(pet, level: int) -> float:
     return float((levels(pet).get("temperature") or {}).get(str(level), 1.0))
 
 
-def policy_of(pet, asked):
+def policy_of(pet, asked, level2: bool = True):
     """(policy name, profiled parameters or None) for a request that asked `asked` (None:
-    the default, auto once the tenant is profiled, else fast)."""
+    the default, auto once the tenant is profiled and the executor serves level 2, else fast)."""
     chosen = levels(pet).get("policy")
     if asked is None:
-        asked = "auto" if chosen else "fast"
+        asked = "auto" if chosen and level2 else "fast"
     if asked not in POLICIES:
         raise BadRequest(f"policy must be one of {', '.join(POLICIES)}, got {asked!r}")
     if asked == "auto" and not chosen:
@@ -66,9 +66,9 @@ def answer(scheduler, requests, level2: bool = True) -> list:
     positions: the token positions a tagging request reports (None: classification)."""
     items, plans = [], []
     for tenant, ids, positions, pet, version, asked in requests:
-        name, chosen = policy_of(pet, asked)
+        name, chosen = policy_of(pet, asked, level2)
         if name != "fast" and not level2:
-            raise BadRequest("this runtime's executor serves level 1 only (policy fast)")
+            raise BadRequest(f"policy {name}: this runtime's executor serves level 1 only (policy fast)")
         tag = None
         if name == "exact":
             tag = LevelTag(level=2)
