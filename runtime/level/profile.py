@@ -50,52 +50,53 @@ class Saved:
     seconds: dict = field(default_factory=dict)  # level1, retrieval, level2 (full text)
 
 
-def _run(scheduler, items, batch):
-    outs, t0 = [], time.perf_counter()
-    for s in range(0, len(items), batch):
-        outs += scheduler.run(items[s:s + batch])
+def _timed(scheduler, items):
+    t0 = time.perf_counter()
+    outs = scheduler.run(items)
     return outs, time.perf_counter() - t0
 
 
 def collect(scheduler, pet, queries, alphas=GRID["alpha"], n: int = 3, batch: int = 32) -> Saved:
     """Saved level outputs of queries: (ids, positions) each; positions as serve.answer takes
-    them (None for classification)."""
-    tags = [LevelTag(level=1, attention=True) for _ in queries]
-    items = [Item(list(ids), pet, pet.version, t) for (ids, _), t in zip(queries, tags)]
-    outs, s1 = _run(scheduler, items, batch)
-    retrieval = sum(o.timings.get("retrieval", 0.0) / max(o.batch_size, 1) for o in outs)
-
-    def at(logits, positions):
-        logits = np.asarray(logits, dtype=np.float32)
-        return logits if positions is None else logits[positions]
-
-    logits1 = [at(o.logits, pos) for o, (_, pos) in zip(outs, queries)]
-    cover = np.array([dispatch.coverage(o.served[1], n) for o in outs])
-    saved = Saved(pet.task, np.array([len(ids) for ids, _ in queries]), cover, logits1, {}, {}, {},
-                  {"level1": s1, "retrieval": retrieval})
-    for alpha in sorted(set(alphas) | {0.0}):
-        kept_all, runs = [], []
-        for (ids, pos), t in zip(queries, tags):
-            firsts = None if pos is None or (len(pos) == len(ids) and pos[0] == 0) else pos
-            kept, _ = prune(t.received, word_spans(firsts, len(ids)), alpha)
-            kept_all.append(kept)
-            runs.append(Item([ids[j] for j in kept], pet, pet.version, LevelTag(level=2)))
-        outs2, s2 = _run(scheduler, runs, batch)
-        saved.seconds[f"level2@{alpha}"] = s2
-        if alpha == 0.0:
-            saved.seconds["level2"] = s2
-        saved.kept_tokens[alpha] = np.array([len(k) for k in kept_all])
-        saved.logits2[alpha], saved.seen[alpha] = [], []
-        for o, kept, (_, pos) in zip(outs2, kept_all, queries):
+    them (None for classification). Chunk by chunk of `batch` queries: level 1, then level 2
+    at each alpha, so that the levels' seconds are measured interleaved (a shared machine's
+    load changes within a run)."""
+    alphas = sorted(set(alphas) | {0.0})
+    saved = Saved(pet.task, np.array([len(ids) for ids, _ in queries]), np.zeros(len(queries)), [],
+                  {a: [] for a in alphas}, {a: [] for a in alphas}, {a: [] for a in alphas},
+                  {"level1": 0.0, "retrieval": 0.0, **{f"level2@{a}": 0.0 for a in alphas}})
+    for start in range(0, len(queries), batch):
+        chunk = queries[start:start + batch]
+        tags = [LevelTag(level=1, attention=True) for _ in chunk]
+        outs, s1 = _timed(scheduler, [Item(list(ids), pet, pet.version, t) for (ids, _), t in zip(chunk, tags)])
+        saved.seconds["level1"] += s1
+        saved.seconds["retrieval"] += sum(o.timings.get("retrieval", 0.0) / max(o.batch_size, 1) for o in outs)
+        for j, (o, (_, pos)) in enumerate(zip(outs, chunk)):
             logits = np.asarray(o.logits, dtype=np.float32)
-            if pos is None:
-                saved.logits2[alpha].append(logits)
-                saved.seen[alpha].append(None)
-                continue
-            where = np.searchsorted(kept, pos)
-            seen = [j for j, p in enumerate(pos) if where[j] < len(kept) and kept[where[j]] == p]
-            saved.logits2[alpha].append(logits[where[seen]])
-            saved.seen[alpha].append(seen)
+            saved.logits1.append(logits if pos is None else logits[pos])
+            saved.coverage[start + j] = dispatch.coverage(o.served[1], n)
+        for alpha in alphas:
+            kept_all = []
+            for (ids, pos), t in zip(chunk, tags):
+                firsts = None if pos is None or (len(pos) == len(ids) and pos[0] == 0) else pos
+                kept_all.append(prune(t.received, word_spans(firsts, len(ids)), alpha)[0])
+            runs = [Item([ids[j] for j in kept], pet, pet.version, LevelTag(level=2))
+                    for (ids, _), kept in zip(chunk, kept_all)]
+            outs2, s2 = _timed(scheduler, runs)
+            saved.seconds[f"level2@{alpha}"] += s2
+            saved.kept_tokens[alpha] += [len(k) for k in kept_all]
+            for o, kept, (_, pos) in zip(outs2, kept_all, chunk):
+                logits = np.asarray(o.logits, dtype=np.float32)
+                if pos is None:
+                    saved.logits2[alpha].append(logits)
+                    saved.seen[alpha].append(None)
+                    continue
+                where = np.searchsorted(kept, pos)
+                seen = [j for j, p in enumerate(pos) if where[j] < len(kept) and kept[where[j]] == p]
+                saved.logits2[alpha].append(logits[where[seen]])
+                saved.seen[alpha].append(seen)
+    saved.kept_tokens = {a: np.array(v) for a, v in saved.kept_tokens.items()}
+    saved.seconds["level2"] = saved.seconds["level2@0.0"]
     return saved
 
 
