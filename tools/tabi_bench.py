@@ -20,6 +20,8 @@ writes the tenant's levels record into the store):
    scored under each level (Tabi §7.3.2); word pruning per alpha (share of tokens dropped,
    level-2 seconds, metric loss; Tabi Table 3); reliability diagrams before/after calibration
    (PNG). Results: OUT/<task>.json (a finished task is not redone: resume), OUT/summary.md.
+4. --poisson RATE: fast, exact and auto under the same Poisson arrivals of the tasks' test
+   queries (tenants mixed, concurrent callers batched by the scheduler), taking turns.
 """
 
 from __future__ import annotations
@@ -289,6 +291,67 @@ def run_task(task, args):
         rt.close()
 
 
+# -- Poisson load -----------------------------------------------------------------------------------
+
+
+def poisson(args, results) -> dict:
+    """Each system under the same Poisson arrivals of the tasks' test queries (tenants mixed):
+    achieved throughput and latency; the systems take turns, --poisson-rounds times."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    import runtime
+    from runtime.level.serve import answer
+
+    torch.set_num_threads(args.threads)
+    rt = runtime.open(args.store, device="cpu", max_len=args.max_len, max_batch=args.batch)
+    try:
+        pool = []
+        for r in results:
+            kind = TASKS[r["task"]][0]
+            pet = rt.pet(r["tenant"])
+            max_len = (rt.store.snapshot().read_pet(r["tenant"]).meta.get("train") or {}).get("max_len", 128)
+            _, _, test, _ = split_data(r["task"], kind, args)
+            q = Queries(rt.encoder, test, kind, list(pet.labels), max_len)
+            pool += [(r["tenant"], ids, pos, pet) for ids, pos in q.pairs()]
+        rng = np.random.default_rng(args.seed)
+        picks = rng.choice(len(pool), size=args.poisson_count)
+        gaps = rng.exponential(1.0 / args.poisson, size=args.poisson_count)
+        systems = ("fast", "exact", "auto")
+        out = {name: {"seconds": [], "throughput": []} for name in systems}
+        lock = threading.Lock()
+        for rnd in range(args.poisson_rounds):
+            for name in systems[rnd % 3:] + systems[:rnd % 3]:
+                lat = []
+
+                def one(j, name=name, lat=lat):
+                    tenant, ids, pos, pet = pool[j]
+                    t = time.perf_counter()
+                    answer(rt.scheduler, [(tenant, ids, pos, pet, pet.version, name)])
+                    with lock:
+                        lat.append(time.perf_counter() - t)
+
+                t0 = time.perf_counter()
+                with ThreadPoolExecutor(64) as ex:
+                    due = t0
+                    for j, gap in zip(picks, gaps):
+                        due += gap
+                        time.sleep(max(0.0, due - time.perf_counter()))
+                        ex.submit(one, int(j))
+                elapsed = time.perf_counter() - t0
+                out[name]["seconds"] += lat
+                out[name]["throughput"].append(len(lat) / elapsed)
+                print(f"  poisson round {rnd + 1} {name}: {len(lat) / elapsed:.1f} req/s, mean "
+                      f"{1000 * np.mean(lat):.0f} ms; {uptime()}", flush=True)
+        return {"rate": args.poisson, "count": args.poisson_count, "rounds": args.poisson_rounds,
+                **{name: {"throughput_rps": float(np.median(v["throughput"])), **latency(v["seconds"])}
+                   for name, v in out.items()}, "uptime_end": uptime()}
+    finally:
+        rt.close()
+
+
 # -- report ---------------------------------------------------------------------------------------
 
 
@@ -366,6 +429,9 @@ def main(argv=None):
     ap.add_argument("--limit", type=int, default=0, help="serve at most this many test queries (0: all)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--poisson", type=float, default=0.0, help="also a Poisson load at this rate (requests/s)")
+    ap.add_argument("--poisson-count", type=int, default=200)
+    ap.add_argument("--poisson-rounds", type=int, default=2)
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     os.makedirs(args.figures, exist_ok=True)
@@ -384,6 +450,14 @@ def main(argv=None):
         results.append(r)
     figures(results, args.figures)
     text = summary(results)
+    if args.poisson > 0:
+        load = poisson(args, results)
+        with open(os.path.join(args.out, "poisson.json"), "w") as f:
+            json.dump(load, f, indent=1)
+        text += f"\n\nPoisson load, {load['rate']:g} requests/s, both tenants mixed:\n\n"
+        text += "| system | throughput req/s | mean ms | p50 ms | p99 ms |\n|---|---|---|---|---|\n"
+        text += "\n".join(f"| {n} | {load[n]['throughput_rps']:.1f} | {load[n]['mean_ms']:.0f} | "
+                           f"{load[n]['p50_ms']:.0f} | {load[n]['p99_ms']:.0f} |" for n in ("fast", "exact", "auto"))
     with open(os.path.join(args.out, "summary.md"), "w") as f:
         f.write(text + "\n")
     print(text)
