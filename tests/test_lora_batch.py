@@ -31,13 +31,14 @@ pet_spec = st.tuples(st.integers(1, 6), st.sampled_from([("q",), ("v",), ("q", "
 @settings(max_examples=60, deadline=None)
 @given(specs=st.lists(pet_spec, min_size=1, max_size=4),
        rows=st.lists(st.integers(-1, 3), min_size=1, max_size=12),
-       mode=st.sampled_from([None, "bgmv", "sgmv"]), seed=st.integers(0, 1000))
-def test_base_plus_delta_equals_each_row_alone(specs, rows, mode, seed):
+       mode=st.sampled_from([None, "bgmv", "sgmv"]), seed=st.integers(0, 1000), positions=st.integers(0, 3))
+def test_base_plus_delta_equals_each_row_alone(specs, rows, mode, seed, positions):
+    """x (B, d_in): a decode step; x (B, T, d_in): a prefill, row b's positions with row b's LoRA."""
     pets = [make_pet(seed + k, *spec) for k, spec in enumerate(specs)]
     row_pets = [None if r < 0 else pets[r % len(pets)] for r in rows]
     g = torch.Generator().manual_seed(seed)
     lin = torch.nn.Linear(D_IN, D_OUT)
-    x = torch.randn(len(rows), D_IN, generator=g)
+    x = torch.randn(len(rows), *([positions] if positions else []), D_IN, generator=g)
     lb = LoraBatch(row_pets, mode)
     for i in LAYERS:
         for target in ("q", "v", "o"):

@@ -28,6 +28,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from runtime.gen.lora_batch import lora_only
 from runtime.gen.sampling import Chooser, SamplingParams, find_stop
 
 
@@ -123,7 +124,8 @@ class Batcher:
 
             c = self.gen.decoder.config
             self.pool = KVPool(self.gen.decoder, min(self.budget // self.bytes_per_token, self.max_running * c.max_len))
-        while self.waiting and len(self.running) < self.max_running and \
+        admitted = []
+        while self.waiting and len(self.running) + len(admitted) < self.max_running and \
                 self.reserved + self.waiting[0].reserve <= self.budget:
             req = self.waiting[0]
             slots = self.pool.alloc(len(req.prompt) + req.params.max_tokens)
@@ -132,8 +134,18 @@ class Batcher:
             self.waiting.popleft()
             self.reserved += req.reserve
             req.chooser = Chooser(req.params)
-            req.seq = self.gen.prefill(req.prompt, req.pet)
-            self.pool.adopt(req.seq, slots)
+            admitted.append((req, slots))
+        if not admitted:
+            return
+        if hasattr(self.gen, "prefill_many") and all(lora_only(r.pet) for r, _ in admitted):
+            seqs = self.gen.prefill_many([r.prompt for r, _ in admitted], [r.pet for r, _ in admitted],
+                                         [s for _, s in admitted], self.pool)
+        else:  # other PETs: one prompt at a time, its cache then moved into the pool
+            seqs = [self.gen.prefill(r.prompt, r.pet) for r, _ in admitted]
+            for seq, (_, slots) in zip(seqs, admitted):
+                self.pool.adopt(seq, slots)
+        for seq, (req, _) in zip(seqs, admitted):
+            req.seq = seq
             self.running.append(req)
 
     def step(self) -> list[Event]:

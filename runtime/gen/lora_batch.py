@@ -74,8 +74,9 @@ class LoraBatch:
         return self._stacks[key]
 
     def delta(self, i: int, target: str, x: torch.Tensor) -> torch.Tensor | None:
-        """The LoRA part of projection `target` of layer i for every row of x (B, d_in), or
-        None when no row's PET edits it."""
+        """The LoRA part of projection `target` of layer i for every row of x (B, d_in) or
+        (B, T, d_in) (a prefill: row b's T positions with row b's LoRA), or None when no
+        row's PET edits it."""
         if self.empty:
             return None
         if self.mode == "sgmv":
@@ -85,7 +86,7 @@ class LoraBatch:
                 if a_name not in p.tensors:
                     continue
                 if out is None:
-                    out = x.new_zeros(x.shape[0], p.tensors[b_name].shape[0])
+                    out = x.new_zeros(*x.shape[:-1], p.tensors[b_name].shape[0])
                 xs = x if len(rows) == self.B else x[rows]
                 d = (xs @ p.tensors[a_name].T) @ p.tensors[b_name].T * p.meta["scale"]
                 if len(rows) == self.B:
@@ -97,4 +98,6 @@ class LoraBatch:
         if stack is None:
             return None
         A, Bm = stack
-        return torch.bmm(Bm, torch.bmm(A, x[:, :, None])).squeeze(-1)
+        x3 = x[:, None] if x.dim() == 2 else x
+        out = torch.bmm(torch.bmm(x3, A.transpose(1, 2)), Bm.transpose(1, 2))
+        return out[:, 0] if x.dim() == 2 else out

@@ -73,6 +73,24 @@ class PlotDecoder:
         seq.orders = served.order[0, :len(prompt)].tolist()
         return seq
 
+    def prefill_many(self, prompts: list[list[int]], pets: list, slots: list, pool) -> list[Sequence]:
+        """New sequences for several prompts at once (pure-LoRA PETs or none): one lookup and
+        one upper-layer pass for all (runtime.gen.batched_prefill), their keys and values in
+        their pages of pool."""
+        from runtime.gen.batched_prefill import prefill_batch
+
+        for p in prompts:
+            if not p:
+                raise ValueError("an empty prompt: at least one token (most tokenizers add a BOS)")
+            self._check_room(len(p))
+        seqs = [Sequence(list(p), len(p), pet, cache=None, slots=sl) for p, pet, sl in zip(prompts, pets, slots)]
+        h, mask, served = retrieve(self.snapshot, self.version, [s.ids for s in seqs])
+        logits = prefill_batch(self.decoder, h, mask, seqs, pool)
+        for b, s in enumerate(seqs):
+            s.logits = logits[b]
+            s.orders = served.order[b, :s.prompt_len].tolist()
+        return seqs
+
     def _step_inputs(self, seqs: list[Sequence]) -> torch.Tensor:
         """Upper-layer inputs (B, d) of each sequence's newest token: one lookup for all."""
         keys = np.stack([causal_windows(np.asarray(s.ids[-self.n:]), self.n, "causal", self.pad_id)[-1]

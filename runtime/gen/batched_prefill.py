@@ -1,0 +1,72 @@
+"""The prefill of every request a batcher step admits, in one pass of the upper layers: the
+prompts right-padded into (B, T, d), the base projections once for all of them, each prompt's
+own LoRA by per-sequence batched matmuls (runtime.gen.lora_batch), the keys and values written
+straight into the sequences' KV pool pages.
+
+    logits = prefill_batch(decoder, h, mask, seqs, pool)   # (B, vocab): after each prompt's last token
+
+Equal to each prompt's own prefill (runtime.gen.plot_decode.PlotDecoder.prefill: Decoder.upper
+with a KVCache) to float rounding: a prompt's padding is masked out of every other position
+and never written to the pool. Only for steps whose PETs are all pure LoRA (or none); the
+batcher prefills other PETs one request at a time.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from runtime.gen.lora_batch import LoraBatch
+from runtime.model.decoder import _act, _norm, _rotate
+
+
+@torch.no_grad()
+def prefill_batch(decoder, h: torch.Tensor, mask: torch.Tensor, seqs, pool) -> torch.Tensor:
+    """Upper layers over h (B, T, d) (mask (B, T): real tokens, right-padded) with each row's
+    LoRA (seqs[b].pet); keys and values of the real positions go to seqs[b].slots in pool,
+    whose kv_len becomes its prompt's length. Returns the last real position's logits."""
+    c = decoder.config
+    B, T, _ = h.shape
+    lengths = mask.sum(1)
+    lb = LoraBatch([s.pet for s in seqs])
+    positions = decoder.positions_of(mask)
+    pages = torch.zeros(B, T, dtype=torch.long)
+    for b, s in enumerate(seqs):
+        pages[b, :int(lengths[b])] = s.slots[:int(lengths[b])]
+    allowed = (torch.arange(T)[None, :] <= torch.arange(T)[:, None])[None, None] & mask[:, None, None, :]
+    hd, H, KV = c.head_dim, c.heads, c.kv_heads
+
+    def lin(i, target, x):
+        lin_ = getattr(decoder.layers[i], target)
+        y = F.linear(x, lin_.weight, lin_.bias)
+        d = lb.delta(i, target, x)
+        return y if d is None else y + d
+
+    for i in range(decoder.lower_layers, c.num_layers):
+        blk = decoder.layers[i]
+        x = _norm(None, i, "ln_attn", h, blk.ln_attn)
+        q = lin(i, "q", x).view(B, T, H, hd).transpose(1, 2)
+        k = lin(i, "k", x).view(B, T, KV, hd).transpose(1, 2)
+        v = lin(i, "v", x).view(B, T, KV, hd).transpose(1, 2)
+        if c.rotary:
+            q, k = _rotate(q, positions, c.rope_theta), _rotate(k, positions, c.rope_theta)
+        li = i - pool.first
+        pool.k[li, pages[mask]] = k.transpose(1, 2)[mask]
+        pool.v[li, pages[mask]] = v.transpose(1, 2)[mask]
+        if KV != H:
+            k, v = k.repeat_interleave(H // KV, 1), v.repeat_interleave(H // KV, 1)
+        scores = (q @ k.transpose(-2, -1) / math.sqrt(hd)).masked_fill(~allowed, torch.finfo(h.dtype).min)
+        ctx = (scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, H * hd)
+        h = h + lin(i, "o", ctx)
+        x = _norm(None, i, "ln_ffn", h, blk.ln_ffn)
+        if c.gated:
+            f = _act(c.act, F.linear(x, blk.ffn_gate.weight, blk.ffn_gate.bias)) * lin(i, "ffn_in", x)
+        else:
+            f = _act(c.act, lin(i, "ffn_in", x))
+        h = h + lin(i, "ffn_out", f)
+    for b, s in enumerate(seqs):
+        s.kv_len = int(lengths[b])
+        s.cache = None
+    return decoder.logits(h[torch.arange(B), lengths - 1])
