@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.exec import cpu_batched, ops_cpu
+from runtime.exec.int8 import Int8Upper
 from runtime.exec.plan import BatchPlan, Prepared, plan_batch, prepare_pet, stack_group
 from runtime.exec.threads import helper_thread_setup
 from runtime.plot.mixed import retrieve_mixed
@@ -47,11 +48,14 @@ from runtime.plot.mixed import retrieve_mixed
 class CpuExecutor:
     device = "cpu"
 
-    def __init__(self, encoder, *, lora_kernel: str = "auto", prefetch: bool = True, kernels: str = "batched"):
+    def __init__(self, encoder, *, lora_kernel: str = "auto", prefetch: bool = True, kernels: str = "batched",
+                 int8: bool = False):
         if lora_kernel not in ("auto", "sgmv", "bgmv"):
             raise ValueError(f"lora_kernel must be auto, sgmv or bgmv, got {lora_kernel!r}")
         if kernels not in ("batched", "reference"):
             raise ValueError(f"kernels must be batched or reference, got {kernels!r}")
+        if int8 and kernels != "batched":
+            raise ValueError("int8 runs on the batched kernels (the reference stays fp32)")
         self.kernels = kernels
         self._local = threading.local()  # per calling thread: cpu_batched.stack_into's reused buffers
         self.profile: dict | None = None  # set to {} to accumulate seconds per stage (batched)
@@ -60,6 +64,8 @@ class CpuExecutor:
         self.lora_kernel = lora_kernel
         self.prefetch = bool(prefetch)
         self.layers = list(range(encoder.lower_layers, encoder.config.num_layers))
+        # int8: the shared projections as dynamically quantized GEMMs (runtime.exec.int8)
+        self.int8 = Int8Upper(encoder, self.layers) if int8 else None
         self._pool = None
 
     # -- PETs and plans --------------------------------------------------------------------
@@ -170,7 +176,10 @@ class CpuExecutor:
                 clock[0] = now
 
         def proj(target, inp, lin, out):
-            y = torch.addmm(lin.bias, inp, lin.weight.t(), out=out)
+            if self.int8 is not None:
+                y = self.int8.linear(i, target, inp)
+            else:
+                y = torch.addmm(lin.bias, inp, lin.weight.t(), out=out)
             tick("shared GEMMs")
             if ("bias", target) in groups:
                 runs, _, w = groups[("bias", target)]
