@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 import hkstore
 from runtime.build.plot import root_keys
 from runtime.plot.window import corpus_windows
-from tools.plot_coverage import _rows, served_order
+from tools.plot_coverage import _rows, coverage, served_order
 
 VOCAB, PAD = 9, 0
 seqs = st.lists(st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=7), min_size=1, max_size=5)
@@ -39,3 +39,13 @@ def test_the_right_bigram_chain_only_raises_orders_and_only_from_one_to_two(corp
     right = wins.copy()
     right[:, 0] = PAD
     assert set(np.flatnonzero(changed)) <= set(np.flatnonzero(np.isin(_rows(right), held)))
+
+
+@settings(max_examples=15, deadline=None)
+@given(corpus=seqs, probe=seqs)
+def test_holding_right_bigrams_never_lowers_coverage(corpus, probe):
+    plain = coverage(corpus, probe, 3, "centered", PAD, VOCAB)
+    either = coverage(corpus, probe, 3, "centered", PAD, VOCAB, right_bigram=True)
+    assert either["exact"] >= plain["exact"] and either["keys"] >= plain["keys"]
+    assert either["by_order"]["1"] <= plain["by_order"]["1"]
+    assert either["by_order"]["3"] == plain["by_order"]["3"]

@@ -13,7 +13,8 @@ files and WikiText-2 test), three tables and a PNG:
            train text always in): how fast coverage grows with general text
   n        the same corpus as windows of n = 2, 3, 5: exact share and uni-gram fallbacks
   backoff  n = 3: the format's chain ([a b c] -> [a b _] -> [_ b _]) against one that also tries
-           [_ b c] before the uni-gram (both keep the centre): the uni-gram fallbacks it saves
+           [_ b c] before the uni-gram (both keep the centre), the table then also holding the
+           [_ b c] of its corpus windows: the uni-gram fallbacks it saves, and the keys it costs
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import numpy as np
 
 from formats.backoff import backoff, key_order
 from runtime.build.plot import root_keys
+from runtime.plot.window import corpus_windows
 
 
 def _rows(keys: np.ndarray) -> np.ndarray:
@@ -60,9 +62,12 @@ def served_order(held: np.ndarray, wins: np.ndarray, kind: str, pad_id: int, rig
 
 
 def coverage(corpus_seqs, eval_seqs, n: int, kind: str, pad_id: int, vocab_size: int, right_bigram=False) -> dict:
-    from runtime.plot.window import corpus_windows
-
     keys, _ = root_keys(corpus_seqs, n, kind, pad_id, vocab_size)
+    if right_bigram:  # the table must hold [_ b c] of its corpus windows for the chain to find them
+        corpus, _ = corpus_windows(corpus_seqs, n, kind, pad_id)
+        right = corpus[corpus[:, 2] != pad_id].copy()
+        right[:, 0] = pad_id
+        keys = np.unique(np.concatenate([keys, right]), axis=0)
     held = np.sort(_rows(keys))
     wins, _ = corpus_windows(eval_seqs, n, kind, pad_id)
     order = served_order(held, wins, kind, pad_id, right_bigram)
@@ -143,10 +148,11 @@ def markdown(out) -> str:
     for r in out["n"]:
         lines.append(f"| {r['n']} | {r['text']} | {100 * r['exact']:.1f}% | {100 * r['by_order']['1']:.1f}% |")
     lines += ["", "### Backoff chain (n = 3, full root corpus)", "",
-              "| chain | text | order 3 | order 2 | order 1 |", "|---|---|---|---|---|"]
+              "| chain | text | order 3 | order 2 | order 1 | root keys |", "|---|---|---|---|---|---|"]
     for r in out["backoff"]:
         b = r["by_order"]
-        lines.append(f"| {r['chain']} | {r['text']} | {100 * b['3']:.1f}% | {100 * b['2']:.1f}% | {100 * b['1']:.1f}% |")
+        lines.append(f"| {r['chain']} | {r['text']} | {100 * b['3']:.1f}% | {100 * b['2']:.1f}% | {100 * b['1']:.1f}% "
+                     f"| {r['keys']:,} |")
     return "\n".join(lines) + "\n"
 
 
