@@ -175,7 +175,7 @@ def version_tree(path):
     for vi, v in enumerate(snap.versions):
         keys, _, _, tomb = own_entries(snap, vi)
         keys = keys[~tomb]
-        row = {"name": v["name"], "parent": v["parent"], "entries": int(len(keys)),
+        row = {"name": v["name"], "parent": v["parent"], "entries": len(keys),
                "bytes": sum(os.path.getsize(s.path) for s in snap.version_segments(vi)),
                "segments": len(v["segments"]), "created": v["created"], "info": v["info"],
                "position_rows": v["position"]["rows"] if v.get("position") else None}
@@ -338,6 +338,10 @@ def diff(a, b, tolerance, as_json):
             for k in ("added", "removed", "changed"):
                 if q[k]:
                     click.echo(f"  {k}: {', '.join(q[k])}")
+            if "students" in q:
+                st = q["students"]
+                click.echo(f"{'students':10} {'':>10} {len(st['added']):>10} {'':>10} {'':>10} {len(st['removed']):>10} "
+                           f"{len(st['changed']):>10} {st['unchanged']:>10}")
 
     emit(r, as_json, human)
 
@@ -425,12 +429,19 @@ def pack_ls(store, as_json):
         meta = snap.read_pet(tenant).meta
         rows.append({"tenant": tenant, "pet_type": meta.get("pet_type"), "task": meta.get("task"),
                      "version": meta.get("version"), "bytes": loc["length"], "created": meta.get("created")})
+        if tenant in snap.students:  # its students record (issue 18), one row below the PET's
+            meta = snap.read_students(tenant).meta
+            rows.append({"tenant": tenant, "pet_type": "students", "task": meta.get("task"),
+                         "version": meta.get("version"), "bytes": snap.students[tenant]["length"],
+                         "created": meta.get("created"), "students": meta.get("students"),
+                         "complete": meta.get("complete")})
 
     def human(rows):
         click.echo(f"{'tenant':24} {'pet':10} {'task':14} {'version':16} {'bytes':>10}")
         for r in rows:
-            click.echo(f"{r['tenant']:24} {str(r['pet_type']):10} {str(r['task']):14} {str(r['version']):16} "
-                       f"{r['bytes']:>10,}")
+            more = f"  {r['students']} students{'' if r['complete'] else ' (unfinished)'}" if "students" in r else ""
+            click.echo(f"{r['tenant']:24} {r['pet_type']!s:10} {r['task']!s:14} {r['version']!s:16} "
+                       f"{r['bytes']:>10,}{more}")
 
     emit(rows, as_json, human)
 

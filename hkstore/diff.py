@@ -70,9 +70,9 @@ def diff_versions(snap_a, version_a, snap_b, version_b, tolerance=0.0, sample=5)
     worst = np.argsort(-cos)[:sample]
     return {
         "a": str(version_a), "b": str(version_b), "compares": COMPARES,
-        "entries_a": int(len(ka)), "entries_b": int(len(kb)),
-        "added": int(len(added)), "overridden": int(len(overridden)), "removed": int(len(removed)),
-        "inherited": int(len(inherited)),
+        "entries_a": len(ka), "entries_b": len(kb),
+        "added": len(added), "overridden": len(overridden), "removed": len(removed),
+        "inherited": len(inherited),
         "changed": int(changed.sum()), "unchanged": int((~changed).sum()),
         "cosine_distance": _stats(cos), "l2_distance": _stats(l2),
         "most_changed": [{"key": kb[ib][changed][i].tolist(), "cosine_distance": float(cos[i])} for i in worst],
@@ -104,8 +104,15 @@ def diff_pets(snap_a, snap_b):
     ta, tb = set(snap_a.pets), set(snap_b.pets)
     both = sorted(ta & tb)
     changed = [t for t in both if not _same_record(snap_a.read_pet(t), snap_b.read_pet(t))]
-    return {"added": sorted(tb - ta), "removed": sorted(ta - tb), "changed": changed,
-            "unchanged": len(both) - len(changed)}
+    out = {"added": sorted(tb - ta), "removed": sorted(ta - tb), "changed": changed,
+           "unchanged": len(both) - len(changed)}
+    sa, sb = set(snap_a.students), set(snap_b.students)
+    if sa or sb:  # tenants' students records (FORMAT.md section 5), compared the same way
+        same = sorted(sa & sb)
+        moved = [t for t in same if not _same_record(snap_a.read_students(t), snap_b.read_students(t))]
+        out["students"] = {"added": sorted(sb - sa), "removed": sorted(sa - sb), "changed": moved,
+                           "unchanged": len(same) - len(moved)}
+    return out
 
 
 def diff(snap_a, version_a, snap_b, version_b, tolerance=0.0):

@@ -22,7 +22,8 @@ def store_bytes(path, manifest) -> dict:
     positions = {v["position"]["file"] for v in manifest["versions"] if v.get("position")}
     out = {"segments": sum(os.path.getsize(os.path.join(path, "segments", s)) for s in segments),
            "positions": sum(os.path.getsize(os.path.join(path, "positions", p)) for p in positions),
-           "pets": sum(loc["length"] for loc in manifest["pets"].values()),
+           "pets": sum(loc["length"] for loc in [*manifest["pets"].values(),
+                                                   *manifest.get("students", {}).values()]),
            "packs": sum(os.path.getsize(os.path.join(path, "packs", p)) for p in manifest["packs"])}
     out["live"] = out["segments"] + out["positions"] + out["pets"]
     out["on_disk"] = out["segments"] + out["positions"] + out["packs"]
@@ -74,13 +75,17 @@ def verify(path):
                 checked["bytes"] += os.path.getsize(os.path.join(path, "positions", entry["file"]))
             except (FormatError, OSError) as e:
                 problems.append(f"version {v['name']}: {e}")
-    for tenant, loc in sorted(manifest["pets"].items()):
+    live = [(t, loc, False) for t, loc in sorted(manifest["pets"].items())]
+    live += [(t, loc, True) for t, loc in sorted(manifest.get("students", {}).items())]
+    for tenant, loc, students in live:
         try:
             with open(os.path.join(path, "packs", loc["file"]), "rb") as f:
                 data = os.pread(f.fileno(), loc["length"], loc["offset"])
             record = pack.decode_record(data, 0, len(data))
-            if record.tenant != tenant or record.tombstone:
-                raise CorruptError(f"record at {loc['file']}:{loc['offset']} is not tenant {tenant!r}'s live record")
+            if (record.tenant != tenant or record.tombstone
+                    or (record.meta.get("pet_type") == "students") != students):
+                what = "students" if students else "live"
+                raise CorruptError(f"record at {loc['file']}:{loc['offset']} is not tenant {tenant!r}'s {what} record")
             checked["pets"] += 1
             checked["bytes"] += loc["length"]
         except (FormatError, OSError) as e:
@@ -180,7 +185,8 @@ def _rewrite_packs(store, live_fraction=0.5):
     manifest = store.snapshot().manifest
     sizes = {p: os.path.getsize(os.path.join(store.path, "packs", p)) for p in manifest["packs"][:-1]}
     live = {p: 0 for p in sizes}
-    for loc in manifest["pets"].values():
+    students = manifest.get("students", {})
+    for loc in [*manifest["pets"].values(), *students.values()]:
         if loc["file"] in live:
             live[loc["file"]] += loc["length"]
     victims = [p for p in sizes if live[p] < live_fraction * sizes[p]]
@@ -189,5 +195,8 @@ def _rewrite_packs(store, live_fraction=0.5):
     for tenant, loc in sorted(manifest["pets"].items()):
         if loc["file"] in victims:
             store.put_pet(store.get_pet(tenant))
+    for tenant, loc in sorted(students.items()):
+        if loc["file"] in victims:
+            store.put_students(store.get_students(tenant))
     store._commit(lambda m: m.__setitem__("packs", [p for p in m["packs"] if p not in victims]))
     return victims

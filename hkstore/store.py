@@ -81,10 +81,22 @@ class Snapshot:
     def pets(self):
         return self.manifest["pets"]
 
+    @property
+    def students(self):
+        """tenant -> location of its students record (FORMAT.md section 5); older stores: none."""
+        return self.manifest.get("students", {})
+
+    def read_students(self, tenant):
+        if tenant not in self.students:
+            raise UnknownTenant(f"tenant {tenant!r} has no students")
+        return self._read_record(tenant, self.students[tenant])
+
     def read_pet(self, tenant):
         if tenant not in self.manifest["pets"]:
             raise UnknownTenant(f"unknown tenant {tenant!r}")
-        loc = self.manifest["pets"][tenant]
+        return self._read_record(tenant, self.manifest["pets"][tenant])
+
+    def _read_record(self, tenant, loc):
         if self._packs is not None and loc["file"] in self._packs:
             data = self._packs[loc["file"]].read(loc["offset"], loc["length"])
         else:
@@ -229,7 +241,8 @@ class Store:
                     positions[entry["file"]] = self._positions.get(entry["file"]) or PositionFile(
                         os.path.join(self.path, "positions", entry["file"]), entry, manifest["meta"]["d"])
             packs = {}
-            for name in set(manifest["packs"]) | {loc["file"] for loc in manifest["pets"].values()}:
+            live = [*manifest["pets"].values(), *manifest.get("students", {}).values()]
+            for name in set(manifest["packs"]) | {loc["file"] for loc in live}:
                 packs[name] = self._packs.get(name) or PackFile(os.path.join(self.path, "packs", name))
             self._segments = segments
             self._positions = positions
@@ -444,10 +457,17 @@ class Store:
         def change(m):
             place(m)
             for record, loc in zip(records, locations):
-                if record.tombstone:
-                    m["pets"].pop(record.tenant, None)
+                students = m.setdefault("students", {})
+                if record.tombstone:  # a tenant's students go with it; a students tombstone drops only them
+                    students.pop(record.tenant, None)
+                    if record.meta.get("pet_type") != "students":
+                        m["pets"].pop(record.tenant, None)
+                elif record.meta.get("pet_type") == "students":
+                    students[record.tenant] = loc
                 else:
                     m["pets"][record.tenant] = loc
+                if not students:
+                    del m["students"]  # manifests without students stay as older writers wrote them
 
         self._commit(change)
 
@@ -466,6 +486,25 @@ class Store:
 
     def pets(self):
         return dict(self._snapshot.pets)
+
+    def put_students(self, record):
+        """Store (or replace) a tenant's students record (meta pet_type "students"); the tenant
+        must have a PET (the teacher the students were distilled from)."""
+        if record.meta.get("pet_type") != "students":
+            raise StoreError("a students record has meta pet_type 'students'")
+        if record.tenant not in self._manifest["pets"]:
+            raise UnknownTenant(f"unknown tenant {record.tenant!r}")
+        self.put_pets([record])
+
+    def get_students(self, tenant):
+        return self._snapshot.read_students(tenant)
+
+    def delete_students(self, tenant):
+        self._require_writable()
+        if tenant not in self._manifest.get("students", {}):
+            raise UnknownTenant(f"tenant {tenant!r} has no students")
+        self.put_pets([pack.PetRecord(tenant=tenant, meta={"deleted": time.time(), "pet_type": "students"},
+                                      tensors={}, tombstone=True)])
 
 
 def model_meta(model_dir):

@@ -1,0 +1,12 @@
+"""Student Parallelism (issue 18): a tenant's teacher (PLOT inputs -> upper layers with its PET ->
+head) distilled into a group of shallow students whose boosted sum replaces the deep stack.
+
+    model.py   a student and a group (weights stacked along a student axis), the reference math
+    stack.py   virtual stacking: every student of a batch (and of many tenants) in one computation
+    train.py   boosting on the teacher's final representation + stacking distillation
+    prune.py   adaptive student pruning (SP Alg. 2): one head for the sums of the first k students
+    policy.py  online pruning: how many students (or the teacher) a batch gets under the load
+    buffer.py  SP's length-aware buffer: batches of requests of similar length
+    engine.py  a serving loop over the store that puts the pieces together
+    build.py   construction over a store path (train, prune, store as the tenant's students record)
+"""

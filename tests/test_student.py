@@ -1,0 +1,200 @@
+"""Student Parallelism (issue 18): the students' math, virtual stacking against the loop over
+students, boosting, pruning, and construction over a tiny store end to end."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import hkstore
+from runtime.build import manager
+from runtime.model.tiny import make_tiny_model
+from runtime.student import model, prune, stack
+from runtime.student.build import _record, load_group, students_create
+from runtime.student.train import (
+    StudentConfig,
+    boost,
+    distance,
+    student_outputs,
+    teacher_states,
+)
+from tests.test_manager import make_data
+
+
+def random_group(m, layers, d, heads, ffn, labels=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    students = []
+    for _ in range(m):
+        w = {}
+        for l in range(layers):
+            for name, (o, i) in {"q": (d, d), "k": (d, d), "v": (d, d), "o": (d, d), "ffn_in": (ffn, d),
+                                 "ffn_out": (d, ffn)}.items():
+                w[f"layers.{l}.{name}.weight"] = torch.randn(o, i, generator=g) / i ** 0.5
+                w[f"layers.{l}.{name}.bias"] = torch.randn(o, generator=g) * 0.1
+            for name in model.NORMS:
+                w[f"layers.{l}.{name}.weight"] = 1 + 0.1 * torch.randn(d, generator=g)
+                w[f"layers.{l}.{name}.bias"] = 0.1 * torch.randn(d, generator=g)
+        students.append(w)
+    mult = (torch.rand(m, generator=g) + 0.1).tolist()
+    meta = {"task": "tagging", "labels": [str(i) for i in range(labels)], "layers": layers, "heads": heads,
+            "eps": 1e-12, "ffn": ffn}
+    return model.stack_students(students, mult, torch.randn(labels, d, generator=g), torch.randn(labels, generator=g),
+                                meta)
+
+
+def random_batch(b, length, d, seed):
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(b, length, d, generator=g)
+    lengths = torch.randint(1, length + 1, (b,), generator=g)
+    return x, torch.arange(length)[None, :] < lengths[:, None]
+
+
+@settings(max_examples=25, deadline=None)
+@given(m=st.integers(1, 4), k=st.integers(1, 4), layers=st.integers(1, 2), b=st.integers(1, 3),
+       length=st.integers(1, 6), heads=st.sampled_from([1, 2, 4]), seed=st.integers(0, 1000))
+def test_virtual_stacking_equals_the_loop_over_students(m, k, layers, b, length, heads, seed):
+    k = min(k, m)
+    group = random_group(m, layers, d=8, heads=heads, ffn=12, seed=seed)
+    x, mask = random_batch(b, length, 8, seed)
+    expected = model.ensemble(group, x, mask, k)
+    got = stack.ensemble(group, x, mask, k)
+    real = mask[..., None]
+    torch.testing.assert_close(got * real, expected * real, atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=15, deadline=None)
+@given(ks=st.lists(st.integers(1, 3), min_size=1, max_size=3), seed=st.integers(0, 1000))
+def test_many_tenants_in_one_stacked_step(ks, seed):
+    """Tenants with different batches, lengths and k: one forward, each answer its own loop's."""
+    parts = []
+    for t, k in enumerate(ks):
+        group = random_group(3, 1, d=8, heads=2, ffn=12, seed=seed + t)
+        x, mask = random_batch(1 + t, 2 + 2 * t, 8, seed + t)
+        parts.append((group, k, x, mask))
+    for (group, k, x, mask), got in zip(parts, stack.ensembles(parts)):
+        real = mask[..., None]
+        torch.testing.assert_close(got * real, model.ensemble(group, x, mask, k) * real, atol=1e-5, rtol=1e-5)
+
+
+def test_group_shapes_are_checked():
+    group = random_group(2, 1, d=8, heads=2, ffn=12)
+    model.check_group(group.tensors, group.meta | {"students": 2}, 8)
+    bad = dict(group.tensors, multiplier=torch.ones(3))
+    with pytest.raises(ValueError, match="multiplier"):
+        model.check_group(bad, group.meta | {"students": 2}, 8)
+    with pytest.raises(ValueError, match="lacks"):
+        model.check_group({k: v for k, v in group.tensors.items() if k != "head.bias"}, group.meta | {"students": 2}, 8)
+
+
+def test_best_k_prefers_fewer_students_on_ties():
+    assert prune.best_k([0.5, 0.7, 0.7, 0.6]) == 2
+    assert prune.best_k([0.9]) == 1
+
+
+# -- on a tiny model and store ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("students"))
+    data = make_data(root)
+    data["model"] = make_tiny_model(os.path.join(root, "model"), data["texts"])
+    data["store"] = os.path.join(root, "store")
+    manager.build(data["store"], model_path=data["model"], corpus_paths=[data["corpus"]], max_len=32, chunk=200,
+                  progress=False)
+    manager.tenant_create(data["store"], "cls", version="root", train_path=data["cls"], epochs=2, progress=False)
+    manager.tenant_create(data["store"], "tag", version="root", train_path=data["tag"], task="tagging", epochs=2,
+                          progress=False)
+    with hkstore.open(data["store"]) as store:
+        from runtime.model.stored import base_encoder
+        from runtime.plot.retrieve import retrieve_list
+
+        encoder = base_encoder(store)
+        meta, pet = manager.load_tenant(store, "cls", encoder)
+        ids, _ = manager.encode_task(encoder, manager.read_task(data["cls"], "classification")[0], "classification",
+                                     meta["labels"], 32)
+        data["encoder"], data["pet"] = encoder, pet
+        data["inputs"] = retrieve_list(store.snapshot(), "root", ids)
+    return data
+
+
+def test_a_fresh_student_is_the_first_upper_layer(env):
+    enc, x = env["encoder"], env["inputs"][:4]
+    w = model.init_student(enc, 1)
+    from runtime.build.train import _pad_inputs
+
+    h, mask = _pad_inputs(x)
+    got = model.student_forward(w, h, mask, enc.config.heads, enc.config.eps)[-1]
+    torch.testing.assert_close(got, enc.layer(enc.lower_layers, h, mask))
+
+
+def test_boosting_lowers_the_distance_and_eta_is_the_line_search_optimum(env):
+    enc, x = env["encoder"], env["inputs"]
+    h = teacher_states(enc, env["pet"], x)
+    cfg = StudentConfig(max_students=3, layers=2, epochs=3, lr=1e-3, min_gain=0.0, progress=False)
+    students, history = boost(enc, h, h, x, x, "classification", cfg)
+    assert students and all(r["val_distance"] < r["val_distance_before"] for r in history if r["kept"])
+    # eta minimizes the squared residual of its student: moving it either way can only hurt.
+    w, eta = students[0]
+    out = student_outputs(w, x, enc.config.heads, enc.config.eps)
+    err = {e: distance([e * o for o in out], h, "classification") for e in (eta * 0.9, eta, eta * 1.1)}
+    assert err[eta] <= min(err[eta * 0.9], err[eta * 1.1])
+
+
+def test_students_create_stores_a_servable_group_and_the_store_tools_see_it(env, tmp_path):
+    from click.testing import CliRunner
+
+    from hkstore.cli import main
+
+    out = students_create(env["store"], "tag", dev_path=env["tag"], students=2, layers=1, epochs=2, lr=1e-3,
+                          head_epochs=3, progress=False)
+    assert 1 <= out["students"] <= 2 and len(out["scores"]) == out["students"] and 1 <= out["best_k"] <= out["students"]
+    with hkstore.open(env["store"]) as store:
+        group = load_group(store.snapshot(), "tag", env["encoder"].config.d)
+        assert group.size == out["students"] and group.meta["complete"]
+    listed = CliRunner().invoke(main, ["pack", "ls", env["store"], "--json"])
+    assert listed.exit_code == 0 and '"students"' in listed.output
+    assert hkstore.verify(env["store"])["ok"]
+    # gc rewrites mostly-dead packs: the students record must move with the live PETs.
+    with hkstore.open(env["store"], writable=True) as store:
+        for _ in range(3):
+            store.put_pet(store.get_pet("cls"))
+        hkstore.gc(store)
+    with hkstore.open(env["store"]) as store:
+        assert load_group(store.snapshot(), "tag", env["encoder"].config.d).size == out["students"]
+    assert hkstore.verify(env["store"])["ok"]
+
+
+def test_an_unfinished_group_resumes_and_is_never_served(env):
+    enc = env["encoder"]
+    w = {k: v + 0.01 for k, v in model.init_student(enc, 1).items()}
+    head = env["pet"].tensors
+    meta = {"tenant": "cls", "base_model": "x", "version": "root", "task": "classification",
+            "labels": env["pet"].meta["labels"], "layers": 1, "heads": enc.config.heads, "eps": enc.config.eps,
+            "ffn": enc.config.ffn, "complete": False}
+    with hkstore.open(env["store"], writable=True) as store:
+        store.put_students(_record("cls", [(w, 0.5)], head["head.weight"], head["head.bias"], meta))
+    with hkstore.open(env["store"]) as store, pytest.raises(ValueError, match="unfinished"):
+        load_group(store.snapshot(), "cls", enc.config.d)
+    out = students_create(env["store"], "cls", dev_path=env["cls"], students=2, layers=1, epochs=1, lr=1e-3,
+                          min_gain=-1.0, head_epochs=2, progress=False)
+    assert out["resumed"] and out["students"] == 2
+    with hkstore.open(env["store"]) as store:
+        group = load_group(store.snapshot(), "cls", enc.config.d)
+    torch.testing.assert_close(group.student(0)["layers.0.q.weight"], w["layers.0.q.weight"])
+    assert float(group.tensors["multiplier"][0]) == 0.5
+
+
+def test_removing_the_tenant_removes_its_students(env):
+    manager.tenant_create(env["store"], "gone", version="root", train_path=env["cls"], epochs=1, progress=False)
+    students_create(env["store"], "gone", dev_path=env["cls"], students=1, epochs=1, head_epochs=1, progress=False)
+    with hkstore.open(env["store"]) as store:
+        before = store.snapshot()
+        assert "gone" in before.students
+    manager.tenant_rm(env["store"], "gone")
+    with hkstore.open(env["store"]) as store:
+        assert "gone" not in store.snapshot().students and "gone" not in store.snapshot().pets
+        assert np.isfinite(before.read_students("gone").tensors["multiplier"]).all()  # the old snapshot still reads it
