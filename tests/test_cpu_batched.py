@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from runtime.exec import cpu_batched, ops_cpu
 from runtime.exec.cpu import CpuExecutor
-from tests.test_executor_cpu import pet_zoo, tiny_encoder
+from runtime.exec.plan import prepare_pet
+from tests.test_executor_cpu import pet_zoo, random_pet, tiny_encoder
 
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TOL = {"rtol": 1e-5, "atol": 1e-5}
@@ -174,3 +175,47 @@ def _setup(tmp_path_factory):
         enc = tiny_encoder(tmp_path_factory.mktemp("tiny"))
         _CACHE["zoo"] = (enc, pet_zoo(enc, 2))
     return _CACHE["zoo"]
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_layer_blocks_stack_like_groups(tmp_path_factory, data):
+    """pack_layers + stack_layer give every group the weights stack_group_into gives it, with
+    one copy per layer when the batch's tenants share the layer's layout; and the executor's
+    logits with packed PETs of one layout equal the reference ops'."""
+    enc, zoo = _setup(tmp_path_factory)
+    kind = data.draw(st.sampled_from(["adapter", "lora", "bitfit", "mixed"]))
+    T = data.draw(st.integers(1, 5))
+    seed = data.draw(st.integers(0, 2**16))
+    if kind == "mixed":
+        exported = [zoo[j % len(zoo)] for j in range(seed, seed + T)]
+    else:
+        opts = {"adapter": {"bottleneck": 4}, "lora": {"rank": 3, "targets": ("q", "ffn_out")}, "bitfit": {}}[kind]
+        exported = [random_pet(enc, kind, "classification", seed + j, **opts) for j in range(T)]
+    ex = CpuExecutor(enc, prefetch=False)
+    packed = [ex.load_pet(p, key=j) for j, p in enumerate(exported)]
+    plain = [prepare_pet(enc, p, key=j) for j, p in enumerate(exported)]
+    counts = data.draw(st.lists(st.integers(1, 3), min_size=T, max_size=T))
+    keys = [j for j, c in enumerate(counts) for _ in range(c)]
+    L = 3
+    plan_p, plan_u = ex.plan([packed[k] for k in keys], keys), ex.plan([plain[k] for k in keys], keys)
+    for layer in ex.layers:
+        buffers = {}
+        got = cpu_batched.stack_layer(buffers, plan_p, layer, L)
+        want = cpu_batched.stack_layer({}, plan_u, layer, L)
+        assert [g.kind for g, _ in got] == [g.kind for g, _ in want]
+        for (g, (runs, gaps, w)), (_, (runs_u, gaps_u, w_u)) in zip(got, want):
+            assert runs == runs_u and gaps == gaps_u and w.keys() == w_u.keys()
+            for name in w:
+                torch.testing.assert_close(w[name], w_u[name], rtol=0, atol=0)
+        layouts = {p.blocks[layer][1] if layer in p.blocks else None for p in plan_p.tenants}
+        assert (("layer", layer) in buffers) == (None not in layouts and len(layouts) == 1)
+        if kind != "mixed" and any(g.layer == layer for g in plan_p.groups.values()):
+            assert ("layer", layer) in buffers  # tenants of one PET config: one copy a layer
+    g = torch.Generator().manual_seed(seed)
+    inputs = torch.randn(len(keys), L, enc.config.d, generator=g)
+    mask = torch.ones(len(keys), L, dtype=torch.bool)
+    ref = CpuExecutor(enc, kernels="reference", prefetch=False)
+    for a, b in zip(ex.run(inputs, mask, [packed[k] for k in keys], keys),
+                    ref.run(inputs, mask, [plain[k] for k in keys], keys)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5)

@@ -71,8 +71,9 @@ class CpuExecutor:
     # -- PETs and plans --------------------------------------------------------------------
 
     def load_pet(self, pet, key=None, token=None):
-        """ServingPet of an exported runtime.model.pet.Pet (mask PETs need the base weights)."""
-        return prepare_pet(self.encoder, pet, key, token)
+        """ServingPet of an exported runtime.model.pet.Pet (mask PETs need the base weights),
+        each layer's parts packed into one block (cpu_batched.pack_layers)."""
+        return cpu_batched.pack_layers(prepare_pet(self.encoder, pet, key, token))
 
     def plan(self, pets, keys=None) -> BatchPlan:
         if self.kernels == "reference":
@@ -128,8 +129,7 @@ class CpuExecutor:
             if not batched:
                 return [(g, stack_group(plan, g)) for g in plan.layer_groups(i)]
             t0 = time.perf_counter()
-            out = [(g, (*cpu_batched.segment_runs(plan.seg_starts, g.seg_ids, L),
-                        cpu_batched.stack_group_into(buffers, plan, g))) for g in plan.layer_groups(i)]
+            out = cpu_batched.stack_layer(buffers, plan, i, L)
             if prof is not None:
                 prof["PET stacking (prefetch thread)"] = prof.get("PET stacking (prefetch thread)", 0.0) + \
                     time.perf_counter() - t0

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["adapter", "attention", "bias", "diff", "layernorm", "lora", "order_by_count", "scratch", "segment_runs",
-           "stack_into"]
+__all__ = ["adapter", "attention", "bias", "diff", "layernorm", "lora", "order_by_count", "pack_layers", "scratch",
+           "segment_runs", "stack_into", "stack_layer"]
 
 
 def order_by_count(keys: list, kinds: list | None = None) -> np.ndarray:
@@ -196,6 +196,68 @@ def layernorm(y, residual, ln, runs=None, gaps=None, gain=None, shift=None, out=
         b = (ln.bias + shift[t0:t0 + n]).unsqueeze(1)
         o = _view(out, r0, r1, n)
         torch.addcmul(b, o, g, out=o)
+    return out
+
+
+_BLOCK_KINDS = ("lora", "bias", "adapter", "norm")  # float parts; diff indices are int32
+_NAMES = {"lora": ("A", "B"), "bias": ("delta",), "adapter": ("down", "down_bias", "up", "up_bias"),
+          "norm": ("weight", "bias")}
+
+
+def pack_layers(pet):
+    """Make each layer's float parts of a ServingPet views into one contiguous block per layer
+    (pet.blocks[layer] = (block, layout)), once, when the PET enters the host cache; then a
+    batch whose tenants share a layer's layout stacks the layer with one copy (stack_layer)
+    instead of one per tensor. In place (same values, no extra memory); returns pet."""
+    if pet.blocks:
+        return pet
+    by_layer: dict = {}
+    for part in sorted(pet.parts, key=str):
+        if part[0] in _BLOCK_KINDS:
+            by_layer.setdefault(part[1], []).append(part)
+    for layer, parts in by_layer.items():
+        block = torch.cat([a.reshape(-1).float() for p in parts for a in pet.parts[p]])
+        layout, off = [], 0
+        for p in parts:
+            views = []
+            for a in pet.parts[p]:
+                views.append(block[off:off + a.numel()].view(a.shape))
+                off += a.numel()
+            pet.parts[p] = tuple(views)
+            layout.append((p, tuple(tuple(v.shape) for v in views)))
+        pet.blocks[layer] = (block, tuple(layout))
+    return pet
+
+
+def stack_layer(buffers: dict, plan, layer: int, L: int) -> list:
+    """[(group, (runs, gaps, weights))] of one layer of a plan. When every tenant of the plan
+    has the same layer layout (pack_layers), the layer's blocks are stacked with one copy and
+    each group's weights are (T, ...) views of it (T = all tenants, so member t is tenant t);
+    otherwise each group is stacked on its own (stack_group_into)."""
+    blocks = [p.blocks.get(layer) for p in plan.tenants]
+    shared = {}
+    first = blocks[0]
+    if first is not None and all(b is not None and (b[1] is first[1] or b[1] == first[1]) for b in blocks):
+        stacked = stack_into(buffers, ("layer", layer), [b[0] for b in blocks])
+        off = 0
+        for part, shapes in first[1]:
+            views = []
+            for shape in shapes:
+                n = int(np.prod(shape))
+                views.append(stacked[:, off:off + n].view(len(blocks), *shape))
+                off += n
+            shared[part] = views
+    out = []
+    for g in plan.layer_groups(layer):
+        runs, gaps = segment_runs(plan.seg_starts, g.seg_ids, L)
+        part = (g.kind, g.layer, g.target)
+        if part in shared:
+            w = dict(zip(_NAMES[g.kind], shared[part]))
+            if g.kind == "lora":
+                w["scales"] = torch.tensor([plan.tenants[m].scale for m in g.members], dtype=torch.float32)
+        else:
+            w = stack_group_into(buffers, plan, g)
+        out.append((g, (runs, gaps, w)))
     return out
 
 

@@ -48,6 +48,9 @@ class ServingPet:
     scale: float = 1.0
     version: str | None = None  # PLOT version the PET was trained on (from its meta)
     token: object = None  # changes when the tenant's record changes (device caches key on it)
+    # layer -> (one fp32 block, layout) that this PET's float parts of the layer are views
+    # into (runtime.exec.cpu_batched.pack_layers): a batch stacks a layer with one copy
+    blocks: dict = field(default_factory=dict)
 
     @property
     def task(self) -> str:
