@@ -29,6 +29,7 @@ MODEL_COMMANDS = {
     "explain": ("tools.commands", "explain"),
     "infer": ("runtime.infer_cli", "infer"),
     "generate": ("runtime.gen.commands", "generate"),
+    "students": ("runtime.student.commands", "students"),
 }
 # The extra each lazily mounted command needs when its import fails.
 EXTRA_OF = {"serve": "serve"}

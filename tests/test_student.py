@@ -144,13 +144,18 @@ def test_boosting_lowers_the_distance_and_eta_is_the_line_search_optimum(env):
     assert err[eta] <= min(err[eta * 0.9], err[eta * 1.1])
 
 
-def test_students_create_stores_a_servable_group_and_the_store_tools_see_it(env, tmp_path):
+@pytest.fixture(scope="module")
+def tag_students(env):
+    return students_create(env["store"], "tag", dev_path=env["tag"], students=2, layers=1, epochs=2, lr=1e-3,
+                           head_epochs=3, progress=False)
+
+
+def test_students_create_stores_a_servable_group_and_the_store_tools_see_it(env, tag_students):
     from click.testing import CliRunner
 
     from hkstore.cli import main
 
-    out = students_create(env["store"], "tag", dev_path=env["tag"], students=2, layers=1, epochs=2, lr=1e-3,
-                          head_epochs=3, progress=False)
+    out = tag_students
     assert 1 <= out["students"] <= 2 and len(out["scores"]) == out["students"] and 1 <= out["best_k"] <= out["students"]
     with hkstore.open(env["store"]) as store:
         group = load_group(store.snapshot(), "tag", env["encoder"].config.d)
@@ -198,3 +203,65 @@ def test_removing_the_tenant_removes_its_students(env):
     with hkstore.open(env["store"]) as store:
         assert "gone" not in store.snapshot().students and "gone" not in store.snapshot().pets
         assert np.isfinite(before.read_students("gone").tensors["multiplier"]).all()  # the old snapshot still reads it
+
+
+# -- serving: buffer, policy, engine ----------------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.integers(1, 60), min_size=1, max_size=50), max_batch=st.integers(1, 8),
+       fifo=st.booleans())
+def test_length_buffer_serves_everyone_once_oldest_first(lengths, max_batch, fifo):
+    from runtime.student.buffer import LengthBuffer
+
+    buf = LengthBuffer(bin_width=8, fifo=fifo)
+    for i, n in enumerate(lengths):
+        buf.add(n, i)
+    served = []
+    while len(buf):
+        oldest = buf.items[0][1]
+        batch = buf.pop(max_batch)
+        assert oldest in batch and 1 <= len(batch) <= max_batch and batch == sorted(batch)
+        served += batch
+    assert sorted(served) == list(range(len(lengths)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(queued=st.integers(0, 5000), more=st.integers(0, 5000), wait=st.floats(0, 1), rate=st.integers(0, 20000))
+def test_policy_serves_more_load_with_fewer_students_and_restores_the_group(queued, more, wait, rate):
+    from runtime.student.policy import PruningPolicy
+
+    costs = {"teacher": 4e-4, 3: 3e-4, 2: 2e-4, 1: 1e-4}
+    order = list(costs)
+    pol = PruningPolicy(order, target_s=0.3, cost=dict(costs), rate_window_s=1.0)
+    pol.arrived(rate, now=10.0)
+    light = pol.choose(queued, wait, now=10.5)
+    heavy = pol.choose(queued + more, wait, now=10.5)
+    assert order.index(heavy) >= order.index(light)
+    assert pol.choose(0, 0.0, now=20.0) == "teacher"  # the burst has passed: the most accurate level again
+
+
+def test_engine_answers_like_the_reference_and_says_how_many_students(env, tag_students):
+    from runtime.student.engine import StudentEngine
+    from runtime.student.evaluate import students_eval
+
+    ids = env["inputs"]  # only for the count
+    with hkstore.open(env["store"]) as store:
+        from runtime.model.stored import base_encoder
+
+        enc = base_encoder(store)
+        texts = manager.read_task(env["tag"], "tagging")[0]
+        tag_ids, _ = manager.encode_task(enc, texts, "tagging", manager.load_tenant(store, "tag", enc)[0]["labels"], 32)
+    assert ids
+    for mode in ("teacher", 1):
+        with StudentEngine(env["store"], ["tag"], mode=mode, max_batch=4) as engine:
+            answers = [f.result() for f in [engine.submit("tag", s) for s in tag_ids[:10]]]
+            assert all(a.students == (0 if mode == "teacher" else 1) for a in answers)
+            assert all(len(a.prediction) == len(s) for a, s in zip(answers, tag_ids))
+            # batching does not change an answer: one request alone gets the same prediction
+            alone = engine.submit("tag", tag_ids[3]).result()
+            assert alone.prediction == answers[3].prediction
+    report = students_eval(env["store"], "tag", env["tag"])
+    assert set(report["students"]) == set(range(1, len(report["students"]) + 1))
+    with StudentEngine(env["store"], ["tag"], mode="adaptive", target_s=10.0) as engine:
+        assert engine.submit("tag", tag_ids[0]).result().students == 0  # idle: the policy lets the teacher answer

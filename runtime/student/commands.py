@@ -1,0 +1,76 @@
+"""`hkstore students`: construction and scoring of a tenant's students (mounted lazily).
+
+    hkstore students create STORE TENANT --dev FILE [--students 4] [--layers 1] [--corpus FILE ...]
+    hkstore students eval STORE TENANT --test FILE
+    hkstore students rm STORE TENANT
+
+A group of its own rather than `tenant create --students`: students are distilled from a
+trained teacher, so they come after it (and construction's room never imports this one).
+"""
+
+from __future__ import annotations
+
+import click
+
+from runtime.build.commands import _json_option, _quiet_option, _run, _store_arg
+
+
+@click.group("students")
+def students():
+    """Student Parallelism: boosted shallow students that can serve a tenant under bursts."""
+
+
+@students.command("create")
+@_store_arg
+@click.argument("tenant")
+@click.option("--dev", "dev_path", required=True, type=click.Path(dir_okay=False),
+              help="Labeled validation file: when to stop adding students, and the best k.")
+@click.option("--students", "max_students", default=4, show_default=True, help="At most this many students.")
+@click.option("--layers", default=1, show_default=True, help="Transformer layers per student.")
+@click.option("--lam", default=0.5, show_default=True, help="Stacking distillation weight (students of 2+ layers).")
+@click.option("--epochs", default=3, show_default=True)
+@click.option("--lr", default=2e-4, show_default=True)
+@click.option("--corpus", "corpus_paths", multiple=True, type=click.Path(dir_okay=False),
+              help="Unlabeled in-domain text the students also learn from (repeatable).")
+@click.option("--max-corpus", default=2000, show_default=True, help="At most this many corpus pieces.")
+@click.option("--max-examples", type=int, default=None)
+@click.option("--fresh", is_flag=True, help="Start over instead of resuming an unfinished group.")
+@_quiet_option
+@_json_option
+def create(store, tenant, dev_path, max_students, layers, lam, epochs, lr, corpus_paths, max_corpus, max_examples,
+           fresh, quiet, as_json):
+    """Distill TENANT's PET into students (resumes an unfinished run unless --fresh)."""
+    from runtime.student.build import students_create
+
+    _run(students_create, store, tenant, dev_path=dev_path, students=max_students, layers=layers, lam=lam,
+         epochs=epochs, lr=lr, corpus_paths=corpus_paths, max_corpus=max_corpus, max_examples=max_examples,
+         resume=not fresh, progress=not quiet, as_json=as_json)
+
+
+@students.command("eval")
+@_store_arg
+@click.argument("tenant")
+@click.option("--test", "test_path", required=True, type=click.Path(dir_okay=False))
+@click.option("--max-examples", type=int, default=None)
+@_json_option
+def evaluate(store, tenant, test_path, max_examples, as_json):
+    """Score the teacher and the first k students, every k, on a labeled file."""
+    from runtime.student.evaluate import students_eval
+
+    _run(students_eval, store, tenant, test_path, max_examples=max_examples, as_json=as_json)
+
+
+@students.command("rm")
+@_store_arg
+@click.argument("tenant")
+@_json_option
+def rm(store, tenant, as_json):
+    """Delete TENANT's students (its PET stays)."""
+    import hkstore
+
+    def remove(path, name):
+        with hkstore.open(path, writable=True) as st:
+            st.delete_students(name)
+        return {"tenant": name, "students_removed": True}
+
+    _run(remove, store, tenant, as_json=as_json)
