@@ -2,7 +2,7 @@
 
 Texts come from the arguments or, with none (or ``-``), from stdin as JSON lines: each line an
 object ``{"text": ...}`` or ``{"ids": [...]}``, optionally with its own ``"tenant"`` (default
---tenant) and ``"truncate"``. Every text is one request; all of them run as one mixed batch
+--tenant), ``"truncate"`` and ``"policy"``. Every text is one request; all of them run as one mixed batch
 through ``runtime.Runtime.infer``. ``--json`` prints one JSON object per request (JSON lines,
 in input order), as ``POST /v1/tenants/{tenant}/infer`` answers them.
 """
@@ -22,6 +22,8 @@ def result_view(r) -> dict:
         out.update(tokens=list(r.tokens), tags=list(r.tags))
     if r.truncated:
         out["truncated"] = int(r.truncated)
+    if r.confidence is not None:
+        out.update(level=int(r.level), confidence=round(float(r.confidence), 6), pruned=int(r.pruned))
     return out
 
 
@@ -54,8 +56,11 @@ def read_requests(lines, tenant) -> list:
 @click.option("--max-len", type=click.IntRange(3, 4096), default=128, show_default=True, help="Tokens per text.")
 @click.option("--truncate/--no-truncate", default=False, show_default=True,
               help="Cut texts longer than --max-len instead of refusing them.")
+@click.option("--policy", type=click.Choice(["fast", "auto", "exact"]), default=None,
+              help="Level: fast (PLOT), exact (full-context lower layers), auto (Tabi's dispatcher). "
+                   "Default: auto for a profiled tenant, else fast.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per request (JSON lines).")
-def infer(store, texts, tenant, device, max_len, truncate, as_json):
+def infer(store, texts, tenant, device, max_len, truncate, policy, as_json):
     """Classify or tag TEXTS with a tenant's model (or JSON lines from stdin)."""
     import runtime
 
@@ -65,6 +70,9 @@ def infer(store, texts, tenant, device, max_len, truncate, as_json):
         if tenant is None:
             raise click.ClickException("give --tenant for the texts")
         requests = [{"tenant": tenant, "text": t} for t in texts]
+    if policy:
+        for r in requests:
+            r.setdefault("policy", policy)
     with runtime.open(store, device=device, max_len=max_len, truncate=truncate) as rt:
         results = rt.infer(requests)
     for r in results:

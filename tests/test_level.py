@@ -364,3 +364,21 @@ def test_level1_only_executors_default_to_fast(tiny, store_copy):
                 answer(plain, [("adapter-cls", ids, None, pet, pet.version, "exact")], level2=False)
         finally:
             plain.close()
+
+
+def test_cli_policy(tiny, store_copy):
+    import json
+
+    from click.testing import CliRunner
+
+    from hkstore.cli import main
+
+    _policy(store_copy, "adapter-cls", c=1.01, k=100.0, alpha=0.0, w=0.0, gate=0.0)
+    text = tiny[1]["texts"][0]
+    for policy, level in (("fast", 1), ("exact", 2), (None, 2)):
+        args = ["infer", str(store_copy), "--tenant", "adapter-cls", "--device", "cpu", "--json", text]
+        r = CliRunner().invoke(main, args + (["--policy", policy] if policy else []))
+        assert r.exit_code == 0, r.output
+        assert json.loads(r.output)["level"] == level
+    r = CliRunner().invoke(main, ["infer", str(store_copy), "--tenant", "adapter-cls", "--policy", "slow", text])
+    assert r.exit_code != 0 and "policy" in r.output
