@@ -132,6 +132,7 @@ class Workload:
     def __init__(self, args, tmp):
         from runtime.model import pet as petlib
         from runtime.model.encoder import load_encoder
+        from runtime.exec import cpu_batched
         from runtime.exec.plan import prepare_pet
 
         self.args = args
@@ -148,7 +149,8 @@ class Workload:
                 with torch.no_grad():
                     for v in pet.tensors.values():
                         v.copy_(torch.randn(v.shape, generator=g) * 0.02)
-                pets.append(prepare_pet(self.enc, petlib.export(pet), key=("pool", kind, k)))
+                # as the runtime's host cache holds them: each layer's parts in one block
+                pets.append(cpu_batched.pack_layers(prepare_pet(self.enc, petlib.export(pet), key=("pool", kind, k))))
             self.pool[kind] = pets
         rng = np.random.default_rng(0)
         L = args.seq_len
@@ -651,7 +653,8 @@ def section_d(w, out, figures=None):
     for T, reqs in batches.items():
         x, m, _ = retrieve_mixed(snap, [s for _, s in reqs], ["root"] * B)
         inputs[T] = (x, m, [w.pet("adapter", t) for t, _ in reqs])
-    execs = {"batched": CpuExecutor(w.enc, kernels="batched"), "reference": CpuExecutor(w.enc, kernels="reference")}
+    execs = {"batched": CpuExecutor(w.enc, kernels="batched"), "batched int8": CpuExecutor(w.enc, int8=True),
+             "reference": CpuExecutor(w.enc, kernels="reference")}
     mats = [(torch.randn(m, k), torch.randn(k, n), cnt) for m, k, n, cnt in shapes]
 
     def matmul():
@@ -673,6 +676,25 @@ def section_d(w, out, figures=None):
     head = [w.pet("head", 0)] * B
     full_key = f"full model, {c.num_layers} layers (dedicated compute, no swap)"
     runs[full_key] = lambda: full.run(*embed_batch(w.enc0, seqs1), head)
+    # restacking a batch's PET weights: per group and tensor (PETs as decoded) vs one copy a
+    # layer (the host cache's per-layer blocks), every upper layer of the 10K batch
+    from concurrent.futures import ThreadPoolExecutor
+
+    from runtime.exec import cpu_batched
+    from runtime.exec.threads import helper_thread_setup
+
+    plain_pool = [dataclasses.replace(p, parts={k: tuple(a.clone() for a in v) for k, v in p.parts.items()}, blocks={})
+                  for p in w.pool["adapter"]]
+    packed = execs["batched"].plan(inputs[10000][2])
+    plain = execs["batched"].plan([dataclasses.replace(plain_pool[t % len(plain_pool)], key=("adapter", t))
+                                   for t, _ in batches[10000]])
+    stack_bufs = ({}, {})
+    # on a one-thread helper, where the executor's prefetch stacks
+    helper = ThreadPoolExecutor(max_workers=1, initializer=helper_thread_setup)
+    for key, pl, bufs in (("PET stacking per group @10,000", plain, stack_bufs[0]),
+                          ("PET stacking, one copy a layer @10,000", packed, stack_bufs[1])):
+        runs[key] = lambda pl=pl, bufs=bufs: helper.submit(
+            lambda: [cpu_batched.stack_layer(bufs, pl, i, L) for i in execs["batched"].layers]).result()
     for T, reqs in batches.items():
         runs[f"retrieval (lookup + aggregation) @{T:,}"] = (
             lambda seqs=[s for _, s in reqs]: retrieve_mixed(snap, seqs, ["root"] * B))
@@ -720,7 +742,12 @@ def section_d(w, out, figures=None):
                    f"{st['reference @1'] / b1:.2f}x @1, {st['reference @10,000'] / b10k:.2f}x @10K; full model "
                    f"(embeddings + {c.num_layers} layers, dedicated compute when a swap costs nothing) / hPLM "
                    f"(retrieval + upper layers) **{st[full_key] / hplm_serial:.2f}x** serial, "
-                   f"{st[full_key] / b1:.2f}x with retrieval overlapped")
+                   f"{st[full_key] / b1:.2f}x with retrieval overlapped; int8 shared GEMMs / fp32 "
+                   f"{b1 / st['batched int8 @1']:.2f}x @1, {b10k / st['batched int8 @10,000']:.2f}x @10K")
+
+    out.append(f"- restacking the 10K batch's PET weights (all upper layers): per group "
+               f"{cpu_best['PET stacking per group @10,000'] * 1e3:.1f} ms CPU, one copy a layer "
+               f"{cpu_best['PET stacking, one copy a layer @10,000'] * 1e3:.1f} ms (best of the rounds)")
 
     # where a batch's time goes (the two tenant counts take turns, as above)
     texts = [w.enc.tokenizer.decode(s[1:-1]) for _, s in batches[10000]]
@@ -767,6 +794,7 @@ def section_d(w, out, figures=None):
     if figures:
         profile_png(prof_rows, os.path.join(figures, "runtime_cpu_profile.png"), B, L)
         out.append(f"\n![where a batch's time goes]({os.path.join(figures, 'runtime_cpu_profile.png')})")
+    helper.shutdown()
     for ex in (*execs.values(), full):
         ex.close()
     return med
