@@ -134,7 +134,7 @@ def test_a_fresh_student_is_the_first_upper_layer(env):
 def test_boosting_lowers_the_distance_and_eta_is_the_line_search_optimum(env):
     enc, x = env["encoder"], env["inputs"]
     h = teacher_states(enc, env["pet"], x)
-    cfg = StudentConfig(max_students=3, layers=2, epochs=3, lr=1e-3, min_gain=0.0, progress=False)
+    cfg = StudentConfig(max_students=2, layers=2, epochs=2, lr=1e-3, min_gain=0.0, progress=False)
     students, history = boost(enc, h, h, x, x, "classification", cfg)
     assert students and all(r["val_distance"] < r["val_distance_before"] for r in history if r["kept"])
     # eta minimizes the squared residual of its student: moving it either way can only hurt.

@@ -1,0 +1,260 @@
+"""Student Parallelism (issue 18): accuracy of the teacher vs its students, padding saved by the
+length-aware buffer, and latency under a stepped Poisson load with a burst.
+
+    python -m tools.bench_students --store STORE --tenant citation_intent-hplm=TEST \\
+        --tenant NCBI-disease-hplm=TEST --out /tmp/sp-bench --figure figures/students_load.png
+
+Students must exist (`hkstore students create`; best k was chosen on dev there). Sections:
+
+* accuracy: the teacher (hPLM) and the first k students, every k, on each tenant's TEST file;
+* padding: FIFO batches vs the length-aware buffer on the test requests' real lengths;
+* load: an open-loop stepped Poisson load (low -> burst -> low), the rates scaled from the
+  teacher's measured capacity on this machine, against two servers in turn (teacher-only and
+  adaptive students that may also use the teacher), --rounds rounds interleaved; p50/p99
+  latency and throughput per phase, the number of students used over time, and the accuracy
+  actually delivered (each answer scored against its label).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import time
+
+import numpy as np
+import torch
+
+import hkstore
+from runtime.build.data import accuracy, entity_f1, word_tags
+from runtime.build.manager import encode_eval, load_tenant, read_task
+from runtime.model.stored import base_encoder
+from runtime.student.buffer import LengthBuffer, padded_tokens
+from runtime.student.engine import StudentEngine
+from runtime.student.evaluate import students_eval
+
+
+def uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
+
+
+def load_requests(store_path, tenants: dict, limit: int):
+    """[(tenant, ids, target, words or None)] of every tenant's test file (at most limit each)."""
+    out = []
+    with hkstore.open(store_path) as store:
+        enc = base_encoder(store)
+        for tenant, path in tenants.items():
+            meta, _ = load_tenant(store, tenant, enc)
+            data, _ = read_task(path, meta["task"])
+            data = (data[0][:limit], data[1][:limit])
+            ids, targets = encode_eval(enc, data, meta["task"], list(meta["labels"]),
+                                       (meta.get("train") or {}).get("max_len", 128))
+            for i in range(len(ids)):
+                gold = data[1][i] if meta["task"] == "tagging" else None
+                out.append({"tenant": tenant, "ids": ids[i], "target": targets[i], "words": data[0][i], "gold": gold,
+                            "task": meta["task"], "labels": list(meta["labels"])})
+    return out
+
+
+def delivered_score(reqs, answers) -> dict:
+    """Per tenant: accuracy (classification) or entity F1 (tagging) of the answers delivered."""
+    out = {}
+    for tenant in sorted({r["tenant"] for r in reqs}):
+        pairs = [(r, a) for r, a in zip(reqs, answers) if r["tenant"] == tenant and a is not None]
+        if not pairs:
+            continue
+        r0 = pairs[0][0]
+        if r0["task"] == "classification":
+            out[tenant] = accuracy([r["target"] for r, _ in pairs], [a.prediction for _, a in pairs])
+        else:
+            gold = [[t if t in r["labels"] else "O" for t in r["gold"]] for r, _ in pairs]
+            pred = [word_tags(a.prediction, r["target"], r["labels"], len(r["words"])) for r, a in pairs]
+            out[tenant] = entity_f1(gold, pred)
+    return out
+
+
+def capacity(store_path, tenants, reqs, mode, max_batch, repeats=3) -> float:
+    """Requests per second `mode` serves with full batches (median of repeats)."""
+    with StudentEngine(store_path, tenants, mode=mode, max_batch=max_batch) as engine:
+        times = []
+        for r in range(repeats + 1):
+            batch = random.Random(r).sample(reqs, min(max_batch, len(reqs)))
+            t0 = time.perf_counter()
+            for f in [engine.submit(q["tenant"], q["ids"]) for q in batch]:
+                f.result()
+            if r:  # the first is warm-up
+                times.append(len(batch) / (time.perf_counter() - t0))
+    return float(np.median(times))
+
+
+def schedule(phases, seed):
+    """Arrival times of an open-loop Poisson process, piecewise constant rate."""
+    rng = np.random.default_rng(seed)
+    t, out, start = 0.0, [], 0.0
+    for rate, seconds in phases:
+        t = start
+        while True:
+            t += rng.exponential(1 / rate)
+            if t >= start + seconds:
+                break
+            out.append(t)
+        start += seconds
+    return out
+
+
+def run_load(store_path, tenants, reqs, mode, phases, target_s, max_batch, seed):
+    arrivals = schedule(phases, seed)
+    rng = random.Random(seed)
+    chosen = [reqs[rng.randrange(len(reqs))] for _ in arrivals]
+    with StudentEngine(store_path, tenants, mode=mode, target_s=target_s, max_batch=max_batch) as engine:
+        # warm: one batch at every level, so the policy starts with measured costs
+        for level in engine.policy.levels:
+            engine.mode = level
+            for f in [engine.submit(q["tenant"], q["ids"]) for q in reqs[:max_batch]]:
+                f.result()
+        engine.mode, engine.timeline = mode, []
+        engine.padding = [0, 0]
+        futures = [None] * len(arrivals)
+        t0 = time.perf_counter()
+        for i, (at, q) in enumerate(zip(arrivals, chosen)):
+            delay = t0 + at - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            futures[i] = engine.submit(q["tenant"], q["ids"])
+        answers = [f.result() for f in futures]
+        timeline = [(t - t0, level, queued, size) for t, level, queued, size in engine.timeline]
+        padding = list(engine.padding)
+    bounds = np.cumsum([0] + [s for _, s in phases])
+    out = {"mode": str(mode), "phases": []}
+    for p, (rate, seconds) in enumerate(phases):
+        idx = [i for i, at in enumerate(arrivals) if bounds[p] <= at < bounds[p + 1]]
+        lat = np.array([answers[i].latency_s for i in idx])
+        done = [arrivals[i] + answers[i].latency_s for i in idx]
+        out["phases"].append({
+            "rate": rate, "seconds": seconds, "requests": len(idx),
+            "p50_ms": float(np.percentile(lat, 50) * 1e3) if len(idx) else None,
+            "p99_ms": float(np.percentile(lat, 99) * 1e3) if len(idx) else None,
+            "throughput": len(idx) / max(max(done) - bounds[p], 1e-9) if idx else 0.0,
+            "students_mean": float(np.mean([answers[i].students for i in idx])) if idx else None,
+            "teacher_share": float(np.mean([answers[i].students == 0 for i in idx])) if idx else None,
+            "delivered": delivered_score([chosen[i] for i in idx], [answers[i] for i in idx]),
+        })
+    out["delivered"] = delivered_score(chosen, answers)
+    out["timeline"] = timeline
+    out["latency"] = [(arrivals[i], answers[i].latency_s, answers[i].students) for i in range(len(arrivals))]
+    out["padding"] = padding
+    return out
+
+
+def padding_saved(reqs, max_batch, seed=0):
+    lengths = [len(q["ids"]) for q in reqs]
+    random.Random(seed).shuffle(lengths)
+    out = {}
+    for name, fifo in (("fifo", True), ("length-aware", False)):
+        # as a busy server sees it: 4 batches' worth waiting at a time
+        buf, batches, it = LengthBuffer(8, fifo), [], iter(lengths)
+        for n in it:
+            buf.add(n, n)
+            if len(buf) >= 4 * max_batch:
+                batches.append(buf.pop(max_batch))
+        while len(buf):
+            batches.append(buf.pop(max_batch))
+        computed, real = padded_tokens(batches)
+        out[name] = {"computed_tokens": computed, "real_tokens": real, "padding_share": 1 - real / computed}
+    return out
+
+
+def figure(results, path, phases):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    bounds = np.cumsum([0] + [s for _, s in phases])
+    for r in results:
+        lat = np.array(r["latency"])
+        axes[0].scatter(lat[:, 0], lat[:, 1] * 1e3, s=4, alpha=0.5, label=f"{r['mode']} (round {r['round']})")
+        if r["mode"] == "adaptive":
+            tl = np.array([(t, 0 if lv == "teacher" else lv) for t, lv, _, _ in r["timeline"]], dtype=float)
+            axes[1].step(tl[:, 0], tl[:, 1], where="post", label=f"round {r['round']}")
+    for b in bounds[1:-1]:
+        for ax in axes:
+            ax.axvline(b, color="grey", linestyle=":")
+    axes[0].set_yscale("log")
+    axes[0].set_ylabel("latency (ms)")
+    axes[0].legend(fontsize=7, markerscale=3)
+    axes[1].set_ylabel("students per batch (0 = teacher)")
+    axes[1].set_xlabel("seconds since the first arrival")
+    axes[1].legend(fontsize=7)
+    rates = " -> ".join(f"{r:.0f}/s" for r, _ in phases)
+    axes[0].set_title(f"stepped Poisson load {rates}: teacher-only vs adaptive students")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--store", required=True)
+    ap.add_argument("--tenant", action="append", required=True, help="TENANT=TEST_FILE (repeatable)")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--figure", default="figures/students_load.png")
+    ap.add_argument("--max-batch", type=int, default=32)
+    ap.add_argument("--max-test", type=int, default=None, help="at most this many test examples per tenant (accuracy)")
+    ap.add_argument("--load-requests", type=int, default=300, help="test requests per tenant the load draws from")
+    ap.add_argument("--low", type=float, default=0.3, help="low phases' rate, times the teacher's capacity")
+    ap.add_argument("--burst", type=float, default=2.5, help="burst rate, times the teacher's capacity")
+    ap.add_argument("--seconds", type=float, nargs=3, default=(6, 8, 8), help="low, burst, low phase lengths")
+    ap.add_argument("--target-ms", type=float, default=None, help="latency target (default: 2 teacher batches)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--skip-accuracy", action="store_true")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    os.makedirs(args.out, exist_ok=True)
+    tenants = dict(t.split("=", 1) for t in args.tenant)
+    report = {"machine": uptime(), "args": vars(args)}
+    print(f"# {report['machine']}", flush=True)
+    if not args.skip_accuracy:
+        report["accuracy"] = {}
+        for tenant, path in tenants.items():
+            t0 = time.perf_counter()
+            report["accuracy"][tenant] = students_eval(args.store, tenant, path, max_examples=args.max_test)
+            print(f"accuracy {tenant}: {json.dumps(report['accuracy'][tenant])} "
+                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    reqs = load_requests(args.store, tenants, args.load_requests)
+    report["padding"] = padding_saved(reqs, args.max_batch)
+    print(f"padding: {json.dumps(report['padding'])}", flush=True)
+    names = list(tenants)
+    cap_t = capacity(args.store, names, reqs, "teacher", args.max_batch)
+    cap_1 = capacity(args.store, names, reqs, 1, args.max_batch)
+    report["capacity"] = {"teacher_rps": cap_t, "one_student_rps": cap_1}
+    print(f"capacity: teacher {cap_t:.1f} req/s, one student {cap_1:.1f} req/s; {uptime()}", flush=True)
+    phases = [(args.low * cap_t, args.seconds[0]), (args.burst * cap_t, args.seconds[1]),
+              (args.low * cap_t, args.seconds[2])]
+    target = args.target_ms / 1e3 if args.target_ms else 2 * args.max_batch / cap_t
+    report["phases"], report["target_s"] = phases, target
+    results = []
+    for rnd in range(args.rounds):
+        order = ["teacher", "adaptive"] if rnd % 2 == 0 else ["adaptive", "teacher"]
+        for mode in order:
+            r = run_load(args.store, names, reqs, mode, phases, target, args.max_batch, seed=100 + rnd)
+            r["round"], r["load"] = rnd, os.getloadavg()[0]
+            results.append(r)
+            print(f"round {rnd} {mode}: " + "; ".join(
+                f"{p['rate']:.1f}/s p50 {p['p50_ms']:.0f} ms p99 {p['p99_ms']:.0f} ms students {p['students_mean']:.2f} "
+                f"teacher {p['teacher_share']:.2f} delivered {json.dumps(p['delivered'])}" for p in r["phases"])
+                + f"; load {r['load']:.1f}", flush=True)
+    report["load"] = results
+    report["machine_after"] = uptime()
+    with open(os.path.join(args.out, "bench_students.json"), "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    figure(results, args.figure, phases)
+    print(f"wrote {args.out}/bench_students.json and {args.figure}; {report['machine_after']}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
