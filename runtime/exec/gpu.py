@@ -14,6 +14,10 @@ within 1e-2 relative; tests/test_executor_gpu.py). What is different:
   stacking). Streams are ordered with events only (no device-wide synchronisation): the
   compute stream waits for the input copy's event, the input stream waits until the compute
   stream has consumed the buffer it is about to overwrite.
+* **PET operator lanes** (``lanes`` > 1, PetS Alg. 2): a stage's edit operators (BitFit,
+  diff, LoRA of each target; kinds that share rows stay one operator) are placed by their
+  roofline time onto ``lanes`` extra streams, compute- and memory-bound ones alternating;
+  events order the lanes after the stage's GEMMs and the compute stream after the lanes.
 * **Pinned, preallocated, reused host buffers** (cupy.cuda.alloc_pinned_memory), two of them
   in turn, so the retrieval of batch i+1 is copied while batch i computes (the scheduler runs
   ``prepare`` on its own thread when pipelining).
@@ -53,6 +57,8 @@ from runtime.exec.plan import BatchPlan, Prepared, plan_batch, prepare_pet
 from runtime.plot.mixed import retrieve_mixed
 
 _F32_MIN = float(np.finfo(np.float32).min)
+# Alg. 2's roofline for the lanes (fp32, H100-class): only the ridge point and the order matter
+_PEAK_FLOPS, _BANDWIDTH = 5e13, 3e12
 
 
 def _import_cupy():
@@ -68,11 +74,13 @@ class GpuExecutor:
 
     def __init__(self, encoder, *, dtype: str = "fp32", pet_cache_bytes: int = 512 << 20, prefetch: bool = True,
                  hot_tier_rows: int = 65536, hot_rebuild_every: int = 32, max_batch: int = 64, max_len: int = 128,
-                 lora_kernel: str = "auto", device_id: int | None = None, _cupy=None, _ops=None):
+                 lora_kernel: str = "auto", device_id: int | None = None, lanes: int = 1, _cupy=None, _ops=None):
         if dtype not in ("fp32", "fp16"):
             raise ValueError(f"dtype must be fp32 or fp16, got {dtype!r}")
         if lora_kernel not in ("auto", "sgmv", "bgmv"):
             raise ValueError(f"lora_kernel must be auto, sgmv or bgmv, got {lora_kernel!r}")
+        if int(lanes) < 1:
+            raise ValueError(f"lanes must be at least 1, got {lanes!r}")
         self.cp = cp = _cupy or _import_cupy()
         if _ops is None:
             from runtime.exec import ops_gpu as _ops
@@ -88,6 +96,8 @@ class GpuExecutor:
             self.compute_stream = cp.cuda.Stream(non_blocking=True)
             self.input_stream = cp.cuda.Stream(non_blocking=True)
             self.pet_stream = cp.cuda.Stream(non_blocking=True)
+            # PetS Alg. 2: a stage's PET operators spread over these streams (lanes > 1)
+            self.lane_streams = [cp.cuda.Stream(non_blocking=True) for _ in range(int(lanes))] if lanes > 1 else []
             with self.compute_stream:
                 self.weights = self._upload_weights()
                 self.compute_stream.synchronize()
@@ -446,41 +456,118 @@ class GpuExecutor:
                 out[t, :, : a.shape[1]] = a
         return out
 
-    def _edit(self, y, x, target, groups):
+    def _edit_ops(self, ys, x, groups) -> list:
+        """The tenants' edits of one stage's projection outputs ys {target: y} as operators:
+        [(FLOPs, bytes, [(kind, target, y)])]; kinds of one target that share a segment stay
+        in one operator, in the reference order (bias, diff, LoRA)."""
+        ops = []
+        for target, y in ys.items():
+            chains = []  # [(segments touched, operators in order)]
+            for kind in ("bias", "diff", "lora"):
+                if (kind, target) not in groups:
+                    continue
+                active = groups[(kind, target)][0].seg_ids >= 0
+                hit = [c for c in chains if (c[0] & active).any()]  # the same rows: order matters
+                for c in hit:
+                    chains.remove(c)
+                    active = active | c[0]
+                chains.append((active, [op for c in hit for op in c[1]] + [(kind, target, y)]))
+            for _, chain in chains:
+                flops = nbytes = 0.0
+                for kind, t, yy in chain:
+                    f, b = self._op_cost(kind, groups[(kind, t)], x, yy)
+                    flops, nbytes = flops + f, nbytes + b
+                ops.append((flops, nbytes, chain))
+        return ops
+
+    @staticmethod
+    def _op_cost(kind, group, x, y) -> tuple:
+        """(FLOPs, bytes) of one PET operator, from host-side shapes (no device reads)."""
+        g, w = group
+        rows = float(y.shape[0]) * float((g.seg_ids >= 0).mean()) if len(g.seg_ids) else 0.0
+        d_in, d_out = x.shape[1], y.shape[1]
+        if kind == "lora":
+            r = w["A"].shape[1]
+            return 2.0 * rows * r * (d_in + d_out), 4.0 * rows * (d_in + 2 * d_out)
+        if kind == "bias":
+            return rows * d_out, 8.0 * rows * d_out
+        nnz = float(w["value"].shape[0]) / max(len(g.members), 1)
+        return 2.0 * nnz * rows / max(d_out, 1), 4.0 * rows * (d_in + 2 * d_out) + 8.0 * nnz
+
+    def _run_edits(self, ys, x, groups):
+        """Run a stage's edit operators: in order on the compute stream, or (lanes > 1, PetS
+        Alg. 2) placed by roofline time onto the lane streams, compute- and memory-bound
+        operators alternating; the lanes start after the stage's GEMMs (an event) and the
+        compute stream goes on once every lane is done (events; no host synchronisation)."""
+        ops = self._edit_ops(ys, x, groups)
+        if len(self.lane_streams) < 2 or len(ops) < 2:
+            for _, _, chain in ops:
+                for kind, target, y in chain:
+                    self._edit(kind, y, x, groups[(kind, target)])
+            return
+        from types import SimpleNamespace
+
+        from runtime.exec.pet_lanes import assign_lanes
+
+        cp = self.cp
+        placed = assign_lanes([SimpleNamespace(flops=f, bytes=b, chain=c) for f, b, c in ops], len(self.lane_streams),
+                              peak_flops=_PEAK_FLOPS, bandwidth=_BANDWIDTH)
+        ready = cp.cuda.Event(disable_timing=True)
+        ready.record(self.compute_stream)
+        done = []
+        for lane, stream in zip(placed, self.lane_streams):
+            if not lane:
+                continue
+            with stream:
+                stream.wait_event(ready)
+                for op in lane:
+                    for kind, target, y in op.chain:
+                        self._edit(kind, y, x, groups[(kind, target)])
+                ev = cp.cuda.Event(disable_timing=True)
+                ev.record(stream)
+                done.append(ev)
+        for ev in done:
+            self.compute_stream.wait_event(ev)
+
+    def _edit(self, kind, y, x, group):
+        """One edit operator (bias, diff or LoRA) of a projection's output y from its input x."""
         ops = self.ops
-        if ("bias", target) in groups:
-            g, w = groups[("bias", target)]
+        g, w = group
+        if kind == "bias":
             ops.bias_gather(y, w["delta"], w["seg_starts"], w["seg_ids"])
-        if ("diff", target) in groups:
-            g, w = groups[("diff", target)]
+        elif kind == "diff":
             ops.sparse_add(y, x, w["index"], w["value"], w["offsets"], w["seg_starts"], w["seg_ids"])
-        if ("lora", target) in groups:
-            g, w = groups[("lora", target)]
-            if g.bgmv:
-                ops.bgmv(y, x, w["A"], w["B"], w["row_ids"], w["scales"])
-            else:
-                ops.sgmv(y, x, w["A"], w["B"], w["seg_starts"], w["seg_ids"], w["scales"])
+        elif g.bgmv:
+            ops.bgmv(y, x, w["A"], w["B"], w["row_ids"], w["scales"])
+        else:
+            ops.sgmv(y, x, w["A"], w["B"], w["seg_starts"], w["seg_ids"], w["scales"])
         return y
 
-    def _proj(self, w, target, x, groups, gelu=False):
+    def _proj(self, w, targets, x, groups, gelu=False) -> list:
+        """One stage's projections of x (the q/k/v stage has three): the shared GEMMs, the
+        tenants' edits (_run_edits), the bias (+ GELU) and the adapters."""
         cp = self.cp
-        y = cp.matmul(x, w[target])  # cuBLAS: (rows, d_in) @ (d_in, d_out)
-        self._edit(y, x, target, groups)
-        if gelu:
-            return self.ops.bias_gelu(y, w[target + ".b"], out=y)
-        y += w[target + ".b"]
-        if ("adapter", target) in groups:  # on the biased output, as runtime.model.pet.linear
-            g, aw = groups[("adapter", target)]
-            self.ops.segmented_adapter(y, aw["down"], aw["down_bias"], aw["up"], aw["up_bias"], aw["seg_starts"],
-                                       aw["seg_ids"], out=y)
-        return y
+        ys = {t: cp.matmul(x, w[t]) for t in targets}  # cuBLAS: (rows, d_in) @ (d_in, d_out)
+        self._run_edits(ys, x, groups)
+        out = []
+        for target, y in ys.items():
+            if gelu:
+                out.append(self.ops.bias_gelu(y, w[target + ".b"], out=y))
+                continue
+            y += w[target + ".b"]
+            if ("adapter", target) in groups:  # on the biased output, as runtime.model.pet.linear
+                _, aw = groups[("adapter", target)]
+                self.ops.segmented_adapter(y, aw["down"], aw["down_bias"], aw["up"], aw["up_bias"], aw["seg_starts"],
+                                           aw["seg_ids"], out=y)
+            out.append(y)
+        return out
 
     def _layer(self, i, x, mask, B, L, groups, seg_rows):
         cp, c = self.cp, self.config
         w = self.weights[i]
         d, H = c.d, c.heads
         dh = d // H
-        q, k, v = (self._proj(w, t, x, groups).reshape(B, L, H, dh).transpose(0, 2, 1, 3) for t in ("q", "k", "v"))
+        q, k, v = (y.reshape(B, L, H, dh).transpose(0, 2, 1, 3) for y in self._proj(w, ("q", "k", "v"), x, groups))
         scores = cp.matmul(q, k.transpose(0, 1, 3, 2)).astype(np.float32) * np.float32(1.0 / math.sqrt(dh))
         scores = cp.where(mask[:, None, None, :], scores, np.float32(_F32_MIN))
         scores -= scores.max(axis=-1, keepdims=True)
@@ -488,10 +575,10 @@ class GpuExecutor:
         probs /= probs.sum(axis=-1, keepdims=True)
         ctx = cp.matmul(probs.astype(self.dtype), v)  # (B, H, L, dh)
         ctx = cp.ascontiguousarray(ctx.transpose(0, 2, 1, 3)).reshape(B * L, d)
-        a = self._proj(w, "o", ctx, groups)
+        a, = self._proj(w, ("o",), ctx, groups)
         h = self._norm(w, "ln_attn", a, x, groups, out=None)
-        f = self._proj(w, "ffn_in", h, groups, gelu=True)
-        out = self._proj(w, "ffn_out", f, groups)
+        f, = self._proj(w, ("ffn_in",), h, groups, gelu=True)
+        out, = self._proj(w, ("ffn_out",), f, groups)
         return self._norm(w, "ln_ffn", out, h, groups, out=out)
 
     def _norm(self, w, name, y, residual, groups, out):
