@@ -92,7 +92,9 @@ def tracked_cupy(tr: Tracker):
             tr.merge(tr.host, self.vc)
 
     class Event(cupy_standin.Event):
-        vc: dict = {}
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.vc = {}
 
         def record(self, stream=None):
             super().record(stream)
