@@ -9,6 +9,13 @@ executor runs them (one lane: one batched runtime.exec.cpu_batched call per kind
 torch's intra-op threads) or as runtime.exec.pet_lanes operators placed by Alg. 2 on --lanes
 threads of one torch thread each; and, to separate the two effects, the one-lane calls on a
 single worker thread of one torch thread. Median of --reps interleaved rounds; prints a table.
+
+    python -m tools.bench_pet_lanes --gpu [--lanes 4]      # on a CUDA GPU (CuPy)
+
+--gpu times the GPU executor's whole upper layers for the same batches with lanes=1 against
+lanes=--lanes (PetS Alg. 2 on CUDA streams, runtime.exec.gpu), the two taking turns; --emulate
+runs that path on the CUDA-on-CPU emulation instead (a smoke test of the tool: small
+--tenants and --len, the times mean nothing).
 """
 
 from __future__ import annotations
@@ -35,7 +42,11 @@ def main(argv=None):
     ap.add_argument("--lanes", type=int, default=2)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--out")
+    ap.add_argument("--gpu", action="store_true", help="GpuExecutor lanes=1 vs lanes=--lanes (needs CuPy + a GPU)")
+    ap.add_argument("--emulate", action="store_true", help="--gpu on the CUDA-on-CPU emulation (smoke test)")
     args = ap.parse_args(argv)
+    if args.gpu or args.emulate:
+        return gpu_lanes(args)
     import dataclasses
 
     from runtime.exec import cpu_batched, pet_lanes
@@ -110,6 +121,59 @@ def main(argv=None):
                       md_table(["tenants", "operators", "one lane ms", "one lane, 1 thread ms",
                                 f"{args.lanes} lanes ms", "lanes vs one lane", "lanes vs one lane, 1 thread"],
                                rows_out)])
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+def gpu_lanes(args):
+    """The GPU executor's upper layers, lanes=1 vs lanes=args.lanes, the same batches."""
+    import contextlib
+    import dataclasses
+
+    from runtime.exec.gpu import GpuExecutor
+    from runtime.model.encoder import load_encoder
+    from tools.bench_runtime import md_table
+    from tools.profile_latency import random_pet
+
+    enc = load_encoder()
+    base = {k: random_pet(enc, k, 7 + j) for j, k in enumerate(TYPES)}
+    kwargs, ctx = {}, contextlib.nullcontext()
+    if args.emulate:
+        from runtime.exec import ops_gpu
+        from runtime.exec.emu import cupy_standin
+
+        kwargs, ctx = {"_cupy": cupy_standin, "_ops": ops_gpu}, ops_gpu.use_cupy(cupy_standin)
+    rows, load0 = [], os.getloadavg()[0]
+    with ctx:
+        for T in [int(t) for t in args.tenants.split(",")]:
+            L = args.len
+            pets = [dataclasses.replace(base[TYPES[j % 4]], key=("t", j)) for j in range(T)]
+            rng = np.random.default_rng(T)
+            x = rng.standard_normal((T, L, enc.config.d)).astype(np.float32)
+            mask = np.ones((T, L), dtype=bool)
+            execs = {n: GpuExecutor(enc, lanes=n, hot_tier_rows=0, max_batch=T, max_len=L, **kwargs)
+                     for n in (1, args.lanes)}
+            for ex in execs.values():
+                ex.run(x, mask, pets)  # warm-up: uploads, kernel builds
+            seen = {n: [] for n in execs}
+            for _ in range(args.reps):
+                for n, ex in execs.items():
+                    t0 = time.perf_counter()
+                    ex.run(x, mask, pets)  # returns host logits: synchronised
+                    seen[n].append(time.perf_counter() - t0)
+            one, many = (float(np.median(seen[n])) for n in execs)
+            rows.append([T, f"{one * 1e3:.2f}", f"{many * 1e3:.2f}", f"{one / many:.2f}x"])
+            print(f"T={T}: one lane {one * 1e3:.2f} ms, {args.lanes} lanes {many * 1e3:.2f} ms", file=sys.stderr)
+            for ex in execs.values():
+                ex.close()
+    where = "CUDA-on-CPU emulation (times mean nothing)" if args.emulate else "GPU"
+    title = (f"### GPU executor, upper layers: one lane vs {args.lanes} lane streams (Alg. 2), one request of "
+             f"{args.len} tokens per tenant, mixed PET types, median of {args.reps}; {where}; load average "
+             f"{load0:.1f}\n")
+    text = "\n".join([title,
+                      md_table(["tenants", "one lane ms", f"{args.lanes} lanes ms", "lanes vs one lane"], rows)])
     print(text)
     if args.out:
         with open(args.out, "w") as f:
