@@ -265,3 +265,22 @@ def test_engine_answers_like_the_reference_and_says_how_many_students(env, tag_s
     assert set(report["students"]) == set(range(1, len(report["students"]) + 1))
     with StudentEngine(env["store"], ["tag"], mode="adaptive", target_s=10.0) as engine:
         assert engine.submit("tag", tag_ids[0]).result().students == 0  # idle: the policy lets the teacher answer
+
+
+def test_students_cli_scores_removes_and_fails_in_one_line(env, tag_students):
+    from click.testing import CliRunner
+
+    from hkstore.cli import main
+
+    run = CliRunner().invoke
+    scored = run(main, ["students", "eval", env["store"], "tag", "--test", env["tag"], "--json"])
+    assert scored.exit_code == 0, scored.output
+    assert '"teacher"' in scored.output and '"students"' in scored.output
+    for args in (["students", "eval", env["store"], "nobody", "--test", env["tag"]],
+                 ["students", "create", env["store"], "nobody", "--dev", env["tag"], "-q"],
+                 ["students", "rm", env["store"], "nobody"]):
+        bad = run(main, args)
+        assert bad.exit_code == 1 and len(bad.output.strip().splitlines()) == 1, bad.output
+    assert run(main, ["students", "rm", env["store"], "tag"]).exit_code == 0
+    with hkstore.open(env["store"]) as store:
+        assert "tag" not in store.snapshot().students and "tag" in store.snapshot().pets
