@@ -223,6 +223,7 @@ class Systems:
             self.full = GpuExecutor(w.enc0, hot_tier_rows=0, max_batch=self.batch, max_len=w.args.seq_len)
         self._dedicated_copies = None
         self._loaded = None
+        self.swaps, self.swap_seconds = 0, 0.0  # dedicated's weight swaps (table (a)'s swap costs)
 
     def close(self):
         close = getattr(self.full, "close", None)
@@ -259,6 +260,8 @@ class Systems:
         if self._loaded == tenant:
             return
         state = self._weights(tenant % 4)
+        t0 = time.perf_counter()
+        self.swaps += 1
         if self.gpu is None:
             with torch.no_grad():
                 for n, p in self.w.enc0.state_dict().items():
@@ -278,6 +281,7 @@ class Systems:
                 for n in ("word.weight", "position.weight", "type0", "ln_emb.weight", "ln_emb.bias"):
                     self.w.enc0.state_dict()[n].copy_(torch.from_numpy(np.asarray(state[n])))
         self._loaded = tenant
+        self.swap_seconds += time.perf_counter() - t0
 
     def dedicated(self, reqs):
         """Per batch, the requests of each tenant together: swap its model in, run it."""
@@ -352,11 +356,14 @@ def section_a(w, gpu, out):
     warm = w.requests(4, min(n, args.batch), 99)
     hplm(w, ex, warm)
     sysm.shared_or_adapter(warm[: max(2, args.batch // 4)], "adapter")
-    rows, results, spread = [], {}, {}
+    rows, results, spread, swap_rows = [], {}, {}, []
     counts = sorted(set(tenant_counts) | {16})
     for T in counts:
         reqs = w.requests(T, n, T)
         d_reqs = reqs[: args.dedicated_requests]
+        sysm.swaps, sysm.swap_seconds = 0, 0.0
+        if gpu is None:
+            ex.profile = {}  # hPLM's swap cost: stacking the batch's PET weights (prefetch thread)
 
         def dedicated():
             rate = len(d_reqs) / timed(lambda: sysm.dedicated(d_reqs))
@@ -376,6 +383,14 @@ def section_a(w, gpu, out):
                 seen[k].append(run())
         results[T] = {k: float(np.median(v)) for k, v in seen.items()}
         spread[T] = {k: max(v) / min(v) for k, v in seen.items()}
+        d_batches = args.repeats_a * -(-len(d_reqs) // args.batch)
+        h_batches = args.repeats_a * -(-n // args.batch)
+        stack = (ex.profile or {}).get("PET stacking (prefetch thread)") if gpu is None else None
+        ex.profile = None
+        swap_rows.append([f"{T:,}", f"{sysm.swaps / d_batches:.1f}",
+                          f"{1e3 * sysm.swap_seconds / max(sysm.swaps, 1):.1f}",
+                          f"{1e3 * sysm.swap_seconds / d_batches:.1f}",
+                          "–" if stack is None else f"{1e3 * stack / h_batches:.1f}"])
     systems = ["dedicated", "shared", "adapter-only", "hPLM"]
     for T in tenant_counts:
         rows.append([f"{T:,}"] + [f"{results[T][s]:.2f}" for s in systems])
@@ -402,6 +417,10 @@ def section_a(w, gpu, out):
     out.append(md_table(["tenants"] + systems, rows))
     out.append(f"\n### {dev}: {where} memory per tenant = (shared weights + sum of per-tenant state) / tenants\n")
     out.append(md_table(["tenants"] + systems, mrows))
+    out.append(f"\n### {dev}: swap costs per batch of {args.batch} (dedicated: its weight swaps, each a copy of "
+               f"the full model; hPLM: stacking the batch's PET weights, on the prefetch thread, overlapped)\n")
+    out.append(md_table(["tenants", "dedicated swaps / batch", "ms / swap", "dedicated swap ms / batch",
+                         "hPLM PET stacking ms / batch"], swap_rows))
     lo, hi = min(tenant_counts), max(tenant_counts)
     ratio_scale = results[hi]["hPLM"] / results[lo]["hPLM"]
     ratio_ded = results[16]["hPLM"] / results[16]["dedicated"]
