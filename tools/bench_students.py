@@ -114,6 +114,7 @@ def run_load(store_path, tenants, reqs, mode, phases, target_s, max_batch, seed)
             engine.mode = level
             for f in [engine.submit(q["tenant"], q["ids"]) for q in reqs[:max_batch]]:
                 f.result()
+        top = engine.policy.levels[0]
         engine.mode, engine.timeline = mode, []
         engine.padding = [0, 0]
         futures = [None] * len(arrivals)
@@ -137,11 +138,15 @@ def run_load(store_path, tenants, reqs, mode, phases, target_s, max_batch, seed)
             "p50_ms": float(np.percentile(lat, 50) * 1e3) if len(idx) else None,
             "p99_ms": float(np.percentile(lat, 99) * 1e3) if len(idx) else None,
             "throughput": len(idx) / max(max(done) - bounds[p], 1e-9) if idx else 0.0,
-            "students_mean": float(np.mean([answers[i].students for i in idx])) if idx else None,
+            # among the answers students gave (the teacher's share is the next field)
+            "students_mean": float(np.mean([answers[i].students for i in idx if answers[i].students] or [0])),
             "teacher_share": float(np.mean([answers[i].students == 0 for i in idx])) if idx else None,
             "delivered": delivered_score([chosen[i] for i in idx], [answers[i] for i in idx]),
         })
     out["delivered"] = delivered_score(chosen, answers)
+    # after the burst: how long until a batch is served at the most accurate level again
+    back = [t for t, level, _, _ in timeline if t >= bounds[2] and level == ("teacher" if mode == "teacher" else top)]
+    out["recovery_s"] = back[0] - bounds[2] if back else None
     out["timeline"] = timeline
     out["latency"] = [(arrivals[i], answers[i].latency_s, answers[i].students) for i in range(len(arrivals))]
     out["padding"] = padding
@@ -247,7 +252,7 @@ def main(argv=None):
             print(f"round {rnd} {mode}: " + "; ".join(
                 f"{p['rate']:.1f}/s p50 {p['p50_ms']:.0f} ms p99 {p['p99_ms']:.0f} ms students {p['students_mean']:.2f} "
                 f"teacher {p['teacher_share']:.2f} delivered {json.dumps(p['delivered'])}" for p in r["phases"])
-                + f"; load {r['load']:.1f}", flush=True)
+                + f"; back to the top level {r['recovery_s']} s after the burst; load {r['load']:.1f}", flush=True)
     report["load"] = results
     report["machine_after"] = uptime()
     with open(os.path.join(args.out, "bench_students.json"), "w") as f:

@@ -68,6 +68,7 @@ class StudentEngine:
         self.padding = [0, 0]  # padded tokens computed, real tokens
         self._cv = threading.Condition()
         self._closed = False
+        self.torch_threads = torch.get_num_threads()  # OpenMP counts are per thread: take the caller's
         self._thread = threading.Thread(target=self._loop, name="students", daemon=True)
         self._thread.start()
 
@@ -95,6 +96,7 @@ class StudentEngine:
         self.close()
 
     def _loop(self):
+        torch.set_num_threads(self.torch_threads)
         while True:
             with self._cv:
                 while not len(self.buffer) and not self._closed:
