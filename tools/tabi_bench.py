@@ -399,7 +399,7 @@ def figures(results, path):
         ax.scatter([c["cost"]], [100 * c["metric"]], marker="*", s=150, color="red", label="chosen")
         ax.axhline(100 * r["profile_dev"]["level2"]["metric"], color="black", lw=0.8, label="level 2")
         ax.axhline(100 * r["profile_dev"]["level1"]["metric"], color="grey", lw=0.8, ls="--", label="level 1")
-        ax.set_title(f"{r['task']}: candidates on dev (colour: coverage gate)")
+        ax.set_title(f"{r['task']}: dev candidates (colour: gate)")
         ax.set_xlabel("expected cost / level 2")
         ax.set_ylabel(r["metric"])
         ax.legend(fontsize=8)

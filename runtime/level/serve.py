@@ -73,7 +73,10 @@ def answer(scheduler, requests, level2: bool = True) -> list:
         if name == "exact":
             tag = LevelTag(level=2)
         elif name == "auto":
-            tag = LevelTag(level=1, gate=float(chosen.get("gate", 0.0)), attention=float(chosen.get("alpha", 0)) > 0)
+            gate = float(chosen.get("gate", 0.0))
+            # a gate above 1 sends every request to level 2: no lookup to measure coverage
+            tag = LevelTag(level=2) if gate > 1 else LevelTag(level=1, gate=gate,
+                                                                attention=float(chosen.get("alpha", 0)) > 0)
         items.append(Item(list(ids), pet, version, tag))
         plans.append((name, chosen))
     outs = scheduler.run(items)
