@@ -28,6 +28,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
 from runtime.gen.lora_batch import lora_only
 from runtime.gen.sampling import Chooser, SamplingParams, find_stop
 
@@ -154,11 +156,14 @@ class Batcher:
         self._admit()
         events, go_on, tokens = [], [], []
         eos = self.gen.decoder.config.eos_id
-        for req in self.running:
+        if self.running:  # one log-softmax and one argmax for every sequence
+            logits = torch.stack([r.seq.logits for r in self.running]).float()
+            logprobs, argmax = torch.log_softmax(logits, -1), logits.argmax(-1).tolist()
+        for b, req in enumerate(self.running):
             if req.finish == "cancelled":
                 events.append(Event(req.id, None, req.text, True, req.finish))
                 continue
-            token, logprob, top = req.chooser(req.seq.logits)
+            token, logprob, top = req.chooser(logits[b], logprobs[b], argmax[b])
             if token == eos:
                 req.finish = "stop"
                 events.append(Event(req.id, None, req.text, True, req.finish))

@@ -73,9 +73,10 @@ class KVPool:
         lengths = torch.tensor([s.kv_len for s in seqs])
         new = pages[torch.arange(B), lengths]
         self.k[li, new], self.v[li, new] = k, v
-        keys = self.k[li][pages].permute(0, 2, 3, 1)  # (B, KV, hd, S)
-        values = self.v[li][pages].transpose(1, 2)  # (B, KV, S, hd)
         KV, hd = k.shape[1], k.shape[2]
+        flat = pages.flatten()  # (index_select: several times faster than advanced indexing here)
+        keys = self.k[li].index_select(0, flat).view(B, -1, KV, hd).permute(0, 2, 3, 1)  # (B, KV, hd, S)
+        values = self.v[li].index_select(0, flat).view(B, -1, KV, hd).transpose(1, 2)  # (B, KV, S, hd)
         qg = q.reshape(B, KV, q.shape[1] // KV, hd)  # head h reads K/V head h // (heads / kv_heads)
         scores = (qg @ keys) / hd ** 0.5  # (B, KV, g, S)
         real = torch.arange(pages.shape[1])[None, :] <= lengths[:, None]

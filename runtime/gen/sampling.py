@@ -59,12 +59,16 @@ class Chooser:
         else:
             self.generator.seed()
 
-    def __call__(self, logits: torch.Tensor) -> tuple[int, float, list[tuple[int, float]]]:
+    def __call__(self, logits: torch.Tensor, logprobs: torch.Tensor | None = None,
+                 argmax: int | None = None) -> tuple[int, float, list[tuple[int, float]]]:
+        """(token, its logprob, top alternatives); logprobs and argmax of logits may come
+        precomputed (the batcher does both for every sequence of a step at once)."""
         p = self.params
         logits = logits.float()
-        logprobs = torch.log_softmax(logits, -1)
+        if logprobs is None:
+            logprobs = torch.log_softmax(logits, -1)
         if p.temperature == 0:
-            token = int(logits.argmax())
+            token = int(logits.argmax()) if argmax is None else argmax
         else:
             scaled = logits / p.temperature
             if p.top_k and p.top_k < scaled.numel():
