@@ -61,7 +61,10 @@ class StudentEngine:
             self.pets[t] = (meta, pet)
             self.groups[t] = load_group(snap, t, self.encoder.config.d)
         self.mode, self.max_batch = mode, max_batch
-        m = max(g.size for g in self.groups.values())
+        # a group answers with at most its best k (chosen on dev): more students cost more and
+        # did not score better there
+        self.best = {t: int(g.meta.get("best_k") or g.size) for t, g in self.groups.items()}
+        m = max(self.best.values())
         self.policy = PruningPolicy((["teacher"] if use_teacher else []) + list(range(m, 0, -1)), target_s)
         self.buffer = LengthBuffer(bin_width, fifo)
         self.timeline: list = []
@@ -125,7 +128,7 @@ class StudentEngine:
             self.timeline.append((done, level, queued, len(batch)))
             students = 0 if level == "teacher" else level
             for w, p in zip(batch, predictions):
-                w.future.set_result(Answer(w.tenant, p, min(students, self.groups[w.tenant].size), done - w.t0,
+                w.future.set_result(Answer(w.tenant, p, min(students, self.best[w.tenant]), done - w.t0,
                                            len(batch)))
 
     @torch.no_grad()
@@ -143,7 +146,7 @@ class StudentEngine:
             logits = {t: petlib.head(self.pets[t][1], self.encoder.upper(x, mask, self.pets[t][1]))
                       for t, (x, mask) in inputs.items()}
         else:
-            parts = [(self.groups[t], min(level, self.groups[t].size), x, mask) for t, (x, mask) in inputs.items()]
+            parts = [(self.groups[t], min(level, self.best[t]), x, mask) for t, (x, mask) in inputs.items()]
             sums = stack.ensembles(parts)
             logits = {t: model.head(self.groups[t], h) for t, h in zip(inputs, sums)}
         out = [None] * len(batch)
