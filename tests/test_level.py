@@ -315,6 +315,9 @@ def test_profile_on_saved_outputs(tiny, store_copy):
     assert by[(1.01, 0.0)]["metric"] == pytest.approx(res["level2"]["metric"])  # always, no pruning: level 2
     assert by[(1.01, 0.0)]["cost"] == pytest.approx(1.0 + res["level1"]["cost"])
     assert by[(1.01, 0.5)]["cost"] <= by[(1.01, 0.0)]["cost"] + 1e-12
+    gated = profile.choose(saved, cal["temperature"], stats, metric, 0.005, dict(grid, gate=[1.01]))
+    for x in gated["candidates"]:  # everything straight to level 2, no lookup: level 2 exactly
+        assert x["cost"] == pytest.approx(1.0) and x["metric"] == pytest.approx(res["level2"]["metric"])
     rec = profile.record(cal["temperature"], cal["ece"], res["chosen"], res, 0.005, len(texts))
     profile.save(store_copy, "adapter-cls", rec)
     assert hkstore.verify(str(store_copy))["ok"]

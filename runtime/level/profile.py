@@ -11,7 +11,8 @@ classification; true positives, predicted and gold entities for tagging) are
 (1 - p) * level 1's + p * the ensemble's, summed over queries before the metric is taken
 (entity F1 is not a mean over queries, its counts are sums). Cost: the measured seconds of
 each level, shared over queries in proportion to their tokens (level 2 on a pruned text:
-its kept tokens); a query below the coverage gate costs the lookup plus level 2.
+its kept tokens); a query below the coverage gate costs the lookup plus level 2 (a gate
+above 1, every query to level 2, needs no lookup).
 
 The chosen candidate is the cheapest whose expected metric is within ``target`` of level 2's
 (else the most accurate); ``save`` writes the tenant's levels record into its PET meta
@@ -159,7 +160,8 @@ def choose(saved: Saved, temps: dict, stats, metric, target: float, grid: dict =
         gated = saved.coverage < g
         p = np.where(gated, 0.0, dispatch.reroute_probability(conf, c, k))
         base_stats = st2[gated].sum(0)
-        base_cost = (lookup[gated] + full2[gated]).sum() + c1[~gated].sum()
+        probe = lookup[gated].sum() if g <= 1 else 0.0  # a gate above 1 needs no lookup (serve.answer)
+        base_cost = probe + full2[gated].sum() + c1[~gated].sum()
         for (a, w), ste in ens.items():
             s = base_stats + ((1 - p[~gated, None]) * st1[~gated] + p[~gated, None] * ste[~gated]).sum(0)
             cost = base_cost + (p[~gated] * per_tok["level2"] * saved.kept_tokens[a][~gated]).sum()
