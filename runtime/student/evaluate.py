@@ -1,7 +1,7 @@
 """A tenant's students and its teacher scored on a labeled file (`hkstore students eval`).
 
 Both read the same PLOT inputs (runtime.plot.retrieve); the students run virtually stacked
-(runtime.student.stack) with the first k students for every k, the teacher through the upper
+(runtime.student.stack), every k read off one forward, the teacher through the upper
 layers with its PET. The metric is tenant_eval's: accuracy, or entity-level F1 for tagging.
 """
 
@@ -38,8 +38,12 @@ def students_eval(store_path, tenant, test_path, *, max_examples: int | None = N
                 x, mask, _ = retrieve(snap, version, ids[start:start + batch_size])
                 lengths = mask.sum(1).tolist()
                 teacher += _argmax(petlib.head(pet, encoder.upper(x, mask, pet)), task, lengths)
+                # one stacked forward of all M students; F_k for every k is a running sum of it
+                w = {n: v for n, v in group.tensors.items() if n.startswith("layers.")}
+                out = stack.forward(w, x.expand(group.size, *x.shape), mask, group.meta["heads"], group.meta["eps"])
+                sums = (group.tensors["multiplier"][:, None, None, None] * out).cumsum(0)
                 for k in by_k:
-                    by_k[k] += _argmax(model.head(group, stack.ensemble(group, x, mask, k)), task, lengths)
+                    by_k[k] += _argmax(model.head(group, sums[k - 1]), task, lengths)
     score = _scorer(task, labels, targets, data)
     return {"tenant": tenant, "version": version, "metric": "accuracy" if task == "classification" else "entity_f1",
             "examples": len(ids), "teacher": score(teacher), "students": {k: score(p) for k, p in by_k.items()},
