@@ -6,8 +6,8 @@ tools.hmi_accuracy run (issue 21: every setting is chosen on dev, test is report
 
 Every point of the grid (the product of the --grid lists) trains the row on each task of the
 run and scores it on the run's evaluation split, which must be dev. The hplm-grown row trains
-its hplm tenant at the same point first. Results go to RUN/tune.json (resumable: finished
-cells are skipped) and RUN/tune.md, with the mean per point and the best point.
+its hplm tenant at the same point first. Results go to RUN/tune.json (--name; resumable:
+finished cells are skipped) and RUN/tune.md, with the mean per point and the best point.
 """
 
 from __future__ import annotations
@@ -72,6 +72,7 @@ def main(argv=None):
     p.add_argument("--row", required=True, choices=[r for r in acc.ROWS if r != "shared"])
     p.add_argument("--grid", action="append", default=[], help="NAME=v1,v2,... (repeat; the product is run)")
     p.add_argument("--tasks", default=None, help="comma-separated subset of the run's tasks")
+    p.add_argument("--name", default="tune", help="results go to RUN/NAME.json and RUN/NAME.md (one per concurrent tuner)")
     args = p.parse_args(argv)
     run = Path(args.run)
     saved = json.loads((run / "results.json").read_text())
@@ -92,7 +93,7 @@ def main(argv=None):
     data = acc.prepare_data(base_args, run)  # the run's own files, rewritten identically (seeded)
     base = load_encoder(config.get("model"), config["lower_layers"])
     ctx = {"data": data, "store": str(run / "store"), "base": base}
-    path = run / "tune.json"
+    path = run / f"{args.name}.json"
     tune = json.loads(path.read_text()) if path.exists() else {"cells": {}}
     points = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
     total, t0, done = len(points) * len(tasks), time.time(), 0
@@ -113,7 +114,7 @@ def main(argv=None):
             tmp = path.with_suffix(".tmp")
             tmp.write_text(json.dumps(tune, indent=1, sort_keys=True))
             os.replace(tmp, path)
-            (run / "tune.md").write_text(markdown(tune))
+            path.with_suffix(".md").write_text(markdown(tune))
             rate = (time.time() - t0) / done
             acc.say(f"{key}: {100 * r['score']:.1f} ({r['seconds']:.0f}s; {done}/{total}, "
                     f"ETA {rate * (total - done) / 60:.0f} min)")
