@@ -213,7 +213,7 @@ def main(argv=None):
     ap.add_argument("--low", type=float, default=0.3, help="low phases' rate, times the teacher's capacity")
     ap.add_argument("--burst", type=float, default=2.5, help="burst rate, times the teacher's capacity")
     ap.add_argument("--seconds", type=float, nargs=3, default=(6, 8, 8), help="low, burst, low phase lengths")
-    ap.add_argument("--target-ms", type=float, default=None, help="latency target (default: 2 teacher batches)")
+    ap.add_argument("--target-ms", type=float, default=1000.0, help="the policy's latency target")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--skip-accuracy", action="store_true")
     ap.add_argument("--threads", type=int, default=1)
@@ -240,7 +240,7 @@ def main(argv=None):
     print(f"capacity: teacher {cap_t:.1f} req/s, one student {cap_1:.1f} req/s; {uptime()}", flush=True)
     phases = [(args.low * cap_t, args.seconds[0]), (args.burst * cap_t, args.seconds[1]),
               (args.low * cap_t, args.seconds[2])]
-    target = args.target_ms / 1e3 if args.target_ms else 2 * args.max_batch / cap_t
+    target = args.target_ms / 1e3
     report["phases"], report["target_s"] = phases, target
     results = []
     for rnd in range(args.rounds):
