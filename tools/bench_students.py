@@ -212,6 +212,9 @@ def main(argv=None):
     ap.add_argument("--load-requests", type=int, default=300, help="test requests per tenant the load draws from")
     ap.add_argument("--low", type=float, default=0.3, help="low phases' rate, times the teacher's capacity")
     ap.add_argument("--burst", type=float, default=2.5, help="burst rate, times the teacher's capacity")
+    ap.add_argument("--rates", type=float, nargs=2, default=None, metavar=("LOW", "BURST"),
+                    help="fixed rates (req/s) instead of multiples of the measured capacity, which the "
+                         "machine's other load makes noisy")
     ap.add_argument("--seconds", type=float, nargs=3, default=(6, 8, 8), help="low, burst, low phase lengths")
     ap.add_argument("--target-ms", type=float, default=1000.0, help="the policy's latency target")
     ap.add_argument("--rounds", type=int, default=2)
@@ -238,8 +241,8 @@ def main(argv=None):
     cap_1 = capacity(args.store, names, reqs, 1, args.max_batch)
     report["capacity"] = {"teacher_rps": cap_t, "one_student_rps": cap_1}
     print(f"capacity: teacher {cap_t:.1f} req/s, one student {cap_1:.1f} req/s; {uptime()}", flush=True)
-    phases = [(args.low * cap_t, args.seconds[0]), (args.burst * cap_t, args.seconds[1]),
-              (args.low * cap_t, args.seconds[2])]
+    low, burst = args.rates or (args.low * cap_t, args.burst * cap_t)
+    phases = [(low, args.seconds[0]), (burst, args.seconds[1]), (low, args.seconds[2])]
     target = args.target_ms / 1e3
     report["phases"], report["target_s"] = phases, target
     results = []
