@@ -13,7 +13,10 @@ requests of many tenants are batched together and run once through the shared up
 each with its own PET (runtime/exec/cpu.py, runtime/exec/gpu.py, batching and
 pipelining in runtime/sched/scheduler.py). A ``Result`` carries the label (classification) or the
 tags (tagging: one per word of a text, one per id of an ids request), the probabilities, the
-version that served it and timings in seconds (retrieval, transfer, compute, total).
+version that served it and timings in seconds (retrieval, transfer, compute, total). A request's
+``policy`` (``fast`` | ``auto`` | ``exact``) picks the level that answers it (runtime.level: the
+PLOT, or lower layers computed in full context); ``Result.level``, ``.confidence`` (calibrated)
+and ``.pruned`` say how it was answered.
 
 Errors a caller can fix are raised by ``infer`` before anything runs: ``UnknownTenant``,
 ``EmptyText``, ``TextTooLong`` (more than ``max_len`` tokens), ``BadRequest`` (a malformed
