@@ -148,7 +148,8 @@ def run_load(store_path, tenants, reqs, mode, phases, target_s, max_batch, seed)
     back = [t for t, level, _, _ in timeline if t >= bounds[2] and level == ("teacher" if mode == "teacher" else top)]
     out["recovery_s"] = back[0] - bounds[2] if back else None
     out["timeline"] = timeline
-    out["latency"] = [(arrivals[i], answers[i].latency_s, answers[i].students) for i in range(len(arrivals))]
+    out["latency"] = [(arrivals[i], answers[i].latency_s, answers[i].students, chosen[i]["tenant"])
+                      for i in range(len(arrivals))]
     out["padding"] = padding
     return out
 
@@ -171,6 +172,30 @@ def padding_saved(reqs, max_batch, seed=0):
     return out
 
 
+def pooled(results, phases, scores) -> list:
+    """Per mode and phase, over every round: p50/p99 latency and the accuracy delivered, as the
+    test score of the level that answered each request (scores: students eval per tenant),
+    which varies far less than scoring the few answers of one phase directly."""
+    bounds = np.cumsum([0] + [s for _, s in phases])
+    rows = []
+    for mode in ("teacher", "adaptive"):
+        for p in range(len(phases)):
+            hits = [x for r in results if r["mode"] == mode for x in r["latency"] if bounds[p] <= x[0] < bounds[p + 1]]
+            if not hits:
+                continue
+            lat = np.array([x[1] for x in hits])
+            row = {"mode": mode, "phase": p, "rate": phases[p][0], "requests": len(hits),
+                   "p50_ms": float(np.percentile(lat, 50) * 1e3), "p99_ms": float(np.percentile(lat, 99) * 1e3)}
+            if scores:
+                for t in sorted({x[3] for x in hits}):
+                    e = scores[t]
+                    by_k = {int(k): v for k, v in e["students"].items()}  # str keys once through JSON
+                    got = [e["teacher"] if x[2] == 0 else by_k[x[2]] for x in hits if x[3] == t]
+                    row[t] = {"delivered": float(np.mean(got)), "teacher": e["teacher"], "n": len(got)}
+            rows.append(row)
+    return rows
+
+
 def figure(results, path, phases):
     import matplotlib
 
@@ -180,7 +205,7 @@ def figure(results, path, phases):
     fig, axes = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
     bounds = np.cumsum([0] + [s for _, s in phases])
     for r in results:
-        lat = np.array(r["latency"])
+        lat = np.array([x[:2] for x in r["latency"]], dtype=float)
         axes[0].scatter(lat[:, 0], lat[:, 1] * 1e3, s=4, alpha=0.5, label=f"{r['mode']} (round {r['round']})")
         if r["mode"] == "adaptive":
             tl = np.array([(t, 0 if lv == "teacher" else lv) for t, lv, _, _ in r["timeline"]], dtype=float)
@@ -219,6 +244,8 @@ def main(argv=None):
     ap.add_argument("--target-ms", type=float, default=1000.0, help="the policy's latency target")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--skip-accuracy", action="store_true")
+    ap.add_argument("--scores", default=None, help="JSON of an earlier run's accuracy (tenant -> students eval), "
+                                                    "with --skip-accuracy")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -257,6 +284,13 @@ def main(argv=None):
                 f"teacher {p['teacher_share']:.2f} delivered {json.dumps(p['delivered'])}" for p in r["phases"])
                 + f"; back to the top level {r['recovery_s']} s after the burst; load {r['load']:.1f}", flush=True)
     report["load"] = results
+    scores = report.get("accuracy")
+    if scores is None and args.scores:
+        with open(args.scores) as f:
+            scores = json.load(f)
+    report["pooled"] = pooled(results, phases, scores)
+    for row in report["pooled"]:
+        print(json.dumps(row), flush=True)
     report["machine_after"] = uptime()
     with open(os.path.join(args.out, "bench_students.json"), "w") as f:
         json.dump(report, f, indent=1, default=str)
