@@ -216,7 +216,9 @@ class Runtime:
             pet = load_pet(self.encoder, record.tensors, pet_meta(meta))
         except ValueError as e:
             raise IncompatiblePet(f"tenant {tenant!r}'s PET does not fit the model: {e}") from None
-        pet.meta.update(version=version, tenant=tenant, levels=meta.get("levels"))
+        from runtime.level.serve import current
+
+        pet.meta.update(version=version, tenant=tenant, levels=current(meta))
         return self.executor.load_pet(pet, key=tenant, token=token)
 
     def _normalize(self, requests) -> list:

@@ -385,3 +385,15 @@ def test_cli_policy(tiny, store_copy):
         assert json.loads(r.output)["level"] == level
     r = CliRunner().invoke(main, ["infer", str(store_copy), "--tenant", "adapter-cls", "--policy", "slow", text])
     assert r.exit_code != 0 and "policy" in r.output
+
+
+def test_levels_of_a_retrained_pet_are_stale(tiny, store_copy):
+    _policy(store_copy, "adapter-cls", c=1.01, k=100.0, alpha=0.0, w=0.0, gate=0.0)
+    text = tiny[1]["texts"][0]
+    with runtime.open(store_copy, device="cpu", max_len=48) as rt:
+        assert rt.infer([{"tenant": "adapter-cls", "text": text}])[0].level == 2
+    manager.tenant_update(store_copy, "adapter-cls", epochs=1, max_examples=8, batch_size=8, progress=False)
+    with runtime.open(store_copy, device="cpu", max_len=48) as rt:
+        assert rt.pet("adapter-cls").meta["levels"] is None  # profiled for the PET before the update
+        out = rt.infer([{"tenant": "adapter-cls", "text": text}])[0]
+        assert out.level == 1

@@ -190,5 +190,5 @@ def save(store_path, tenant: str, levels: dict) -> None:
 
     with hkstore.open(store_path, writable=True) as store:
         old = store.get_pet(tenant)
-        meta = dict(old.meta, levels=levels)
+        meta = dict(old.meta, levels=dict(levels, pet_created=old.meta.get("created")))
         store.put_pet(PetRecord(tenant=tenant, meta=meta, tensors=old.tensors))

@@ -40,6 +40,15 @@ class Answer:
     batch_size: int
 
 
+def current(meta: dict):
+    """The levels record of a stored PET meta, None when absent or stale: profiled for an
+    earlier PET of the tenant (tenant update retrains it and keeps the rest of the meta)."""
+    record = meta.get("levels")
+    if not record or record.get("pet_created") != meta.get("created"):
+        return None
+    return record
+
+
 def levels(pet) -> dict:
     return pet.meta.get("levels") or {}
 
