@@ -251,6 +251,10 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)
     tenants = dict(t.split("=", 1) for t in args.tenant)
+    earlier = None
+    if args.scores:  # read first: a missing file fails now, not after the runs
+        with open(args.scores) as f:
+            earlier = json.load(f)
     report = {"machine": uptime(), "args": vars(args)}
     print(f"# {report['machine']}", flush=True)
     if not args.skip_accuracy:
@@ -284,10 +288,7 @@ def main(argv=None):
                 f"teacher {p['teacher_share']:.2f} delivered {json.dumps(p['delivered'])}" for p in r["phases"])
                 + f"; back to the top level {r['recovery_s']} s after the burst; load {r['load']:.1f}", flush=True)
     report["load"] = results
-    scores = report.get("accuracy")
-    if scores is None and args.scores:
-        with open(args.scores) as f:
-            scores = json.load(f)
+    scores = report.get("accuracy") or earlier
     report["pooled"] = pooled(results, phases, scores)
     for row in report["pooled"]:
         print(json.dumps(row), flush=True)
