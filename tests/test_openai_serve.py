@@ -122,14 +122,14 @@ def test_queue_bound_429_and_a_disconnect_cancels(env):
     s = env["server"]
     body = {"model": "acme", "prompt": "the cat", "max_tokens": 1000, "temperature": 0, "stream": True}
     # (greedy, this tenant never chooses EOS: about a second of tokens)
-    with httpx.Client(base_url=s.url, timeout=30) as c:
-        with c.stream("POST", "/v1/completions", json=body, headers=auth(ADMIN)) as r:
-            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-            lines = r.iter_lines()  # (kept: a dropped iterator closes the response)
-            first = next(lines)
-            assert json.loads(first.removeprefix("data: "))["object"] == "text_completion"
-            full = s.client.post("/v1/completions", json={"model": "acme", "prompt": "x"}, headers=auth(ADMIN))
-            assert full.status_code == 429 and int(full.headers["Retry-After"]) >= 1
+    with httpx.Client(base_url=s.url, timeout=30) as c, \
+            c.stream("POST", "/v1/completions", json=body, headers=auth(ADMIN)) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = r.iter_lines()  # (kept: a dropped iterator closes the response)
+        first = next(lines)
+        assert json.loads(first.removeprefix("data: "))["object"] == "text_completion"
+        full = s.client.post("/v1/completions", json={"model": "acme", "prompt": "x"}, headers=auth(ADMIN))
+        assert full.status_code == 429 and int(full.headers["Retry-After"]) >= 1
     # The place frees when the server sees the disconnect, and the sequence stops early; so with
     # a client that stops waiting for an answer that is not streamed.
     wait_for_a_place(s)
@@ -158,3 +158,40 @@ def test_an_encoder_store_refuses_to_generate(tmp_path):
         assert r.status_code == 400 and "encoder store" in r.text
     finally:
         s.stop()
+
+
+def test_an_app_streams_chunk_by_chunk_in_process_and_closing_cancels(env):
+    """runtime.serve.asgi_call.stream (what a Ray worker's handle_stream runs): the status and
+    headers first, then the events one by one while the sequence still generates; closing the
+    generator early cancels the sequence (499), as a client going away does."""
+    import asyncio
+
+    from runtime.serve.app import create_app
+    from runtime.serve.asgi_call import Lifespan, call, stream
+
+    async def main():
+        app = create_app(env["store"], admin_token=ADMIN, device="cpu", max_len=32)
+        span = Lifespan(app)
+        await span.startup()
+        try:
+            body = json.dumps({"model": "acme", "prompt": "the cat", "max_tokens": 900, "temperature": 0,
+                               "stream": True}).encode()
+            headers = [(b"authorization", f"Bearer {ADMIN}".encode()), (b"content-type", b"application/json")]
+            gen = stream(app, "POST", "/v1/completions", headers=headers, body=body)
+            status, out_headers = await gen.__anext__()
+            assert status == 200 and (b"content-type", b"text/event-stream; charset=utf-8") in out_headers
+            chunks = [await gen.__anext__() for _ in range(3)]
+            assert all(c.startswith(b"data: {") for c in chunks)
+            await gen.aclose()
+            for _ in range(100):
+                _, _, text = await call(app, "GET", "/metrics", headers=headers[:1])
+                if b'hkstore_gen_requests_total{route="completions",status="499"}' in text:
+                    break
+                await asyncio.sleep(0.05)
+            assert b'hkstore_gen_requests_total{route="completions",status="499"}' in text
+            tokens = float(text.split(b"\nhkstore_gen_tokens_total ")[1].split()[0])
+            assert tokens < 900  # stopped well before its 900 tokens
+        finally:
+            await span.shutdown()
+
+    asyncio.run(main())

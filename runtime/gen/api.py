@@ -78,6 +78,18 @@ class DecoderRuntime:
         """What the server's /metrics reports of this runtime (as Runtime.stats())."""
         return {"device": self.device, "lm_pets_loaded": len(self._pets)}
 
+    def pet(self, tenant):
+        """A decoder tenant's lm PET, loaded once and kept (what a Ray worker calls when it takes
+        the tenant: runtime/serve/ray_app.py)."""
+        from hkstore.errors import UnknownTenant
+        from runtime.model.stored import load_lm_pet
+
+        if tenant not in self._pets:
+            if tenant not in self.store.snapshot().pets:
+                raise UnknownTenant(f"unknown tenant {tenant!r}")
+            self._pets[tenant] = load_lm_pet(self.store, tenant, self.decoder)
+        return self._pets[tenant]
+
     def tenants(self) -> list[str]:
         return sorted(t for t in self.store.snapshot().pets)
 

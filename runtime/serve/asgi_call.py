@@ -43,12 +43,53 @@ class Lifespan:
             self._task = None
 
 
+def _scope(method, path, query, headers, client):
+    return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+            "method": method.upper(), "scheme": "http", "path": path, "raw_path": path.encode(),
+            "query_string": query, "root_path": "", "headers": [(k.lower(), v) for k, v in headers],
+            "client": client, "server": ("hkstore-ray", 0), "state": {}}
+
+
+async def stream(app, method, path, query=b"", headers=(), body=b"", client=("127.0.0.1", 0)):
+    """One HTTP request through the app, its answer as the app sends it: (status, headers)
+    first, then each body chunk (server-sent events as they are made). Closing the generator
+    cancels the request, as a client going away would."""
+    queue: asyncio.Queue = asyncio.Queue()
+    delivered = False
+
+    async def receive():
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.Event().wait()
+
+    async def run():
+        try:
+            await app(_scope(method, path, query, headers, client), receive, queue.put)
+        finally:
+            await queue.put(None)
+
+    task = asyncio.ensure_future(run())
+    try:
+        while (message := await queue.get()) is not None:
+            if message["type"] == "http.response.start":
+                yield int(message["status"]), list(message.get("headers") or [])
+            elif message["type"] == "http.response.body":
+                if message.get("body"):
+                    yield message["body"]
+                if not message.get("more_body"):
+                    break
+        if task.done() and task.exception() is not None:
+            raise task.exception()
+    finally:
+        if not task.done():
+            task.cancel()
+
+
 async def call(app, method, path, query=b"", headers=(), body=b"", client=("127.0.0.1", 0)):
     """One HTTP request through the app: (status, [(name, value)] as bytes, body bytes)."""
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-             "method": method.upper(), "scheme": "http", "path": path, "raw_path": path.encode(),
-             "query_string": query, "root_path": "", "headers": [(k.lower(), v) for k, v in headers],
-             "client": client, "server": ("hkstore-ray", 0), "state": {}}
+    scope = _scope(method, path, query, headers, client)
     delivered = False
 
     async def receive():

@@ -18,6 +18,10 @@ Three deployments make the application ``hkstore``:
   that already holds the tenant's PET, and any replica when none does or those are full. Reads
   that fail because a replica died are retried on another (infer has no side effect). Ray's
   backpressure (``max_queued_requests``) answers 429, like the single server's queue bound.
+  The OpenAI routes of a decoder store (``/v1/completions``, ``/v1/chat/completions``) are routed
+  by their ``model`` the same way; ``stream: true`` answers come through Ray's streaming handle
+  chunk by chunk (``TenantWorker.handle_stream``), and a client that goes away cancels the
+  sequence on its worker. ``GET /v1/models`` goes to any worker.
 - ``Manager`` (one replica): the same app with manage jobs on; its ``/metrics`` (what the
   Ingress's ``/metrics`` appends to its routing metrics) merges every worker's, which each pushes
   every 2 s, labelled ``replica="..."`` (the Manager's own ``replica="manager"``). It alone holds STORE/jobs/LOCK
@@ -52,6 +56,7 @@ APP_NAME = "hkstore"
 INFER_PATH = re.compile(r"^/v1/tenants/([^/]+)/infer$")
 TENANT_PATH = re.compile(r"^/v1/tenants/([^/]+)$")
 ROUTERS = ("multiplex", "punica", "round_robin")
+GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")  # decoder stores: routed by model, as embeddings
 HOP_HEADERS = {b"content-length", b"transfer-encoding", b"connection", b"keep-alive"}
 DEFAULT_MAX_MODELS = 4096
 METRICS_PUSH_S = 2.0  # a worker sends its metrics to the Manager this often
@@ -165,10 +170,27 @@ class TenantWorker(_AppReplica):
             if not warm and tenant in self.service.rt.store.snapshot().pets:
                 try:
                     await self._load(tenant)
-                except Exception:  # noqa: BLE001 - the app answers the error (404, 409, 422)
+                except Exception:
                     log.debug("loading tenant %r's PET failed", tenant, exc_info=True)
             extra.append((b"x-hkstore-pet", b"warm" if warm else b"cold"))
         return await self._call(method, path, query, headers, body, extra)
+
+    async def handle_stream(self, method, path, query, headers, body):
+        """As handle, for a streamed answer (server-sent events): yields (status, headers), then
+        the body's chunks as the app sends them; closed early, the request is cancelled."""
+        tenant = _serve().get_multiplexed_model_id()
+        if tenant and tenant not in self.held and tenant in self.service.rt.store.snapshot().pets:
+            try:
+                await self._load(tenant)
+            except Exception:
+                log.debug("loading tenant %r's PET failed", tenant, exc_info=True)
+        async for item in asgi_call.stream(self.app, method, path, query, headers, body):
+            if isinstance(item, tuple):
+                status, out_headers = item
+                out_headers = [(k, v) for k, v in out_headers if k.lower() not in HOP_HEADERS]
+                yield status, out_headers + [(b"x-hkstore-replica", self.replica.encode())]
+            else:
+                yield item
 
     def held_tenants(self):
         return sorted(self.held)
@@ -183,7 +205,7 @@ class TenantWorker(_AppReplica):
             try:
                 text = await asyncio.to_thread(generate_latest, self.service.metrics.registry)
                 await self.manager.options(method_name="put_metrics").remote(self.replica, text)
-            except Exception:  # noqa: BLE001 - metrics are best effort; serving goes on
+            except Exception:
                 log.debug("pushing metrics failed", exc_info=True)
 
 
@@ -241,7 +263,7 @@ class Ingress:
         m = INFER_PATH.match(path)
         if m and method == "POST":
             return self.workers, "" if route_any else m.group(1), "infer", True
-        if path == "/v1/embeddings" and method == "POST":
+        if path in GENERATE_PATHS + ("/v1/embeddings",) and method == "POST":
             model = ""
             if not route_any:
                 try:
@@ -249,11 +271,11 @@ class Ingress:
                 except (ValueError, AttributeError):
                     model = ""  # the worker's app answers the bad body
             model = model if isinstance(model, str) and len(model) <= 64 else ""
-            return self.workers, model, "infer", True
+            return self.workers, model, "generate" if path in GENERATE_PATHS else "infer", True
         m = TENANT_PATH.match(path)
         if m and method == "GET":
             return self.workers, "" if route_any else m.group(1), "read", True
-        if path in ("/healthz", "/info") and method == "GET":
+        if path in ("/healthz", "/info", "/v1/models") and method == "GET":
             return self.workers, "", "health", True
         return self.manager, "", "manage", method in ("GET", "HEAD")
 
@@ -277,6 +299,8 @@ class Ingress:
         opts = {"method_name": "handle"}
         if tenant:
             opts["multiplexed_model_id"] = tenant
+        if target == "generate" and _streamed(body):
+            return await self._stream(handle, opts, args, t0)
         attempt = 0
         while True:
             try:
@@ -312,6 +336,38 @@ class Ingress:
         media = headers_out.pop("content-type", None)
         return Response(out_body, status_code=status, headers=headers_out, media_type=media)
 
+    async def _stream(self, handle, opts, args, t0):
+        """A streamed generation: the worker's answer chunk by chunk (Ray's streaming handle);
+        the client going away closes the worker's generator, which cancels the sequence."""
+        from ray.serve.exceptions import BackPressureError
+        from starlette.responses import JSONResponse, StreamingResponse
+
+        gen = handle.options(**dict(opts, method_name="handle_stream", stream=True)).remote(*args)
+        try:
+            status, out_headers = await asyncio.wait_for(gen.__anext__(), self.timeout_s)
+        except BackPressureError:
+            self.m_rejected.labels("backpressure").inc()
+            self.m_requests.labels("generate", "429").inc()
+            return JSONResponse({"detail": "every replica's queue is full; retry later"}, 429,
+                                headers={"Retry-After": "1"})
+        except asyncio.TimeoutError:
+            gen.cancel()
+            self.m_requests.labels("generate", "504").inc()
+            return JSONResponse({"detail": "no answer from the replicas in time"}, 504)
+        headers_out = {k.decode("latin-1"): v.decode("latin-1") for k, v in out_headers}
+        media = headers_out.pop("content-type", None)
+        self.m_requests.labels("generate", str(status)).inc()
+
+        async def body():
+            try:
+                async for chunk in gen:
+                    yield chunk
+            finally:
+                gen.cancel()  # (nothing left to cancel once it ended)
+                self.m_latency.labels("generate").observe(time.perf_counter() - t0)
+
+        return StreamingResponse(body(), status_code=status, headers=headers_out, media_type=media)
+
     async def _metrics(self, request):
         """The Manager's /metrics (its app decides who may read them: the same auth as `hkstore
         serve`), after the ingress's routing metrics."""
@@ -322,7 +378,7 @@ class Ingress:
         try:
             status, out_headers, body = await asyncio.wait_for(_result(self.manager.options(
                 method_name="handle").remote("GET", "/metrics", request.url.query.encode(), headers, b"")), 10.0)
-        except Exception:  # noqa: BLE001
+        except Exception:
             log.warning("the manager's metrics did not answer", exc_info=True)
             return JSONResponse({"detail": "the manager did not answer"}, 503, headers={"Retry-After": "1"})
         if status != 200:
@@ -335,6 +391,13 @@ class Ingress:
 
 async def _result(resp):
     return await resp
+
+
+def _streamed(body) -> bool:
+    try:
+        return json.loads(body).get("stream") is True
+    except (ValueError, AttributeError):
+        return False
 
 
 # -- building the application ---------------------------------------------------------------------
@@ -385,9 +448,9 @@ def application(store, admin_token, *, replicas=2, router="multiplex", max_model
     # A replica takes a few batches at once (its dispatcher batches them); more waits in the router.
     max_ongoing = int(max_ongoing or 4 * max_batch)
     quiet = {"log_level": "WARNING", "enable_access_log": False}
-    worker_opts = dict(name="TenantWorker", max_ongoing_requests=max_ongoing, max_queued_requests=int(max_queued),
-                       ray_actor_options={"num_cpus": float(replica_cpus)}, graceful_shutdown_timeout_s=10,
-                       logging_config=quiet)
+    worker_opts = {"name": "TenantWorker", "max_ongoing_requests": max_ongoing,
+                   "max_queued_requests": int(max_queued), "ray_actor_options": {"num_cpus": float(replica_cpus)},
+                   "graceful_shutdown_timeout_s": 10, "logging_config": quiet}
     if autoscale:
         lo, hi = (int(x) for x in autoscale)
         worker_opts["autoscaling_config"] = {"min_replicas": lo, "max_replicas": hi, "initial_replicas": lo,
