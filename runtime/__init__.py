@@ -129,11 +129,11 @@ class Runtime:
                                         hot_tier_rows=hot_tier_rows, max_batch=self.max_batch, max_len=self.max_len,
                                         lora_kernel=lora_kernel)
         else:
-            if dtype != "fp32":
-                raise ValueError("the CPU executor computes in fp32 only")
+            if dtype not in ("fp32", "int8"):  # int8: the shared GEMMs quantized (runtime.exec.int8), PETs fp32
+                raise ValueError(f"the CPU executor computes in fp32 (or dtype='int8' for the shared GEMMs), not {dtype!r}")
             from runtime.exec.cpu import CpuExecutor
 
-            self.executor = CpuExecutor(encoder, lora_kernel=lora_kernel, prefetch=prefetch)
+            self.executor = CpuExecutor(encoder, lora_kernel=lora_kernel, prefetch=prefetch, int8=dtype == "int8")
         self.pets = PetCache(host_cache_bytes)
         self._refresh_lock = threading.Lock()
         executor = self.executor

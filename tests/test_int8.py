@@ -4,6 +4,7 @@ mixed batches within a small distance of its fp32 results."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -80,3 +81,21 @@ def test_executor_int8_close_to_fp32(tmp_path_factory):
     assert any(not torch.equal(a, b) for a, b in zip(got, want))  # it really ran the int8 GEMMs
     with pytest.raises(ValueError, match="int8"):
         CpuExecutor(enc, kernels="reference", int8=True)
+
+
+def test_runtime_dtype_int8_serves_close_to_fp32():
+    """runtime.open(..., dtype="int8") on the CPU: the same requests, logits near fp32's."""
+    import runtime
+    from tests.test_runtime import requests_for, shared_tiny_store
+
+    tiny = shared_tiny_store()
+    reqs = requests_for(tiny, 6)
+    with runtime.open(tiny[0], device="cpu", max_len=48) as fp32, \
+            runtime.open(tiny[0], device="cpu", max_len=48, dtype="int8") as q8:
+        assert q8.executor.int8 is not None and fp32.executor.int8 is None
+        want, got = fp32.infer(reqs), q8.infer(reqs)
+    for a, b in zip(got, want):
+        a, b = np.asarray(a.logits), np.asarray(b.logits)
+        assert a.shape == b.shape and np.abs(a - b).max() <= 0.05 * np.abs(b).max() + 0.05
+    with pytest.raises(ValueError, match="int8"):
+        runtime.open(tiny[0], device="cpu", dtype="fp16")
