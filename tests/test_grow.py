@@ -4,19 +4,18 @@ back, are then served exactly; nothing else changes. Over a tiny random BERT on 
 import json
 import os
 
-import click
 import numpy as np
 import pytest
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_cli_model import cli  # noqa: F401 (the fixture)
 from test_manager import make_data
 
 import hkstore
 from formats.backoff import key_order
 from hkstore.errors import StoreError
 from runtime.build import manager
-from runtime.build.commands import COMMANDS
 from runtime.build.grow import grow, missed_windows
 from runtime.build.plot import compute_values
 from runtime.model import stored
@@ -92,15 +91,7 @@ def test_grow_refuses_a_read_only_store_and_a_sealed_version(env):
             grow(s, "frozen", env["unseen"])
 
 
-@pytest.fixture(scope="module")
-def cli():
-    group = click.Group("hkstore")
-    for name, command in COMMANDS.items():
-        group.add_command(command, name)
-    return group
-
-
-def test_cli_domain_grow_and_tenant_eval_on_another_version(env, cli, tmp_path):
+def test_cli_domain_grow_and_tenant_eval_on_another_version(env, cli, tmp_path):  # noqa: F811 (the fixture)
     log = tmp_path / "traffic.txt"
     # Reversed sentences: windows no version holds yet, whatever the other tests grew.
     log.write_text("\n".join(" ".join(reversed(words_of(t))) for t in env["texts"]) + "\n")

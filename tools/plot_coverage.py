@@ -27,13 +27,9 @@ from pathlib import Path
 import numpy as np
 
 from formats.backoff import backoff, key_order
+from runtime.build.plot import _void as _rows
 from runtime.build.plot import root_keys
 from runtime.plot.window import corpus_windows
-
-
-def _rows(keys: np.ndarray) -> np.ndarray:
-    keys = np.ascontiguousarray(keys, dtype=np.uint32)
-    return keys.view(np.dtype((np.void, 4 * keys.shape[1]))).ravel()
 
 
 def served_order(held: np.ndarray, wins: np.ndarray, kind: str, pad_id: int, right_bigram: bool = False) -> np.ndarray:

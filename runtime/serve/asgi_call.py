@@ -50,11 +50,9 @@ def _scope(method, path, query, headers, client):
             "client": client, "server": ("hkstore-ray", 0), "state": {}}
 
 
-async def stream(app, method, path, query=b"", headers=(), body=b"", client=("127.0.0.1", 0)):
-    """One HTTP request through the app, its answer as the app sends it: (status, headers)
-    first, then each body chunk (server-sent events as they are made). Closing the generator
-    cancels the request, as a client going away would."""
-    queue: asyncio.Queue = asyncio.Queue()
+def _receiver(body):
+    """An ASGI receive: the whole body once, then wait (the caller stays connected; a
+    cancellation ends the request)."""
     delivered = False
 
     async def receive():
@@ -64,9 +62,18 @@ async def stream(app, method, path, query=b"", headers=(), body=b"", client=("12
             return {"type": "http.request", "body": body, "more_body": False}
         await asyncio.Event().wait()
 
+    return receive
+
+
+async def stream(app, method, path, query=b"", headers=(), body=b"", client=("127.0.0.1", 0)):
+    """One HTTP request through the app, its answer as the app sends it: (status, headers)
+    first, then each body chunk (server-sent events as they are made). Closing the generator
+    cancels the request, as a client going away would."""
+    queue: asyncio.Queue = asyncio.Queue()
+
     async def run():
         try:
-            await app(_scope(method, path, query, headers, client), receive, queue.put)
+            await app(_scope(method, path, query, headers, client), _receiver(body), queue.put)
         finally:
             await queue.put(None)
 
@@ -90,14 +97,7 @@ async def stream(app, method, path, query=b"", headers=(), body=b"", client=("12
 async def call(app, method, path, query=b"", headers=(), body=b"", client=("127.0.0.1", 0)):
     """One HTTP request through the app: (status, [(name, value)] as bytes, body bytes)."""
     scope = _scope(method, path, query, headers, client)
-    delivered = False
-
-    async def receive():
-        nonlocal delivered
-        if not delivered:
-            delivered = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await asyncio.Event().wait()  # the caller stays connected; a cancellation ends the request
+    receive = _receiver(body)
 
     out = {"status": 500, "headers": [], "body": []}
 
