@@ -6,7 +6,7 @@ tools.hmi_accuracy run (issue 21: every setting is chosen on dev, test is report
 
 Every point of the grid (the product of the --grid lists) trains the row on each task of the
 run and scores it on the run's evaluation split, which must be dev. The hplm-grown row trains
-its hplm tenant at the same point first. Results go to RUN/tune.json (--name; resumable:
+its hplm tenant at the same point first and records that row's score too. Results go to RUN/tune.json (--name; resumable:
 finished cells are skipped) and RUN/tune.md, with the mean per point and the best point.
 """
 
@@ -108,7 +108,10 @@ def main(argv=None):
             targs = argparse.Namespace(**{**vars(base_args), **point})
             suffix = "-t-" + "_".join(f"{k.replace('_', '')[:6]}{v:g}" for k, v in sorted(point.items()))
             if args.row == "hplm-grown":
-                acc.run_row(targs, ctx, task, "hplm", suffix=suffix)
+                # the same tenant, scored without growing too: what growing adds at this point
+                h = acc.run_row(targs, ctx, task, "hplm", suffix=suffix)
+                hk = point_key("hplm", point)
+                tune["cells"][f"{hk}/{name}"] = {"row": "hplm", "task": name, "point": point, "point_key": hk, **h}
             r = acc.run_row(targs, ctx, task, args.row, suffix=suffix)
             tune["cells"][key] = {"row": args.row, "task": name, "point": point, "point_key": pk, **r}
             tmp = path.with_suffix(".tmp")
