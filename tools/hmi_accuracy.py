@@ -326,7 +326,7 @@ def row_tenant(args, ctx, t: Task, store, version, pet_type, tenant, **options):
     out = manager.tenant_create(store, tenant, version=version, train_path=ctx["data"]["tasks"][t.name]["train"],
                                 task=t.kind, pet_type=pet_type, epochs=args.epochs, lr=lr,
                                 batch_size=args.batch_size, max_len=args.max_len, seed=args.seed, replace=True,
-                                progress=args.progress, **options)
+                                unseen=getattr(args, "unseen", 0.0), progress=args.progress, **options)
     score = manager.tenant_eval(store, tenant, ctx["data"]["tasks"][t.name]["eval"], max_len=args.max_len)
     return score["score"], [out["loss_first"], out["loss_last"]], {"pet_bytes": out["pet_bytes"]}
 
@@ -593,7 +593,8 @@ def markdown(results) -> str:
 RESUMABLE = ("tasks", "rows", "alpha_tasks", "distill_tasks", "extra_seeds")  # may differ on a rerun
 # Settings only rows depend on (not the store): free to change while no row has a score, so the
 # store of a final run can be built while its settings are still being chosen on dev.
-TRAINING = ("epochs", "epochs_full", "batch_size", "lr_full", "lr_head", "lr_adapter", "lr_lora", "wide_bottleneck")
+TRAINING = ("epochs", "epochs_full", "batch_size", "lr_full", "lr_head", "lr_adapter", "lr_lora", "wide_bottleneck",
+            "unseen")
 
 
 def changed_settings(saved: dict, config: dict, defaults: dict, scored: bool = True) -> list[str]:
@@ -644,6 +645,8 @@ def main(argv=None):
     # 5e-3 scored as well on seed 0 but collapsed on sci-cite under seed 1 (BENCHMARKS.md).
     p.add_argument("--lr-adapter", type=float, default=2e-3)
     p.add_argument("--lr-lora", type=float, default=5e-3)
+    p.add_argument("--unseen", type=float, default=0.0,
+                   help="the PLOT rows' tenants train on inputs as served to unseen text (runtime.plot.unseen)")
     p.add_argument("--wide-bottleneck", type=int, default=256, help="the adapter bottleneck of the hplm-wide row")
     p.add_argument("--lr-mlm", type=float, default=1e-4)
     p.add_argument("--lr-distill", type=float, default=1e-4)

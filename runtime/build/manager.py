@@ -344,6 +344,9 @@ def domain_grow(store_path, name, corpus_paths, *, max_len: int | None = None, c
                 "seconds": round(time.perf_counter() - t0, 3)}
 
 
+UNSEEN_VIEWS = 5  # draws of backed-off inputs per training run: enough variety, bounded memory
+
+
 def _train_cfg(pet_type, lr, epochs, batch_size, seed, progress, max_steps=None):
     from runtime.build.train import TrainConfig
 
@@ -353,12 +356,23 @@ def _train_cfg(pet_type, lr, epochs, batch_size, seed, progress, max_steps=None)
                        batch_size=batch_size, seed=seed, progress=progress)
 
 
-def _fit_pet(store, encoder, pet, version, ids, targets, cfg):
+def _fit_pet(store, encoder, pet, version, ids, targets, cfg, unseen: float = 0.0):
+    """Train pet on version's inputs of ids. unseen > 0: as served to text outside the version's
+    corpus (runtime.plot.unseen), a fresh draw of backoffs for each of up to UNSEEN_VIEWS epochs
+    (the same number of steps: views x examples for epochs / views epochs)."""
+    import dataclasses
+
     from runtime.build.train import train_pet
     from runtime.plot.retrieve import retrieve_list
 
-    inputs = retrieve_list(store.snapshot(), version, ids)
-    return train_pet(encoder, pet, inputs, targets, cfg)
+    snap = store.snapshot()
+    if not unseen:
+        return train_pet(encoder, pet, retrieve_list(snap, version, ids), targets, cfg)
+    views = min(cfg.epochs, UNSEEN_VIEWS)
+    rng = np.random.default_rng(cfg.seed)
+    inputs = [x for _ in range(views) for x in retrieve_list(snap, version, ids, unseen=unseen, rng=rng)]
+    cfg = dataclasses.replace(cfg, epochs=max(1, round(cfg.epochs / views)))
+    return train_pet(encoder, pet, inputs, list(targets) * views, cfg)
 
 
 def _record(tenant, store, version, exported, extra) -> PetRecord:
@@ -380,10 +394,12 @@ def tenant_create(store_path, tenant, *, version, train_path, task: str = "class
                   epochs: int = 3, max_examples: int | None = None, lr: float | None = None, batch_size: int = 16,
                   max_len: int = 128, bottleneck: int = 64, rank: int = 8, density: float = 0.005,
                   norms: tuple[str, ...] | None = None, seed: int = 0, replace: bool = False,
-                  progress: bool = True) -> dict:
+                  unseen: float = 0.0, progress: bool = True) -> dict:
     """Fine-tune a PET + head on the upper layers with inputs served by PLOT `version`
     (runtime.plot.retrieve, the serving path) and store it as `tenant`'s PET. norms: the
-    LayerNorms it tunes (runtime.model.pet.create_pet's default: both for an adapter)."""
+    LayerNorms it tunes (runtime.model.pet.create_pet's default: both for an adapter).
+    unseen: train on inputs as the version serves text outside its corpus (each backoff step
+    taken with this probability, runtime.plot.unseen); 0 trains on exact windows only."""
     from runtime.model import pet as petlib
 
     t0 = time.perf_counter()
@@ -397,7 +413,7 @@ def tenant_create(store_path, tenant, *, version, train_path, task: str = "class
                                              train_path=train_path, task=task, pet_type=pet_type, epochs=epochs,
                                              max_examples=max_examples, lr=lr, batch_size=batch_size, max_len=max_len,
                                              bottleneck=bottleneck, rank=rank, density=density, norms=norms, seed=seed,
-                                             replace=replace, progress=progress)
+                                             replace=replace, unseen=unseen, progress=progress)
     with _open_writable(store_path) as store:
         _tenant_checks(store, tenant, version, replace)
         store.put_pet(record)
@@ -432,7 +448,7 @@ def tenants_create(store_path, specs, *, progress: bool = True) -> list[dict]:
 
 def _train_new(store, encoder, tenant, *, version, train_path, task="classification", pet_type="adapter", epochs=3,
                max_examples=None, lr=None, batch_size=16, max_len=128, bottleneck=64, rank=8, density=0.005,
-               norms=None, seed=0, replace=False, progress=True):
+               norms=None, seed=0, replace=False, unseen=0.0, progress=True):
     """(record, loss log, examples) of a new tenant trained on store's snapshot (not stored)."""
     from runtime.model import pet as petlib
 
@@ -446,9 +462,9 @@ def _train_new(store, encoder, tenant, *, version, train_path, task="classificat
     pet = petlib.create_pet(encoder, pet_type, task, labels, bottleneck=bottleneck, rank=rank, density=density,
                             norms=norms, seed=seed)
     cfg = _train_cfg(pet_type, lr, epochs, batch_size, seed, progress)
-    exported, log = _fit_pet(store, encoder, pet, version, ids, targets, cfg)
+    exported, log = _fit_pet(store, encoder, pet, version, ids, targets, cfg, unseen)
     extra = {"train": {"path": os.path.abspath(train_path), "examples": len(ids), "epochs": epochs, "lr": cfg.lr,
-                       "max_len": max_len, "loss_last": log[-1], "updates": 0}}
+                       "max_len": max_len, "unseen": unseen, "loss_last": log[-1], "updates": 0}}
     return _record(tenant, store, version, exported, extra), log, len(ids)
 
 
@@ -525,7 +541,8 @@ def tenant_update(store_path, tenant, *, train_path=None, version=None, epochs: 
         pick = _subsample(len(data[0]), max_examples, seed)
         ids, targets = encode_task(encoder, data, task, labels, max_len, pick)
         cfg = _train_cfg(meta["pet_type"], lr or train.get("lr"), epochs, batch_size, seed, progress)
-        exported, log = _fit_pet(store, encoder, trainable(encoder, pet), version, ids, targets, cfg)
+        exported, log = _fit_pet(store, encoder, trainable(encoder, pet), version, ids, targets, cfg,
+                                 train.get("unseen", 0.0))
         train.update(path=os.path.abspath(train_path), examples=len(ids), epochs=epochs, lr=cfg.lr, max_len=max_len,
                      loss_last=log[-1], updates=int(train.get("updates", 0)) + 1)
         extra = {k: v for k, v in meta.items() if k not in exported.meta and k not in ("tenant", "version", "created")}

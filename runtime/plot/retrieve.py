@@ -16,6 +16,7 @@ import torch
 
 from runtime.model.stored import is_decoder_store
 from runtime.plot.causal import last_slot
+from runtime.plot.unseen import unseen_windows
 from runtime.plot.window import aggregate_batch, corpus_windows
 
 
@@ -40,13 +41,15 @@ class Served:
         }
 
 
-def retrieve(snapshot, version, seqs) -> tuple[torch.Tensor, torch.Tensor, Served]:
+def retrieve(snapshot, version, seqs, unseen: float = 0.0, rng=None) -> tuple[torch.Tensor, torch.Tensor, Served]:
     """Upper-layer inputs of token id sequences served by PLOT `version` of `snapshot` (a
     hkstore Snapshot or Store): (inputs float32 (B, L, d), mask bool (B, L), served).
 
     Windows of every sequence, ONE lookup for the whole batch, then runtime.plot.window's
     normalized aggregation (a decoder store: runtime.plot.causal's last slot) plus the version's
     position table (snapshot.position); positions past a sequence's length are zero and masked out.
+    unseen > 0 (training only): windows served as if the version had never seen them
+    (runtime.plot.unseen, drawn from the numpy Generator rng).
     """
     meta = snapshot.meta
     n, kind, pad_id, d = meta["n"], meta["window"], meta["pad_id"], meta["d"]
@@ -57,6 +60,8 @@ def retrieve(snapshot, version, seqs) -> tuple[torch.Tensor, torch.Tensor, Serve
     ids = wins[wins != pad_id]  # a decoder's pad_id may be vocab_size (runtime.model.decoder_config)
     if vocab and len(ids) and int(ids.max()) >= vocab:
         raise ValueError(f"token id {int(ids.max())} is outside the store's vocabulary of {vocab}")
+    if unseen:
+        wins = unseen_windows(wins, unseen, rng if rng is not None else np.random.default_rng(), kind, pad_id)
     result = snapshot.lookup(version, wins)
     B, L = len(seqs), int(lengths.max())
     real = np.arange(L)[None, :] < lengths[:, None]
@@ -86,13 +91,13 @@ def add_position(inputs: torch.Tensor, real: np.ndarray, table) -> None:
     inputs[:, :rows] += torch.from_numpy(np.array(table[:rows])) * torch.from_numpy(real[:, :rows, None])
 
 
-def retrieve_list(snapshot, version, seqs, batch_size: int = 256) -> list[torch.Tensor]:
+def retrieve_list(snapshot, version, seqs, batch_size: int = 256, unseen: float = 0.0, rng=None) -> list[torch.Tensor]:
     """retrieve() in batches, returned as one (length, d) tensor per sequence: the
     precomputed-inputs form runtime.build.train's loops take. Rows are exactly retrieve()'s."""
     out = []
     for start in range(0, len(seqs), batch_size):
         batch = seqs[start:start + batch_size]
-        inputs, _, served = retrieve(snapshot, version, batch)
+        inputs, _, served = retrieve(snapshot, version, batch, unseen, rng)
         out += [inputs[b, :length].clone() for b, length in enumerate(served.lengths.tolist())]
     return out
 
