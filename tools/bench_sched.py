@@ -87,6 +87,7 @@ def main(argv=None):
     ap.add_argument("--cv-threshold", type=float, default=1.0)
     ap.add_argument("--long-share", type=float, default=0.25)
     ap.add_argument("--out")
+    ap.add_argument("--figure", help="write a PNG: requests/s and padded-token share per policy and workload")
     args = ap.parse_args(argv)
 
     from runtime.exec.cpu import CpuExecutor
@@ -170,7 +171,8 @@ def main(argv=None):
                      f"alpha-only / fixed: **{med['fixed'] / med['alpha_only']:.2f}x**; "
                      f"coordinated / fixed: **{med['fixed'] / med['coordinated']:.2f}x**")
         lines.append("")
-        results[wname] = med
+        results[wname] = {name: {"requests_s": args.requests / med[name], "padded": cb.padded_share(queue, batches)}
+                          for name, batches in cuts.items()}
     lines.append(f"Load average (1 min): {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end; "
                  f"total {time.perf_counter() - t_start:.0f} s.")
     text = "\n".join(lines) + "\n"
@@ -178,7 +180,32 @@ def main(argv=None):
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
+    if args.figure:
+        figure(results, args.figure, f"{args.requests} requests, {args.tenants} tenants, load {load0:.1f}")
     return results
+
+
+def figure(results: dict, path: str, subtitle: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    policies = list(next(iter(results.values())))
+    width = 0.8 / len(results)
+    for w, (wname, by) in enumerate(results.items()):
+        at = np.arange(len(policies)) + w * width
+        axes[0].bar(at, [by[p]["requests_s"] for p in policies], width, label=wname)
+        axes[1].bar(at, [100 * by[p]["padded"] for p in policies], width, label=wname)
+    for ax, title in zip(axes, ("requests/s (higher is better)", "padded tokens, % (lower is better)")):
+        ax.set_xticks(np.arange(len(policies)) + width * (len(results) - 1) / 2)
+        ax.set_xticklabels([p.replace(" (", "\n(").replace("_", "-") for p in policies], fontsize=7)
+        ax.set_title(title, fontsize=9)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"PET-aware batching (PetS Alg. 1) on the CPU executor: {subtitle}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":
