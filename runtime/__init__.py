@@ -16,7 +16,12 @@ tags (tagging: one per word of a text, one per id of an ids request), the probab
 version that served it and timings in seconds (retrieval, transfer, compute, total). A request's
 ``policy`` (``fast`` | ``auto`` | ``exact``) picks the level that answers it (runtime.level: the
 PLOT, or lower layers computed in full context); ``Result.level``, ``.confidence`` (calibrated)
-and ``.pruned`` say how it was answered.
+and ``.pruned`` say how it was answered. A tenant with students (runtime.student, Student
+Parallelism) may be answered by the first k of them instead of its teacher: per batch, the
+scheduler's pruning policy picks the teacher or k students under the measured load (latency
+target ``students_target_s``, 0.5 s); a request's ``students`` pins it (0 the teacher, k the
+first k students; only at policy fast); ``Result.students`` says how many answered (0: the
+teacher).
 
 Errors a caller can fix are raised by ``infer`` before anything runs: ``UnknownTenant``,
 ``EmptyText``, ``TextTooLong`` (more than ``max_len`` tokens), ``BadRequest`` (a malformed
@@ -51,6 +56,7 @@ class Request:
     ids: list | None = None
     truncate: bool | None = None  # cut to max_len tokens instead of TextTooLong (None: the runtime's default)
     policy: str | None = None  # fast | auto | exact (runtime.level.serve; None: auto once profiled, else fast)
+    students: int | None = None  # 0: the teacher; k: the first k students; None: the pruning policy's choice
 
 
 @dataclass
@@ -70,6 +76,7 @@ class Result:
     level: int = 1  # which level answered: 1 the PLOT (hPLM), 2 full-context lower layers (runtime.level)
     confidence: float | None = None  # calibrated confidence (runtime.level.dispatch.confidence)
     pruned: int = 0  # words level 2 did not see (Tabi word pruning); their tags are level 1's
+    students: int = 0  # how many students answered (runtime.student); 0: the teacher
 
 
 def _cuda_available() -> bool:
@@ -87,7 +94,8 @@ class Runtime:
     def __init__(self, store_path, device: str = "auto", *, max_len: int = 128, max_batch: int = 64,
                  pet_cache_bytes: int = DEFAULT_PET_CACHE_BYTES, pipeline: bool = True, prefetch: bool = True,
                  hot_tier_rows: int = DEFAULT_HOT_TIER_ROWS, host_cache_bytes: int = DEFAULT_HOST_CACHE_BYTES,
-                 dtype: str = "fp32", lora_kernel: str = "auto", encoder=None, truncate: bool = False):
+                 dtype: str = "fp32", lora_kernel: str = "auto", encoder=None, truncate: bool = False,
+                 students_target_s: float = 0.5):
         import hkstore
 
         if device not in ("auto", "cpu", "cuda"):
@@ -103,13 +111,13 @@ class Runtime:
         self.store = hkstore.open(store_path)
         try:
             self._setup(device, encoder, pet_cache_bytes, pipeline, prefetch, hot_tier_rows, host_cache_bytes,
-                        dtype, lora_kernel)
+                        dtype, lora_kernel, students_target_s)
         except BaseException:
             self.store.close()
             raise
 
     def _setup(self, device, encoder, pet_cache_bytes, pipeline, prefetch, hot_tier_rows, host_cache_bytes, dtype,
-               lora_kernel):
+               lora_kernel, students_target_s):
         from runtime.model import stored
         from runtime.model.stored import check_encoder
         from runtime.sched.pet_cache import PetCache
@@ -141,7 +149,13 @@ class Runtime:
             from runtime.level.executor import LevelExecutor
 
             executor = LevelExecutor(self.executor, self.store, encoder)
-        self.scheduler = Scheduler(executor, self.store.snapshot, max_batch=self.max_batch, pipeline=pipeline)
+        from runtime.student.executor import StudentExecutor
+        from runtime.student.serve import StudentServing
+
+        # tenants with students: the scheduler decides per batch (teacher or k), the executor computes
+        self.students = StudentServing(encoder.config.d, students_target_s)
+        self.scheduler = Scheduler(StudentExecutor(executor), self.store.snapshot, max_batch=self.max_batch,
+                                   pipeline=pipeline, decider=self.students)
         tok = encoder.tokenizer
         self._cls, self._sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
 
@@ -218,7 +232,7 @@ class Runtime:
             raise IncompatiblePet(f"tenant {tenant!r}'s PET does not fit the model: {e}") from None
         from runtime.level.serve import current
 
-        pet.meta.update(version=version, tenant=tenant, levels=current(meta))
+        pet.meta.update(version=version, tenant=tenant, levels=current(meta), created=meta.get("created"))
         return self.executor.load_pet(pet, key=tenant, token=token)
 
     def _normalize(self, requests) -> list:
@@ -228,14 +242,14 @@ class Runtime:
         parsed, texts = [], []
         for r in requests:
             if isinstance(r, Request):
-                tenant, text, ids, cut, policy = r.tenant, r.text, r.ids, r.truncate, r.policy
+                tenant, text, ids, cut, policy, students = r.tenant, r.text, r.ids, r.truncate, r.policy, r.students
             elif isinstance(r, dict):
-                unknown = set(r) - {"tenant", "text", "ids", "truncate", "policy"}
+                unknown = set(r) - {"tenant", "text", "ids", "truncate", "policy", "students"}
                 if unknown:
                     raise BadRequest(f"unknown request fields {sorted(unknown)}; expected tenant, text or ids, "
-                                     "truncate and policy")
+                                     "truncate, policy and students")
                 tenant, text, ids, cut = r.get("tenant"), r.get("text"), r.get("ids"), r.get("truncate")
-                policy = r.get("policy")
+                policy, students = r.get("policy"), r.get("students")
             else:
                 raise BadRequest(f"a request is a dict or runtime.Request, got {type(r).__name__}")
             if tenant is None:
@@ -244,13 +258,17 @@ class Runtime:
                 raise BadRequest("a request needs exactly one of text and ids")
             if policy is not None and policy not in ("fast", "auto", "exact"):
                 raise BadRequest(f"policy must be fast, auto or exact, got {policy!r}")
+            if students is not None and (not isinstance(students, (int, np.integer)) or isinstance(students, bool)
+                                         or students < 0):
+                raise BadRequest(f"students must be a whole number >= 0 (0: the teacher), got {students!r}")
             if text is not None:
                 if not isinstance(text, str):
                     raise BadRequest(f"text must be a string, got {type(text).__name__}")
                 if not text.strip():
                     raise EmptyText(f"tenant {tenant!r}: the text is empty")
                 texts.append(len(parsed))
-            parsed.append([tenant, ids, None, text, self.truncate if cut is None else bool(cut), 0, policy])
+            parsed.append([tenant, ids, None, text, self.truncate if cut is None else bool(cut), 0, policy,
+                           None if students is None else int(students)])
         if texts:
             encodings = self.encoder.tokenizer.encode_batch([parsed[j][3] for j in texts])
             for j, e in zip(texts, encodings):
@@ -258,7 +276,7 @@ class Runtime:
                 parsed[j][2] = _words(parsed[j][3], e)
         vocab = self.encoder.config.vocab_size
         for p in parsed:
-            tenant, ids, words, text, cut, _, _ = p
+            tenant, ids, words, text, cut, _, _, _ = p
             if text is None:
                 try:
                     arr = np.asarray(ids)
@@ -288,7 +306,7 @@ class Runtime:
         request's ``policy`` picks the level (runtime.level.serve): ``fast`` the PLOT level,
         ``exact`` full-context lower layers, ``auto`` Tabi's dispatcher (the default once the
         tenant is profiled, runtime.level.profile)."""
-        from runtime.level.serve import answer
+        from runtime.level.serve import answer, policy_of
 
         parsed = self._normalize(list(requests) if not isinstance(requests, (dict, Request)) else requests)
         if not parsed:
@@ -298,8 +316,12 @@ class Runtime:
             if tenant not in pets:
                 pets[tenant] = self.pet(tenant)
         asks = [(tenant, [int(t) for t in ids], self._positions(pets[tenant], ids, words), pets[tenant],
-                 pets[tenant].version, policy) for tenant, ids, words, _, _, _, policy in parsed]
-        answers = answer(self.scheduler, asks, level2=self.device == "cpu")
+                 pets[tenant].version, policy) for tenant, ids, words, _, _, _, policy, _ in parsed]
+        level2 = self.device == "cpu"
+        snap = self.store.snapshot()
+        tags = [self.students.tag(snap, p[0], pets[p[0]].meta, p[7], policy_of(pets[p[0]], p[6], level2)[0])
+                for p in parsed]
+        answers = answer(self.scheduler, asks, level2=level2, tags=tags)
         return [self._result(p, pets[p[0]], a) for p, a in zip(parsed, answers)]
 
     @staticmethod
@@ -347,7 +369,7 @@ class Runtime:
 
     def _result(self, parsed, pet, a):
         """A Result from a runtime.level.serve.Answer (probabilities calibrated, per word)."""
-        tenant, ids, words, _, _, truncated, _ = parsed
+        tenant, ids, words, _, _, truncated, _, _ = parsed
         labels = list(pet.labels)
         probs = a.probs
         if pet.task == "classification":
@@ -361,7 +383,8 @@ class Runtime:
             tags = [labels[int(row.argmax())] for row in probs]
         return Result(tenant=tenant, task=pet.task, labels=labels, label=label, tags=tags, tokens=tokens,
                       probabilities=probs.tolist(), version=pet.version, timings=a.timings, batch_size=a.batch_size,
-                      logits=a.logits, truncated=truncated, level=a.level, confidence=a.confidence, pruned=a.pruned)
+                      logits=a.logits, truncated=truncated, level=a.level, confidence=a.confidence, pruned=a.pruned,
+                      students=a.students)
 
 
 def _words(text, encoding) -> list:

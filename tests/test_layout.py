@@ -15,11 +15,12 @@ ALLOWED = {
     "sched": {"model", "plot", "exec"},
     "build": {"model", "plot"},
     "level": {"model", "plot", "exec", "sched"},
-    "api": {"model", "plot", "exec", "sched", "gen", "level"},
+    "api": {"model", "plot", "exec", "sched", "gen", "level", "student"},
     "serve": {"api", "model", "plot", "sched", "build"},
     "demo": {"api", "model", "build"},
     "gen": {"model", "plot", "exec", "sched"},
-    "student": {"model", "plot", "build"},  # construction reads the teacher through build's manager
+    # construction reads the teacher through build's manager; serving hands exec's Prepared to the scheduler
+    "student": {"model", "plot", "exec", "build"},
     "errors": set(),
 }
 # serve reaches build only through the manager's public functions (the manage jobs)

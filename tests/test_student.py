@@ -13,7 +13,8 @@ import hkstore
 from runtime.build import manager
 from runtime.model.tiny import make_tiny_model
 from runtime.student import model, prune, stack
-from runtime.student.build import _record, load_group, students_create
+from runtime.student.build import _record, students_create
+from runtime.student.record import load_group
 from runtime.student.train import (
     StudentConfig,
     boost,

@@ -38,6 +38,7 @@ class Answer:
     pruned: int  # words level 2 did not see (pruning); their tags are level 1's
     timings: dict
     batch_size: int
+    students: int = 0  # how many students answered (runtime.student); 0: the teacher
 
 
 def current(meta: dict):
@@ -70,15 +71,17 @@ def policy_of(pet, asked, level2: bool = True):
     return asked, chosen
 
 
-def answer(scheduler, requests, level2: bool = True) -> list:
+def answer(scheduler, requests, level2: bool = True, tags=None) -> list:
     """Answers of requests: (tenant, ids, positions, pet, version, asked policy) each;
-    positions: the token positions a tagging request reports (None: classification)."""
+    positions: the token positions a tagging request reports (None: classification).
+    tags: per request, the tag of its item when it is served at policy fast (e.g. a
+    runtime.student StudentTag: students may answer it; its ``students`` says how many did)."""
     items, plans = [], []
-    for tenant, ids, positions, pet, version, asked in requests:
+    for i, (tenant, ids, positions, pet, version, asked) in enumerate(requests):
         name, chosen = policy_of(pet, asked, level2)
         if name != "fast" and not level2:
             raise BadRequest(f"policy {name}: this runtime's executor serves level 1 only (policy fast)")
-        tag = None
+        tag = tags[i] if tags is not None and name == "fast" else None
         if name == "exact":
             tag = LevelTag(level=2)
         elif name == "auto":
@@ -93,7 +96,7 @@ def answer(scheduler, requests, level2: bool = True) -> list:
     for b, ((tenant, ids, positions, pet, version, _), (name, chosen), item, out) in enumerate(
             zip(requests, plans, items, outs)):
         level = 2 if isinstance(item.tag, LevelTag) and item.tag.level == 2 else 1
-        a = _single(pet, out, level, positions)
+        a = _single(pet, out, level, positions, getattr(item.tag, "students", None) or 0)
         answers.append(a)
         if name != "auto" or level == 2:
             continue
@@ -116,12 +119,14 @@ def _firsts(positions, length):
     return list(positions)
 
 
-def _single(pet, out, level, positions) -> Answer:
+def _single(pet, out, level, positions, students: int = 0) -> Answer:
     logits = np.asarray(out.logits, dtype=np.float32)
-    probs = softmax(logits, temperature(pet, level))
+    # the temperatures were calibrated on the teacher's logits, not on the students' head
+    probs = softmax(logits, 1.0 if students else temperature(pet, level))
     if positions is not None:
         probs = probs[positions]
-    return Answer(probs, logits, level, dispatch.confidence(probs, pet.task), 0, dict(out.timings), out.batch_size)
+    return Answer(probs, logits, level, dispatch.confidence(probs, pet.task), 0, dict(out.timings), out.batch_size,
+                  students)
 
 
 def _rerouted(first: Answer, request, out, kept, n_dropped, w) -> Answer:

@@ -13,6 +13,13 @@ By default a batch is what arrived first (FIFO, at most ``max_batch`` items). Wi
 the preparation thread takes everything queued, up to ``window`` items, asks the batcher how
 to cut it (lists of indices, each at most ``max_batch`` long), and runs those batches in
 order before it looks at the queue again.
+
+With a ``decider`` the scheduler also decides how each batch is served: as a batch is about to
+run it reads the load (runtime.sched.load: requests queued, their tokens, the oldest one's
+wait, the arrival rate) and calls ``decider.decide(items, load)``, which may set the items'
+tags and returns what it chose (anything); after the batch ran, ``decider.observe(chosen,
+items, seconds)`` hears what the batch cost (preparation + compute). runtime.student.serve's
+pruning policy is one: teacher or k students per batch, under the load.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import torch
 
 from runtime.exec.plan import ServingPet
 from runtime.exec.threads import helper_thread_setup
+from runtime.sched.load import LoadMeter
 
 
 @dataclass
@@ -55,10 +63,12 @@ class Scheduler:
     """Submission queue -> preparation (retrieval, plan, staging) -> compute, see module doc."""
 
     def __init__(self, executor, snapshot_fn, *, max_batch: int = 64, pipeline: bool = True, name: str = "hkstore",
-                 batcher=None, window: int | None = None):
+                 batcher=None, window: int | None = None, decider=None):
         if max_batch < 1:
             raise ValueError(f"max_batch must be positive, got {max_batch}")
         self.batcher = batcher
+        self.decider = decider
+        self.load = LoadMeter()
         self.window = int(window or 4 * max_batch)
         self._planned: list = []  # batches the batcher cut that have not run yet
         self.executor = executor
@@ -96,6 +106,7 @@ class Scheduler:
                 futures.append(f)
                 entries.append((item, f, now))
             if entries:
+                self.load.arrived([_tokens(item) for item in items], now)
                 self._inbox.put(entries)
         return futures
 
@@ -166,10 +177,19 @@ class Scheduler:
         prepared.timings.setdefault("transfer", 0.0)
         return prepared
 
-    def _finish(self, batch, prepared):
+    def _decide(self, batch):
+        """The load as the batch starts (it leaves the queue), and the decider's choice for it."""
+        items = [item for item, _, _ in batch]
+        now = time.perf_counter()
+        load = self.load.take([_tokens(item) for item in items], min(s for _, _, s in batch), now)
+        return None if self.decider is None else self.decider.decide(items, load)
+
+    def _finish(self, batch, prepared, chosen=None):
         t0 = time.perf_counter()
         logits = self.executor.compute(prepared)
         compute = time.perf_counter() - t0
+        if self.decider is not None:
+            self.decider.observe(chosen, [item for item, _, _ in batch], prepared.timings["retrieval"] + compute)
         timings = dict(prepared.timings)
         timings.setdefault("compute", compute)
         end = time.perf_counter()
@@ -198,14 +218,15 @@ class Scheduler:
                     self._ready.put(_STOP)
                 return
             try:
+                chosen = self._decide(batch)
                 prepared = self._prepare(batch)
             except BaseException as exc:  # noqa: BLE001 - handed to the callers
                 self._fail(batch, exc)
                 continue
             if self.pipeline:
-                self._ready.put((batch, prepared))
+                self._ready.put((batch, prepared, chosen))
             else:
-                self._compute_one(batch, prepared)
+                self._compute_one(batch, prepared, chosen)
 
     def _compute_loop(self):
         torch.set_num_threads(self.torch_threads)
@@ -215,12 +236,17 @@ class Scheduler:
                 return
             self._compute_one(*got)
 
-    def _compute_one(self, batch, prepared):
+    def _compute_one(self, batch, prepared, chosen=None):
         try:
-            self._finish(batch, prepared)
+            self._finish(batch, prepared, chosen)
         except BaseException as exc:  # noqa: BLE001
             self._fail(batch, exc)
 
 
 __all__ = ["Group", "BatchPlan", "Item", "KINDS", "Output", "PetCache", "Prepared", "Scheduler", "ServingPet",
            "pad_ids", "plan_batch", "prepare_pet", "retrieve_mixed", "stack_group"]
+
+
+def _tokens(item) -> int:
+    ids = getattr(item, "ids", None)
+    return len(ids) if ids is not None else 1

@@ -12,7 +12,10 @@ routes each result back to its caller. A request that would push the queue past
 ``queue_limit`` texts is answered 429 with Retry-After; one that is not answered within
 ``request_timeout_s`` gets 504 (its texts leave the queue if not yet started; under overload,
 texts that could no longer finish in time are answered 504 when their batch forms, rather than
-computed for nobody).
+computed for nobody). A tenant with students (Student Parallelism) is answered by its teacher
+or its first k students as the runtime's pruning policy decides per batch under the load;
+``"students": k`` in the body pins it (0: the teacher; 422 for a tenant without students or k
+above its group), and every result's ``students`` says how many answered (0: the teacher).
 
 **Manage** (HMI §4.1 a-e) are durable jobs, admin only; each POST answers 202 with a job id:
 
@@ -324,7 +327,7 @@ def _examples_file(examples):
 def _result_view(r) -> dict:
     timings = {k: round(float(v) * 1000.0, 3) for k, v in (r.timings or {}).items()}
     out = {"task": r.task, "version": r.version, "labels": list(r.labels), "probabilities": r.probabilities,
-           "batch_size": int(r.batch_size), "timings_ms": timings}
+           "batch_size": int(r.batch_size), "timings_ms": timings, "students": int(getattr(r, "students", 0))}
     if r.task == "classification":
         out["label"] = r.label
     else:
@@ -583,7 +586,7 @@ def create_app(store_path, *, admin_token, max_batch=32, max_wait_ms=5, queue_li
             if len(texts) > svc.queue_limit:
                 raise HTTPError(422, f"{len(texts)} texts, more than the queue holds ({svc.queue_limit})")
             entries = svc.dispatcher.offer(tenant, texts, t0 + svc.request_timeout_s, truncate=body.truncate,
-                                           policy=body.policy)
+                                           policy=body.policy, students=body.students)
             if entries is None:
                 m.rejected.labels("queue_full").inc()
                 raise HTTPError(429, f"the input queue is full ({svc.queue_limit} texts); retry later",

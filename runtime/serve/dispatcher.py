@@ -15,7 +15,7 @@ log = logging.getLogger("hkstore.serve")
 
 
 class _Entry:
-    __slots__ = ("tenant", "text", "future", "enqueued", "deadline", "state", "truncate", "policy")
+    __slots__ = ("tenant", "text", "future", "enqueued", "deadline", "state", "truncate", "policy", "students")
 
     def __init__(self, tenant, text, future, enqueued, deadline):
         self.tenant, self.text, self.future, self.enqueued, self.deadline = tenant, text, future, enqueued, deadline
@@ -23,8 +23,8 @@ class _Entry:
 
 
 def _options(entry) -> dict:
-    """The request fields an entry sets (truncate, policy); unset ones take the defaults."""
-    names = ("truncate", "policy")
+    """The request fields an entry sets (truncate, policy, students); unset ones take the defaults."""
+    names = ("truncate", "policy", "students")
     return {k: getattr(entry, k) for k in names if getattr(entry, k, None) is not None}
 
 
@@ -66,7 +66,7 @@ class Dispatcher:
                 e.future.set_exception(RuntimeError("the server is shutting down"))
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def offer(self, tenant, texts, deadline=math.inf, truncate=None, policy=None):
+    def offer(self, tenant, texts, deadline=math.inf, truncate=None, policy=None, students=None):
         """Queue texts of one request (answer by `deadline`, perf_counter time); None when the
         queue has no room for them."""
         if self.depth + len(texts) > self.queue_limit:
@@ -77,6 +77,7 @@ class Dispatcher:
         for e in entries:
             e.truncate = truncate  # None: the runtime's default
             e.policy = policy  # None: the tenant's default (runtime.level.serve)
+            e.students = students  # None: the pruning policy's choice (runtime.student.serve)
         self.pending.extend(entries)
         self.depth += len(entries)
         self.m.queue_depth.set(self.depth)

@@ -62,6 +62,10 @@ class InferBody(Strict):
     policy: Optional[Literal["fast", "auto", "exact"]] = Field(
         None, description="fast: the PLOT level only; exact: full-context lower layers; auto: Tabi's dispatcher "
                           "(default once the tenant is profiled, else fast)")
+    students: Optional[Annotated[int, Field(ge=0, le=1024)]] = Field(
+        None, description="A tenant with students (hkstore students create): 0 the teacher answers, k the first k "
+                          "students (policy fast only; 422 for a tenant without them or more than it has); "
+                          "default: the server's pruning policy chooses per batch under the load")
 
     @model_validator(mode="after")
     def _one(self):
@@ -90,6 +94,7 @@ class InferResult(BaseModel):
     level: Optional[int] = Field(None, description="The level that answered: 1 PLOT, 2 full context")
     confidence: Optional[float] = Field(None, description="Calibrated confidence of the answer")
     pruned: Optional[int] = Field(None, description="Words level 2 did not see (word pruning)")
+    students: int = Field(0, description="How many students answered (Student Parallelism); 0: the teacher")
 
 
 class InferResponse(BaseModel):

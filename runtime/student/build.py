@@ -33,7 +33,7 @@ from runtime.build.manager import (
 )
 from runtime.model.stored import base_encoder
 from runtime.plot.retrieve import retrieve_list
-from runtime.student.model import LINEARS, NORMS, Group, check_group
+from runtime.student.model import LINEARS, NORMS
 from runtime.student.prune import best_k, cumulative, scores_by_k, train_head
 from runtime.student.train import StudentConfig, boost, teacher_logits, teacher_states
 
@@ -140,13 +140,3 @@ def _scorer(task, labels, targets, data):
     words, tags = data
     gold = [[t if t in labels else "O" for t in ts] for ts in tags]
     return lambda predicted: entity_f1(gold, [word_tags(p, t, labels, len(w)) for p, t, w in zip(predicted, targets, words)])
-
-
-def load_group(snap, tenant, d: int) -> Group:
-    """A tenant's complete students record as a model.Group (ValueError if unfinished or malformed)."""
-    record = snap.read_students(tenant)
-    if not record.meta.get("complete"):
-        raise ValueError(f"tenant {tenant!r}'s students are unfinished; run hkstore students create again")
-    check_group(record.tensors, record.meta, d)
-    return Group({k: torch.from_numpy(np.array(v, dtype=np.float32)) for k, v in record.tensors.items()},
-                 dict(record.meta))

@@ -28,8 +28,8 @@ from runtime.model.stored import base_encoder
 from runtime.plot.retrieve import retrieve
 from runtime.student import model, stack
 from runtime.student.buffer import LengthBuffer
-from runtime.student.build import load_group
 from runtime.student.policy import PruningPolicy
+from runtime.student.record import load_group
 
 
 @dataclass

@@ -15,7 +15,8 @@ from runtime.model import pet as petlib
 from runtime.model.stored import base_encoder
 from runtime.plot.retrieve import retrieve
 from runtime.student import model, stack
-from runtime.student.build import _scorer, load_group
+from runtime.student.build import _scorer
+from runtime.student.record import load_group
 
 
 def students_eval(store_path, tenant, test_path, *, max_examples: int | None = None, batch_size: int = 32,

@@ -42,8 +42,10 @@ class PruningPolicy:
         old = self.cost.get(level)
         self.cost[level] = per if old is None else (1 - self.alpha) * old + self.alpha * per
 
-    def choose(self, queued_tokens: int, oldest_wait_s: float, now: float | None = None):
-        rate = self.arrival_rate(now)
+    def choose(self, queued_tokens: int, oldest_wait_s: float, now: float | None = None, rate: float | None = None):
+        """The level for the next batch; rate: arrivals in tokens/s when the caller measures
+        them (runtime.sched.load), else those recorded by `arrived`."""
+        rate = self.arrival_rate(now) if rate is None else rate
         for level in self.levels:
             c = self.cost.get(level)
             if c is None:

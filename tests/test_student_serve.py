@@ -1,0 +1,209 @@
+"""Students served through the runtime (issue 18): runtime.open(store).infer and hkstore serve.
+
+The store is the tiny one of tests/test_manager.py with three tenants: "cls" (classification)
+and "tag" (tagging) with two students each, "plain" without students.
+"""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import hkstore
+import runtime
+from runtime.build import manager
+from runtime.model.tiny import make_tiny_model
+from runtime.sched.load import Load, LoadMeter
+from runtime.sched.scheduler import Item, Scheduler
+from runtime.student import model
+from runtime.student.build import students_create
+from runtime.student.executor import StudentTag
+from runtime.student.record import load_group
+from runtime.student.serve import StudentServing
+from tests.test_manager import make_data
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("student-serve"))
+    data = make_data(root)
+    data["model"] = make_tiny_model(os.path.join(root, "model"), data["texts"])
+    data["store"] = os.path.join(root, "store")
+    manager.build(data["store"], model_path=data["model"], corpus_paths=[data["corpus"]], max_len=32, chunk=200,
+                  progress=False)
+    for name, path, task in (("cls", data["cls"], "classification"), ("tag", data["tag"], "tagging"),
+                             ("plain", data["cls"], "classification")):
+        manager.tenant_create(data["store"], name, version="root", train_path=path, task=task, epochs=1,
+                              progress=False)
+    for name, path in (("cls", data["cls"]), ("tag", data["tag"])):
+        # min_gain < 0 keeps both students whatever the validation says: every k is servable
+        students_create(data["store"], name, dev_path=path, students=2, epochs=1, lr=1e-3, min_gain=-1.0,
+                        head_epochs=2, progress=False)
+    return data
+
+
+def reference_logits(store_path, tenant, ids, k):
+    """The first k students' logits by the loop over students (model.ensemble), one request alone."""
+    from runtime.plot.retrieve import retrieve
+
+    with hkstore.open(store_path) as store:
+        snap = store.snapshot()
+        group = load_group(snap, tenant, snap.meta["d"])
+        x, mask, _ = retrieve(snap, group.meta["version"], [ids])
+        with torch.no_grad():
+            return model.head(group, model.ensemble(group, x, mask, k))[0].numpy()
+
+
+def short_texts(env, max_len=32):
+    with hkstore.open(env["store"]) as store:
+        from runtime.model.stored import base_encoder
+
+        tok = base_encoder(store).tokenizer
+    return [t for t in env["texts"] if len(tok.encode(t).ids) <= max_len]
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_infer_with_k_students_equals_the_reference_and_the_engine(env, k):
+    from runtime.student.engine import StudentEngine
+
+    texts = short_texts(env)[:6]
+    requests = [{"tenant": t, "text": x, "students": k} for x in texts for t in ("cls", "tag")]
+    requests += [{"tenant": "plain", "text": texts[0]}, {"tenant": "cls", "text": texts[1], "students": 0}]
+    with runtime.open(env["store"], device="cpu", max_len=32) as rt:
+        results = rt.infer(requests)
+        teacher = rt.infer([{"tenant": "cls", "text": texts[1], "policy": "fast"}])[0]
+        ids = [rt.encoder.tokenizer.encode(r["text"]).ids for r in requests]
+    assert [r.students for r in results] == [k] * (2 * len(texts)) + [0, 0]
+    for r, q, s in zip(results, requests, ids):
+        if q.get("students"):
+            ref = reference_logits(env["store"], q["tenant"], s, k)
+            np.testing.assert_allclose(r.logits, ref, rtol=1e-4, atol=1e-4)
+    # students=0 is the teacher's answer, as a request of a tenant without students gets
+    np.testing.assert_allclose(results[-1].logits, teacher.logits, rtol=1e-5, atol=1e-5)
+    # the engine (its own loop, same k) predicts what the runtime answered
+    with StudentEngine(env["store"], ["cls", "tag"], mode=k) as engine:
+        best = engine.best
+        batch = [type("W", (), {"tenant": q["tenant"], "ids": s})() for q, s in zip(requests, ids) if q.get("students")]
+        predicted = engine.compute(batch, k)
+    for r, w, p in zip([r for r, q in zip(results, requests) if q.get("students")], batch, predicted):
+        if k <= best[w.tenant]:  # the engine gives a group at most its best k
+            assert np.asarray(r.logits).argmax(-1).tolist() == p
+
+
+def test_bad_students_requests_are_refused_with_the_reason(env):
+    with runtime.open(env["store"], device="cpu", max_len=32) as rt:
+        text = env["texts"][0]
+        for request, reason in (({"tenant": "plain", "students": 1}, "has no students"),
+                                ({"tenant": "cls", "students": 3}, "has 2 students, 3"),
+                                ({"tenant": "cls", "students": -1}, "whole number"),
+                                ({"tenant": "cls", "students": "2"}, "whole number"),
+                                ({"tenant": "cls", "students": 1, "policy": "exact"}, "policy fast")):
+            with pytest.raises(runtime.BadRequest, match=reason):
+                rt.infer([dict(request, text=text)])
+        assert rt.infer([{"tenant": "plain", "text": text, "students": 0}])[0].students == 0
+
+
+# -- the policy under a simulated queue (unit) ----------------------------------------------------
+
+
+def _tagged(group, n, length, asked=None):
+    best = int(group.meta["best_k"])
+    return [Item(list(range(length)), None, "root", StudentTag(group, best, asked, asked)) for _ in range(n)]
+
+
+def test_the_policy_gives_fewer_students_as_the_queue_grows_and_the_full_group_when_it_drains(env):
+    with hkstore.open(env["store"]) as store:
+        snap = store.snapshot()
+        serving = StudentServing(snap.meta["d"], target_s=0.5)
+        pet_meta = snap.read_pet("cls").meta
+        group, why = serving.group(snap, "cls", pet_meta)
+    assert why is None and group.size == 2
+    group.meta["best_k"] = 2
+    serving.policy.levels = ["teacher", 2, 1]
+    serving.policy.cost.update({"teacher": 1e-3, 2: 4e-4, 1: 2e-4})  # seconds per padded token
+
+    def served(queued_tokens, rate, wait=0.0):
+        items = _tagged(group, 4, 10) + _tagged(group, 1, 10, asked=1)
+        chosen = serving.decide(items, Load(queued_tokens // 10, queued_tokens, wait, rate, 0.0))
+        assert items[-1].tag.students == 1  # a pinned request keeps its k whatever the load
+        return chosen, {it.tag.students for it in items[:-1]}
+
+    assert served(40, 0.0) == ("teacher", {None})  # idle: the teacher answers
+    assert served(1000, 0.0) == (2, {2})  # 1000 tokens x 1 ms > 0.5 s: the full group
+    assert served(2000, 0.0) == (1, {1})  # more queued: one student
+    assert served(100, 3000.0) == (1, {1})  # arrivals 3000 tok/s: only k=1 keeps up (0.6 < 0.8)
+    assert served(40, 10.0) == ("teacher", {None})  # the burst passed: the teacher again
+    serving.observe(1, _tagged(group, 2, 10), 0.02)  # 20 padded tokens in 20 ms: k=1 costs more now
+    assert serving.policy.cost[1] > 2e-4
+
+
+def test_the_scheduler_measures_the_queue_and_the_arrivals_for_its_decider():
+    class Echo:
+        def prepare(self, snapshot, items):
+            from runtime.exec.plan import Prepared
+
+            return Prepared(items, {}, items)
+
+        def compute(self, prepared):
+            return [np.zeros(1) for _ in prepared.payload]
+
+    class Recorder:
+        def __init__(self):
+            self.loads, self.observed = [], []
+
+        def decide(self, items, load):
+            self.loads.append(load)
+            return len(self.loads)
+
+        def observe(self, chosen, items, seconds):
+            self.observed.append((chosen, len(items)))
+
+    rec = Recorder()
+    sched = Scheduler(Echo(), lambda: None, max_batch=3, pipeline=False, decider=rec)
+    try:
+        items = [Item(list(range(5)), None, "root") for _ in range(7)]
+        sched.run(items)
+    finally:
+        sched.close()
+    # one submit of 7 items: batches of 3, 3, 1; each sees what is still queued, its own included
+    assert [ld.queued for ld in rec.loads] == [7, 4, 1] and [ld.queued_tokens for ld in rec.loads] == [35, 20, 5]
+    assert all(ld.arrival_rate == 35.0 for ld in rec.loads)  # 35 tokens in the last second
+    assert rec.observed == [(1, 3), (2, 3), (3, 1)]
+    meter = LoadMeter(window_s=1.0)
+    meter.arrived([4, 6], now=0.0)
+    meter.arrived([5], now=0.9)
+    assert meter.take([4, 6], oldest=0.0, now=1.5) == Load(3, 15, 1.5, 5.0, 1.5)  # the first arrivals aged out
+
+
+# -- over HTTP ------------------------------------------------------------------------------------
+
+
+def test_students_over_http(env, tmp_path):
+    from test_serve import ADMIN, Server, auth
+
+    token_file = tmp_path / "admin.token"
+    token_file.write_text(ADMIN + "\n")
+    server = Server(env["store"], str(token_file))
+    try:
+        text = short_texts(env)[0]
+
+        def post(tenant, **body):
+            return server.client.post(f"/v1/tenants/{tenant}/infer", json={"text": text, **body}, headers=auth(ADMIN))
+
+        answers = {k: post("tag", students=k) for k in (0, 1, 2)}
+        for r in answers.values():
+            assert r.status_code == 200, r.text
+        assert {k: r.json()["results"][0]["students"] for k, r in answers.items()} == {0: 0, 1: 1, 2: 2}
+        assert post("plain").json()["results"][0]["students"] == 0  # no students: the teacher, and it says so
+        idle = post("cls").json()["results"][0]  # idle server: the policy lets the teacher answer
+        assert idle["students"] == 0
+        for body, reason in (({"students": 1}, "has no students"), ({"students": -1}, "greater than or equal")):
+            bad = post("plain", **body)
+            assert bad.status_code == 422 and reason in bad.text, bad.text
+        bad = post("cls", students=5)
+        assert bad.status_code == 422 and "has 2 students" in bad.text
+        schema = server.client.get("/openapi.json").json()["components"]["schemas"]
+        assert "students" in schema["InferBody"]["properties"] and "students" in schema["InferResult"]["properties"]
+    finally:
+        server.stop()
