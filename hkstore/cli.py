@@ -431,16 +431,21 @@ def pack_ls(store, as_json):
         rows.append({"tenant": tenant, "pet_type": meta.get("pet_type"), "task": meta.get("task"),
                      "version": meta.get("version"), "bytes": loc["length"], "created": meta.get("created")})
         if tenant in snap.students:  # its students record (issue 18), one row below the PET's
+            teacher = meta.get("created")
             meta = snap.read_students(tenant).meta
+            # FORMAT.md section 5: distilled from another PET than the current one = stale
+            state = ("unfinished" if not meta.get("complete")
+                     else "stale" if meta.get("teacher_created") != teacher else "ready")
             rows.append({"tenant": tenant, "pet_type": "students", "task": meta.get("task"),
                          "version": meta.get("version"), "bytes": snap.students[tenant]["length"],
                          "created": meta.get("created"), "students": meta.get("students"),
-                         "complete": meta.get("complete")})
+                         "complete": meta.get("complete"), "state": state})
 
     def human(rows):
         click.echo(f"{'tenant':24} {'pet':10} {'task':14} {'version':16} {'bytes':>10}")
         for r in rows:
-            more = f"  {r['students']} students{'' if r['complete'] else ' (unfinished)'}" if "students" in r else ""
+            more = f"  {r['students']} students{'' if r['state'] == 'ready' else ' (' + r['state'] + ')'}" \
+                if "students" in r else ""
             click.echo(f"{r['tenant']:24} {r['pet_type']!s:10} {r['task']!s:14} {r['version']!s:16} "
                        f"{r['bytes']:>10,}{more}")
 

@@ -207,3 +207,47 @@ def test_students_over_http(env, tmp_path):
         assert "students" in schema["InferBody"]["properties"] and "students" in schema["InferResult"]["properties"]
     finally:
         server.stop()
+
+
+# -- staleness ------------------------------------------------------------------------------------
+
+
+def test_students_of_an_updated_pet_are_stale_until_distilled_again(env):
+    import json
+
+    from click.testing import CliRunner
+
+    from hkstore.cli import main
+
+    store, text = env["store"], short_texts(env)[0]
+    manager.tenant_create(store, "upd", version="root", train_path=env["cls"], epochs=1, progress=False)
+    students_create(store, "upd", dev_path=env["cls"], students=1, epochs=1, lr=1e-3, min_gain=-1.0, head_epochs=1,
+                    progress=False)
+    cli = CliRunner().invoke
+
+    def states():
+        packs = json.loads(cli(main, ["pack", "ls", store, "--json"]).output)
+        listed = json.loads(cli(main, ["students", "ls", store, "--json"]).output)["tenants"]
+        return ({r["tenant"]: r["state"] for r in packs if r["pet_type"] == "students"},
+                {r["tenant"]: r["state"] for r in listed})
+
+    assert states()[0]["upd"] == states()[1]["upd"] == "ready"
+    with runtime.open(store, device="cpu", max_len=32) as rt:
+        assert rt.infer([{"tenant": "upd", "text": text, "students": 1}])[0].students == 1
+        updated = manager.tenant_update(store, "upd", epochs=1, progress=False)
+        assert "stale" in updated["students"]
+        rt.refresh()
+        assert states()[0]["upd"] == states()[1]["upd"] == "stale"
+        with pytest.raises(runtime.BadRequest, match="stale"):
+            rt.infer([{"tenant": "upd", "text": text, "students": 1}])
+        snap = rt.store.snapshot()
+        assert rt.students.tag(snap, "upd", rt.pet("upd").meta, None, "fast") is None  # the policy never gets it
+        assert rt.infer([{"tenant": "upd", "text": text}])[0].students == 0
+        # distilled again with the stored settings (no --dev): served again
+        again = cli(main, ["students", "create", store, "upd", "-q", "--json"])
+        assert again.exit_code == 0, again.output
+        assert states()[0]["upd"] == "ready"
+        rt.refresh()
+        assert rt.infer([{"tenant": "upd", "text": text, "students": 1}])[0].students == 1
+    bad = cli(main, ["students", "create", store, "plain", "-q"])
+    assert bad.exit_code == 1 and "--dev is needed" in bad.output and len(bad.output.strip().splitlines()) == 1

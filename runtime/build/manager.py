@@ -555,7 +555,11 @@ def tenant_update(store_path, tenant, *, train_path=None, version=None, epochs: 
         snap.version_index(version)
         store.put_pet(record)
         size = store.snapshot().pets[tenant]["length"]
-    return _summary(tenant, version, record, log, len(ids), t0, size)
+        stale = tenant in store.snapshot().students  # distilled from the PET just replaced (FORMAT.md section 5)
+    out = _summary(tenant, version, record, log, len(ids), t0, size)
+    if stale:
+        out["students"] = f"stale: the teacher serves until hkstore students create {store_path} {tenant}"
+    return out
 
 
 def tenant_rm(store_path, tenant) -> dict:

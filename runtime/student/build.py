@@ -2,6 +2,11 @@
 
     students_create(store, "acme", dev_path="dev.jsonl", students=4)
 
+The record names its teacher: `teacher_created` is the `created` of the PET it was distilled
+from, so a later `tenant update` makes the group stale (runtime.student.record) until it is
+distilled again (`hkstore students create STORE TENANT` again; without --dev it reuses the
+stored group's settings: recorded_settings).
+
 Reads the tenant's PET (the teacher) and its training file (as `tenant create` recorded it), the
 PLOT inputs of both splits through runtime.plot.retrieve (the serving path), boosts students
 (runtime.student.train), trains the pruning head (runtime.student.prune) and stores the group as
@@ -107,6 +112,21 @@ def students_create(store_path, tenant, *, dev_path, students: int = 4, layers: 
     return {"tenant": tenant, "version": version, "students": len(trained), "layers": layers, "resumed": resumed,
             "best_k": k, "scores": scores, "teacher_score": teacher_score, "metric": record.meta["metric"],
             "history": history, "bytes": int(size), "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def recorded_settings(store_path, tenant) -> dict:
+    """students_create's settings of the tenant's stored group (to distill it again after
+    `tenant update` made it stale); {} when it has none."""
+    with hkstore.open(store_path) as store:
+        snap = store.snapshot()
+        if tenant not in snap.students:
+            return {}
+        meta = snap.read_students(tenant).meta
+    train = meta.get("train") or {}
+    out = {"dev_path": train.get("dev"), "students": train.get("max_students"), "layers": meta.get("layers"),
+           "lam": train.get("lam"), "epochs": train.get("epochs"), "lr": train.get("lr"),
+           "min_gain": train.get("min_gain"), "corpus_paths": tuple(train.get("corpus") or ())}
+    return {k: v for k, v in out.items() if v is not None}
 
 
 def _resumable(snap, tenant, layers, resume):

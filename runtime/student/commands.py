@@ -1,6 +1,8 @@
 """`hkstore students`: construction and scoring of a tenant's students (mounted lazily).
 
     hkstore students create STORE TENANT --dev FILE [--students 4] [--layers 1] [--corpus FILE ...]
+    hkstore students create STORE TENANT            (again, e.g. after tenant update: the stored settings)
+    hkstore students ls STORE
     hkstore students eval STORE TENANT --test FILE
     hkstore students rm STORE TENANT
 
@@ -23,13 +25,14 @@ def students():
 @students.command("create")
 @_store_arg
 @click.argument("tenant")
-@click.option("--dev", "dev_path", required=True, type=click.Path(dir_okay=False),
-              help="Labeled validation file: when to stop adding students, and the best k.")
-@click.option("--students", "max_students", default=4, show_default=True, help="At most this many students.")
-@click.option("--layers", default=1, show_default=True, help="Transformer layers per student.")
-@click.option("--lam", default=0.5, show_default=True, help="Stacking distillation weight (students of 2+ layers).")
-@click.option("--epochs", default=3, show_default=True)
-@click.option("--lr", default=2e-4, show_default=True)
+@click.option("--dev", "dev_path", type=click.Path(dir_okay=False),
+              help="Labeled validation file: when to stop adding students, and the best k (default: the one "
+                   "the tenant's students were made with).")
+@click.option("--students", "max_students", type=int, help="At most this many students.  [default: 4]")
+@click.option("--layers", type=int, help="Transformer layers per student.  [default: 1]")
+@click.option("--lam", type=float, help="Stacking distillation weight (students of 2+ layers).  [default: 0.5]")
+@click.option("--epochs", type=int, help="[default: 3]")
+@click.option("--lr", type=float, help="[default: 2e-4]")
 @click.option("--corpus", "corpus_paths", multiple=True, type=click.Path(dir_okay=False),
               help="Unlabeled in-domain text the students also learn from (repeatable).")
 @click.option("--max-corpus", default=2000, show_default=True, help="At most this many corpus pieces.")
@@ -39,12 +42,45 @@ def students():
 @_json_option
 def create(store, tenant, dev_path, max_students, layers, lam, epochs, lr, corpus_paths, max_corpus, max_examples,
            fresh, quiet, as_json):
-    """Distill TENANT's PET into students (resumes an unfinished run unless --fresh)."""
-    from runtime.student.build import students_create
+    """Distill TENANT's PET into students (resumes an unfinished run unless --fresh). Run again
+    after `tenant update` (the students are then stale): options not given are the stored
+    group's (its --dev among them), else the defaults."""
+    from runtime.student.build import recorded_settings, students_create
 
-    _run(students_create, store, tenant, dev_path=dev_path, students=max_students, layers=layers, lam=lam,
-         epochs=epochs, lr=lr, corpus_paths=corpus_paths, max_corpus=max_corpus, max_examples=max_examples,
-         resume=not fresh, progress=not quiet, as_json=as_json)
+    def run(path, name):
+        given = {"dev_path": dev_path, "students": max_students, "layers": layers, "lam": lam, "epochs": epochs,
+                 "lr": lr, "corpus_paths": corpus_paths or None}
+        settings = {**recorded_settings(path, name), **{k: v for k, v in given.items() if v is not None}}
+        if not settings.get("dev_path"):
+            raise ValueError(f"--dev is needed: tenant {name!r} has no students whose settings to reuse")
+        return students_create(path, name, max_corpus=max_corpus, max_examples=max_examples, resume=not fresh,
+                               progress=not quiet, **settings)
+
+    _run(run, store, tenant, as_json=as_json)
+
+
+@students.command("ls")
+@_store_arg
+@_json_option
+def ls(store, as_json):
+    """Tenants with students: how many, best k, scores on dev, and whether they are served
+    (ready), stale (distilled from an earlier PET: the teacher serves) or unfinished."""
+    import hkstore
+    from runtime.student.record import state
+
+    def listing(path):
+        with hkstore.open(path) as st:
+            snap = st.snapshot()
+            rows = []
+            for tenant in sorted(snap.students):
+                meta = snap.read_students(tenant).meta
+                rows.append({"tenant": tenant, "state": state(meta, snap.read_pet(tenant).meta),
+                             "students": meta.get("students"), "layers": meta.get("layers"),
+                             "best_k": meta.get("best_k"), "metric": meta.get("metric"),
+                             "teacher_score": meta.get("teacher_score"), "scores": meta.get("scores")})
+        return {"tenants": rows}
+
+    _run(listing, store, as_json=as_json)
 
 
 @students.command("eval")

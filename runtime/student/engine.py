@@ -29,7 +29,7 @@ from runtime.plot.retrieve import retrieve
 from runtime.student import model, stack
 from runtime.student.buffer import LengthBuffer
 from runtime.student.policy import PruningPolicy
-from runtime.student.record import load_group
+from runtime.student.record import load_group, stale
 
 
 @dataclass
@@ -60,6 +60,9 @@ class StudentEngine:
             meta, pet = load_tenant(self.store, t, self.encoder)
             self.pets[t] = (meta, pet)
             self.groups[t] = load_group(snap, t, self.encoder.config.d)
+            if stale(self.groups[t].meta, meta):
+                raise ValueError(f"tenant {t!r}'s students are stale (distilled from an earlier PET); "
+                                 "run hkstore students create again")
         self.mode, self.max_batch = mode, max_batch
         # a group answers with at most its best k (chosen on dev): more students cost more and
         # did not score better there
