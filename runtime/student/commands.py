@@ -78,9 +78,21 @@ def ls(store, as_json):
                              "students": meta.get("students"), "layers": meta.get("layers"),
                              "best_k": meta.get("best_k"), "metric": meta.get("metric"),
                              "teacher_score": meta.get("teacher_score"), "scores": meta.get("scores")})
-        return {"tenants": rows}
+        return rows
 
-    _run(listing, store, as_json=as_json)
+    def show(path):
+        rows = listing(path)
+        if as_json:
+            return {"tenants": rows}
+        click.echo(f"{'tenant':28} {'state':10} {'students':>8} {'layers':>6} {'best_k':>6}  scores on dev (k = 1..; teacher)")
+        for r in rows:
+            scores = " ".join(f"{x:.3f}" for x in r["scores"] or [])
+            teacher = f"; {r['teacher_score']:.3f}" if r["teacher_score"] is not None else ""
+            click.echo(f"{r['tenant']:28} {r['state']:10} {r['students']!s:>8} {r['layers']!s:>6} {r['best_k']!s:>6}  "
+                       f"{scores}{teacher}")
+        return {}  # printed
+
+    _run(show, store, as_json=as_json)
 
 
 @students.command("eval")
