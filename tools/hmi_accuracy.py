@@ -597,10 +597,14 @@ TRAINING = ("epochs", "epochs_full", "batch_size", "lr_full", "lr_head", "lr_ada
             "unseen")
 
 
+# What a saved run that predates an option did (not the option's default today).
+PREDATES = {"unseen": 0.0}
+
+
 def changed_settings(saved: dict, config: dict, defaults: dict, scored: bool = True) -> list[str]:
     """The settings of config that would change the meaning of a saved run's rows (or store,
-    while nothing is scored yet). An option the saved run predates counts as its default."""
-    old = defaults | saved
+    while nothing is scored yet). An option the saved run predates counts as PREDATES says, else as its default."""
+    old = defaults | PREDATES | saved
     free = RESUMABLE + (() if scored else TRAINING)
     return [k for k in config if k not in free and old.get(k) != config[k]]
 
@@ -645,8 +649,9 @@ def main(argv=None):
     # 5e-3 scored as well on seed 0 but collapsed on sci-cite under seed 1 (BENCHMARKS.md).
     p.add_argument("--lr-adapter", type=float, default=2e-3)
     p.add_argument("--lr-lora", type=float, default=5e-3)
-    p.add_argument("--unseen", type=float, default=0.0,
-                   help="the PLOT rows' tenants train on inputs as served to unseen text (runtime.plot.unseen)")
+    p.add_argument("--unseen", type=float, default=0.3,
+                   help="the PLOT rows' tenants train on inputs as served to unseen text (runtime.plot.unseen; "
+                        "tenant create's default, chosen on dev)")
     p.add_argument("--wide-bottleneck", type=int, default=256, help="the adapter bottleneck of the hplm-wide row")
     p.add_argument("--lr-mlm", type=float, default=1e-4)
     p.add_argument("--lr-distill", type=float, default=1e-4)

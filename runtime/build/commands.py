@@ -186,7 +186,7 @@ def tenant():
 @click.option("--bottleneck", type=int, default=64, show_default=True)
 @click.option("--rank", type=int, default=8, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--unseen", type=click.FloatRange(0, 1), default=0.0, show_default=True,
+@click.option("--unseen", type=click.FloatRange(0, 1), default=manager.UNSEEN, show_default=True,
               help="Train on inputs as the version serves text outside its corpus: each backoff step taken "
                    "with this probability.")
 @click.option("--replace", is_flag=True, help="Overwrite an existing tenant.")
