@@ -13,6 +13,16 @@ Students must exist (`hkstore students create`; best k was chosen on dev there).
   adaptive students that may also use the teacher), --rounds rounds interleaved; p50/p99
   latency and throughput per phase, the number of students used over time, and the accuracy
   actually delivered (each answer scored against its label).
+* fig13 (--fig13, instead of the sections above): HMI Fig. 13's burst through the real serving
+  path, runtime.open(STORE).infer (the scheduler measures the load, the pruning policy picks
+  teacher or k students per batch, runtime/student/serve.py): --burst-threads clients started
+  --burst-stagger s apart, each sending one request every --burst-period s (waiting for the
+  answer first, like a thread), --burst-count each (HMI: 250, 0.05 s, 1.2 s, 50); teacher-only
+  (every request pins students=0) and adaptive (the policy's choice), --rounds interleaved;
+  latency CDF, p50/p99, throughput, how many students answered over time, accuracy delivered.
+
+    python -m tools.bench_students --fig13 --store STORE --tenant A=TEST --tenant B=TEST --out DIR \
+        --scores EVAL.json --burst-threads 40 --burst-count 10 --figure figures/students_fig13.png
 """
 
 from __future__ import annotations
@@ -226,6 +236,133 @@ def figure(results, path, phases):
     fig.savefig(path, dpi=110)
 
 
+def run_fig13(store_path, reqs, mode, args, seed) -> dict:
+    """One Fig. 13 burst against runtime.open(store).infer (module doc); mode teacher | adaptive."""
+    import threading
+
+    import runtime
+
+    rng = random.Random(seed)
+    plan = [[reqs[rng.randrange(len(reqs))] for _ in range(args.burst_count)] for _ in range(args.burst_threads)]
+    pin = {"students": 0} if mode == "teacher" else {}
+    with runtime.open(store_path, device="cpu", max_batch=args.max_batch, students_target_s=args.target_ms / 1e3) as rt:
+        warm = reqs[:args.max_batch]
+        rt.infer([{"tenant": q["tenant"], "ids": q["ids"]} for q in warm])  # loads PETs and groups
+        # the policy starts with measured costs: one timed batch at every level
+        for level in rt.students.policy.levels:
+            t0 = time.perf_counter()
+            rt.infer([{"tenant": q["tenant"], "ids": q["ids"], "students": 0 if level == "teacher" else level}
+                      for q in warm])
+            padded = len(warm) * max(len(q["ids"]) for q in warm)
+            rt.students.policy.observe(level, padded, time.perf_counter() - t0)
+        records = [[] for _ in plan]
+        t_start = time.perf_counter()
+
+        def client(i):
+            time.sleep(max(0.0, t_start + i * args.burst_stagger - time.perf_counter()))
+            for j, q in enumerate(plan[i]):
+                due = t_start + i * args.burst_stagger + j * args.burst_period
+                time.sleep(max(0.0, due - time.perf_counter()))
+                sent = time.perf_counter()
+                r = rt.infer([{"tenant": q["tenant"], "ids": q["ids"], **pin}])[0]
+                pred = np.asarray(r.logits).argmax(-1)
+                records[i].append((sent - t_start, time.perf_counter() - sent, r.students, q,
+                                   int(pred) if pred.ndim == 0 else pred.tolist()))
+
+        threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(len(plan))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - t_start
+    flat = sorted(x for rs in records for x in rs)
+    lat = np.array([x[1] for x in flat])
+
+    class _A:
+        def __init__(self, p):
+            self.prediction = p
+
+    answered = [x[2] for x in flat]
+    return {"mode": mode, "requests": len(flat), "wall_s": wall, "throughput": len(flat) / wall,
+            "p50_ms": float(np.percentile(lat, 50) * 1e3), "p99_ms": float(np.percentile(lat, 99) * 1e3),
+            "teacher_share": float(np.mean([k == 0 for k in answered])),
+            "students_mean": float(np.mean([k for k in answered if k] or [0])),
+            "scored": delivered_score([x[3] for x in flat], [_A(x[4]) for x in flat]),
+            "latency": [(x[0], x[1], x[2], x[3]["tenant"]) for x in flat]}
+
+
+def fig13_figure(results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for r in results:
+        lat = np.sort([x[1] * 1e3 for x in r["latency"]])
+        axes[0].plot(lat, np.arange(1, len(lat) + 1) / len(lat), label=f"{r['mode']} (round {r['round']})")
+        if r["mode"] == "adaptive":
+            pts = np.array([(x[0], x[2]) for x in r["latency"]], dtype=float)
+            axes[1].scatter(pts[:, 0], pts[:, 1] + 0.08 * r["round"], s=5, alpha=0.4, label=f"round {r['round']}")
+    axes[0].set_xscale("log")
+    axes[0].set_xlabel("end-to-end latency (ms)")
+    axes[0].set_ylabel("share of requests")
+    axes[0].legend(fontsize=7)
+    axes[0].set_title("HMI Fig. 13 burst through runtime.infer: latency CDF")
+    axes[1].set_xlabel("seconds since the first client started")
+    axes[1].set_ylabel("students that answered (0 = teacher)")
+    axes[1].legend(fontsize=7, markerscale=3)
+    axes[1].set_title("adaptive: students per answer over time")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def by_level_score(latency, scores) -> dict:
+    """Per tenant: the mean test score of the level that answered each request (students eval)."""
+    out = {}
+    for t in sorted({x[3] for x in latency}):
+        e = scores[t]
+        by_k = {int(k): v for k, v in e["students"].items()}
+        got = [e["teacher"] if x[2] == 0 else by_k[x[2]] for x in latency if x[3] == t]
+        out[t] = {"delivered": float(np.mean(got)), "teacher": e["teacher"], "n": len(got)}
+    return out
+
+
+def main_fig13(args, tenants, earlier, report):
+    reqs = load_requests(args.store, tenants, args.load_requests)
+    results = []
+    for rnd in range(args.rounds):
+        for mode in (["teacher", "adaptive"] if rnd % 2 == 0 else ["adaptive", "teacher"]):
+            before = uptime()
+            r = run_fig13(args.store, reqs, mode, args, seed=200 + rnd)
+            r["round"], r["machine_before"], r["machine_after"] = rnd, before, uptime()
+            if earlier:
+                r["delivered"] = by_level_score(r["latency"], earlier)
+            results.append(r)
+            print(f"round {rnd} {mode}: {r['requests']} requests in {r['wall_s']:.1f} s ({r['throughput']:.2f} req/s), "
+                  f"p50 {r['p50_ms']:.0f} ms p99 {r['p99_ms']:.0f} ms, teacher {r['teacher_share']:.2f}, "
+                  f"students {r['students_mean']:.2f}, scored {json.dumps(r['scored'])}, "
+                  f"delivered {json.dumps(r.get('delivered'))}; {r['machine_after']}", flush=True)
+    pooled_rows = []
+    for mode in ("teacher", "adaptive"):
+        rs = [r for r in results if r["mode"] == mode]
+        lat = np.array([x[1] for r in rs for x in r["latency"]])
+        row = {"mode": mode, "requests": len(lat), "p50_ms": float(np.percentile(lat, 50) * 1e3),
+               "p99_ms": float(np.percentile(lat, 99) * 1e3),
+               "throughput": float(np.mean([r["throughput"] for r in rs]))}
+        if earlier:
+            row["delivered"] = by_level_score([x for r in rs for x in r["latency"]], earlier)
+        pooled_rows.append(row)
+        print(json.dumps(row), flush=True)
+    report["fig13"], report["pooled"] = results, pooled_rows
+    report["machine_after"] = uptime()
+    with open(os.path.join(args.out, "bench_students_fig13.json"), "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    fig13_figure(results, args.figure)
+    print(f"wrote {args.out}/bench_students_fig13.json and {args.figure}; {report['machine_after']}", flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--store", required=True)
@@ -247,6 +384,11 @@ def main(argv=None):
     ap.add_argument("--scores", default=None, help="JSON of an earlier run's accuracy (tenant -> students eval), "
                                                     "with --skip-accuracy")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--fig13", action="store_true", help="HMI Fig. 13's burst through runtime.infer (module doc)")
+    ap.add_argument("--burst-threads", type=int, default=40, help="HMI: 250")
+    ap.add_argument("--burst-stagger", type=float, default=0.05, help="HMI: 0.05 s")
+    ap.add_argument("--burst-period", type=float, default=1.2, help="HMI: 1.2 s")
+    ap.add_argument("--burst-count", type=int, default=10, help="HMI: 50")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)
@@ -257,6 +399,8 @@ def main(argv=None):
             earlier = json.load(f)
     report = {"machine": uptime(), "args": vars(args)}
     print(f"# {report['machine']}", flush=True)
+    if args.fig13:
+        return main_fig13(args, tenants, earlier, report)
     if not args.skip_accuracy:
         report["accuracy"] = {}
         for tenant, path in tenants.items():
