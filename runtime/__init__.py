@@ -403,7 +403,8 @@ def _words(text, encoding) -> list:
 
 def open(store_path, device: str = "auto", **options) -> Runtime:  # noqa: A001 - the package's verb
     """A Runtime serving the store at store_path; options as Runtime's (max_len, max_batch,
-    pet_cache_bytes, pipeline, prefetch, hot_tier_rows, host_cache_bytes, dtype, lora_kernel).
+    pet_cache_bytes, pipeline, prefetch, hot_tier_rows, host_cache_bytes, dtype, lora_kernel,
+    students_target_s: the students' pruning policy's latency target).
     A decoder store opens as a runtime.gen.api.DecoderRuntime (generate / stream)."""
     from runtime.gen.api import DecoderRuntime, is_decoder_store_path
 
