@@ -49,7 +49,7 @@ def test_logprobs_are_of_the_unmodified_distribution():
 @pytest.mark.parametrize("change, message", [
     ({"temperature": -1}, "temperature"), ({"top_k": -2}, "top_k"), ({"top_p": 0}, "top_p"),
     ({"max_tokens": 0}, "max_tokens"), ({"seed": -1}, "seed"), ({"stop": [""]}, "stop"),
-    ({"stop": "x"}, "stop"), ({"logprobs": 99}, "logprobs"),
+    ({"stop": "x"}, "stop"), ({"logprobs": 99}, "logprobs"), ({"ignore_eos": 1}, "ignore_eos"),
 ])
 def test_bad_parameters_are_refused(change, message):
     with pytest.raises(ValueError, match=message):
@@ -80,6 +80,22 @@ def test_generate_greedy_equals_greedy_and_reports_usage(gen):
     assert out["finish_reason"] == ("stop" if eos in want else "length")
     assert out["prompt_tokens"] == len(prompt) and out["completion_tokens"] == len(out["ids"])
     assert all(lp <= 0 for lp in out["logprobs"]) and all(len(t) == 1 for t in out["top_logprobs"])
+
+
+def test_ignore_eos_runs_to_max_tokens_through_eos(gen):
+    """vLLM's ignore_eos: the greedy continuation to max_tokens through EOS (made EOS here: the
+    greedy's 4th token), where the plain request stops before it."""
+    prompt = gen.decoder.tokenize(["the cat"])[0]
+    want = gen.greedy(prompt, 20)
+    config = gen.decoder.config
+    gen.decoder.config = config.__class__(**{**config.__dict__, "eos_id": want[3]})
+    try:
+        out = gen.generate(prompt, SamplingParams(max_tokens=20, ignore_eos=True))
+        stopped = gen.generate(prompt, SamplingParams(max_tokens=20))
+    finally:
+        gen.decoder.config = config
+    assert out["ids"] == want and out["finish_reason"] == "length"
+    assert stopped["ids"] == want[:want.index(want[3])] and stopped["finish_reason"] == "stop"
 
 
 def test_generate_with_a_seed_is_reproducible_and_stops_at_a_stop_sequence(gen):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from runtime.gen.sampling import SamplingParams
 
-FIELDS = ("temperature", "top_k", "top_p", "seed", "max_tokens", "stop", "logprobs")
+FIELDS = ("temperature", "top_k", "top_p", "seed", "max_tokens", "stop", "logprobs", "ignore_eos")
 DEFAULT_KV_BUDGET = 256 << 20
 
 

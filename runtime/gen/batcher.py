@@ -164,7 +164,7 @@ class Batcher:
                 events.append(Event(req.id, None, req.text, True, req.finish))
                 continue
             token, logprob, top = req.chooser(logits[b], logprobs[b], argmax[b])
-            if token == eos:
+            if token == eos and not req.params.ignore_eos:
                 req.finish = "stop"
                 events.append(Event(req.id, None, req.text, True, req.finish))
                 continue

@@ -29,6 +29,7 @@ class SamplingParams:
     max_tokens: int = 16
     stop: list[str] = field(default_factory=list)  # stop sequences (text); the output ends before one
     logprobs: int = 0  # how many top alternatives to report per token (0: none)
+    ignore_eos: bool = False  # vLLM's extension: run to max_tokens or a stop sequence (benchmarks, tests)
 
     def check(self) -> SamplingParams:
         if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature <= 100:
@@ -45,6 +46,8 @@ class SamplingParams:
             raise ValueError("stop must be a list of at most 4 non-empty strings")
         if not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be an integer between 0 and 20, got {self.logprobs!r}")
+        if self.ignore_eos is not True and self.ignore_eos is not False:
+            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         return self
 
 

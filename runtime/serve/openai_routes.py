@@ -18,6 +18,7 @@ for every request of the server: requests join and leave between decoding steps.
 that would hold more than the server's queue limit of sequences (waiting and running) is
 answered 429 with Retry-After. ``stream: true`` answers server-sent events, one ``data: {chunk}``
 per token and a final ``data: [DONE]``; a client that disconnects cancels its sequence.
+Extensions beside OpenAI's fields: ``top_k`` and vLLM's ``ignore_eos`` (run to max_tokens or a stop).
 Only n = 1 (400 otherwise); temperature defaults to 1 and max_tokens to 16 (completions) or
 what is left of the context, at most 256 (chat), as OpenAI's. Bad requests (unknown model:
 404; prompt or prompt + max_tokens beyond the context, invalid sampling values, an encoder
@@ -51,6 +52,7 @@ class _Body(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None  # not OpenAI's: an extension (0: all)
+    ignore_eos: bool | None = None  # not OpenAI's: vLLM's extension (run to max_tokens or a stop sequence)
     n: int | None = None
     stream: bool | None = False
     stream_options: dict | None = None
@@ -174,7 +176,7 @@ class GenEngine:
                 rid = batcher.submit(prompt, params, pet)
             except ValueError as e:
                 raise runtime.BadRequest(str(e)) from None
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - the request's answer (4xx or 500), the engine goes on
             h.sink({"type": "error", "error": e})
             return
         h.key = (version, rid)
@@ -213,7 +215,7 @@ class GenEngine:
     def _step(self, version, b):
         try:
             events = b.step()
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - every sequence of the batcher gets the error, the engine goes on
             for key in [k for k in self.handles if k[0] == version]:
                 h = self.handles.pop(key)
                 h.sink({"type": "error", "error": e})
@@ -331,6 +333,8 @@ def add_openai_routes(app, svc, bearer, HTTPError):
             req["seed"] = body.seed
         if body.top_k is not None:
             req["top_k"] = body.top_k
+        if body.ignore_eos:
+            req["ignore_eos"] = True
         return req
 
     async def run(route, body, request, creds, tenant, gen_request, want_logprobs, render_final, render_chunk):
@@ -461,7 +465,7 @@ def add_openai_routes(app, svc, bearer, HTTPError):
               429: {"description": "the generation queue is full (Retry-After)"}}
 
     @app.post("/v1/completions", tags=["generate"], responses=errors)
-    async def completions(body: CompletionBody, request: Request, creds: HTTPAuthorizationCredentials = Depends(bearer)):
+    async def completions(body: CompletionBody, request: Request, creds: HTTPAuthorizationCredentials = Depends(bearer)):  # noqa: B008
         """OpenAI-compatible text completion of ``prompt`` by ``model`` (a tenant or the base model)."""
         tenant = resolve(body.model, creds)
         prompt = body.prompt
@@ -492,7 +496,7 @@ def add_openai_routes(app, svc, bearer, HTTPError):
         return await run("completions", body, request, creds, tenant, req, want, final, chunk)
 
     @app.post("/v1/chat/completions", tags=["generate"], responses=errors)
-    async def chat_completions(body: ChatBody, request: Request, creds: HTTPAuthorizationCredentials = Depends(bearer)):
+    async def chat_completions(body: ChatBody, request: Request, creds: HTTPAuthorizationCredentials = Depends(bearer)):  # noqa: B008
         """OpenAI-compatible chat: the messages through the module's template ("<role>: <content>"
         lines, then "assistant:"), completed by ``model`` (a tenant or the base model)."""
         tenant = resolve(body.model, creds)
@@ -521,7 +525,7 @@ def add_openai_routes(app, svc, bearer, HTTPError):
         return await run("chat", body, request, creds, tenant, req, want, final, chunk)
 
     @app.get("/v1/models", tags=["generate"], responses={401: {"description": "missing or invalid token"}})
-    async def models(creds: HTTPAuthorizationCredentials = Depends(bearer)) -> dict:
+    async def models(creds: HTTPAuthorizationCredentials = Depends(bearer)) -> dict:  # noqa: B008
         """The models this token may name: the base model and every tenant (the admin token) or
         its own tenant (a tenant's token)."""
         who = svc.principal(creds)
