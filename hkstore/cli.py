@@ -30,6 +30,7 @@ MODEL_COMMANDS = {
     "infer": ("runtime.infer_cli", "infer"),
     "generate": ("runtime.gen.commands", "generate"),
     "students": ("runtime.student.commands", "students"),
+    "levels": ("runtime.levels_cli", "levels"),
 }
 # The extra each lazily mounted command needs when its import fails.
 EXTRA_OF = {"serve": "serve"}

@@ -397,3 +397,37 @@ def test_levels_of_a_retrained_pet_are_stale(tiny, store_copy):
         assert rt.pet("adapter-cls").meta["levels"] is None  # profiled for the PET before the update
         out = rt.infer([{"tenant": "adapter-cls", "text": text}])[0]
         assert out.level == 1
+
+
+def test_levels_profile_command_stores_a_policy_that_serving_follows(tiny, store_copy, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from hkstore.cli import main
+
+    with runtime.open(store_copy, device="cpu", max_len=48) as rt:
+        labels = list(rt.pet("adapter-cls").labels)
+        assert rt.pet("adapter-cls").meta.get("levels") is None
+    rng = np.random.default_rng(0)
+    dev = tmp_path / "dev.jsonl"
+    dev.write_text("".join(json.dumps({"text": t, "label": labels[int(rng.integers(len(labels)))]}) + "\n"
+                           for t in tiny[1]["texts"]))
+    r = CliRunner().invoke(main, ["levels", "profile", str(store_copy), "adapter-cls", "--dev", str(dev),
+                                  "--device", "cpu", "--json"])
+    assert r.exit_code == 0, r.output
+    rec = json.loads(r.output)
+    assert set(rec["temperature"]) == {"1", "2"} and all(t > 0 for t in rec["temperature"].values())
+    assert set(rec["policy"]) == {"c", "k", "alpha", "w", "gate"} and rec["profile"]["examples"] == len(tiny[1]["texts"])
+    assert hkstore.verify(str(store_copy))["ok"]
+    with runtime.open(store_copy, device="cpu", max_len=48) as rt:
+        assert rt.pet("adapter-cls").meta["levels"]["policy"] == rec["policy"]
+        out = rt.infer([{"tenant": "adapter-cls", "text": tiny[1]["texts"][0]}])[0]
+        assert out.level in (1, 2) and out.confidence is not None
+    human = CliRunner().invoke(main, ["levels", "profile", str(store_copy), "adapter-cls", "--dev", str(dev),
+                                      "--device", "cpu"])
+    assert human.exit_code == 0 and "temperature level 1" in human.output
+    for args, says in ((["nobody", "--dev", str(dev)], "nobody"),
+                       (["adapter-cls", "--dev", str(tmp_path / "none.jsonl")], "does not exist")):
+        bad = CliRunner().invoke(main, ["levels", "profile", str(store_copy), *args, "--device", "cpu"])
+        assert bad.exit_code != 0 and says in bad.output and "Traceback" not in bad.output

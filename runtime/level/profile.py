@@ -192,3 +192,30 @@ def save(store_path, tenant: str, levels: dict) -> None:
         old = store.get_pet(tenant)
         meta = dict(old.meta, levels=dict(levels, pet_created=old.meta.get("created")))
         store.put_pet(PetRecord(tenant=tenant, meta=meta, tensors=old.tensors))
+
+
+def profile_tenant(rt, store_path, tenant: str, dev_path, calibration_path=None, target: float = 0.005,
+                   alphas=GRID["alpha"], batch: int = 32) -> dict:
+    """Tabi §4.1 and §5 for one tenant of an open runtime (runtime.open(store_path)): the levels'
+    temperatures fitted on calibration_path (labelled text the PET did not train on; default:
+    dev_path), the policy chosen on dev_path for `target` (the metric as a fraction: 0.005 is
+    half a point below level 2), the record saved in the tenant's PET meta. Returns the record."""
+    from runtime.level.queries import read_queries
+
+    pet = rt.pet(tenant)
+    if pet.task not in ("classification", "tagging"):
+        raise ValueError(f"tenant {tenant!r} is a {pet.task} tenant: levels serve classification and tagging")
+    max_len = (rt.store.snapshot().read_pet(tenant).meta.get("train") or {}).get("max_len", rt.max_len)
+    dev = read_queries(dev_path, pet.task, rt.encoder, pet.labels, max_len)
+    calib = read_queries(calibration_path, pet.task, rt.encoder, pet.labels, max_len) if calibration_path else dev
+    if not len(dev) or not len(calib):
+        raise ValueError("profiling needs at least one labelled example")
+    n = rt.meta["n"]
+    saved_c = collect(rt.scheduler, pet, calib.pairs(), alphas=[0.0], n=n, batch=batch)
+    temps = calibrate(saved_c, calib.targets)
+    saved_d = collect(rt.scheduler, pet, dev.pairs(), alphas=list(alphas), n=n, batch=batch)
+    result = choose(saved_d, temps["temperature"], dev.stats, dev.metric, target, dict(GRID, alpha=list(alphas)))
+    levels = record(temps["temperature"], temps["ece"], result["chosen"], result, target, len(dev))
+    save(store_path, tenant, levels)
+    rt.refresh()
+    return levels

@@ -1,0 +1,47 @@
+"""`hkstore levels profile STORE TENANT --dev FILE`: Tabi's calibration and profiling for one tenant.
+
+The temperatures of both levels are fitted on --calibration (labelled text the tenant did not
+train on; default: --dev), the dispatch policy (c, k, alpha, w, coverage gate) is chosen on --dev
+for --target, and the record is stored in the tenant's PET meta, where `runtime.infer` and the
+server read it (policy "auto"). A record is made for one PET: after `tenant update` it is stale
+and ignored (level 1 answers) until the tenant is profiled again, so run this after every
+create or update that should serve with levels.
+"""
+
+import json
+
+import click
+
+
+@click.group("levels")
+def levels():
+    """Multi-level inference (Tabi): calibrate and profile a tenant's levels."""
+
+
+@levels.command("profile")
+@click.argument("store", type=click.Path(exists=True, file_okay=False))
+@click.argument("tenant")
+@click.option("--dev", "dev_path", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="Labelled validation text (the tenant's format): the policy is chosen on it.")
+@click.option("--calibration", "calibration_path", type=click.Path(exists=True, dir_okay=False),
+              help="Labelled text the tenant did not train on, for the temperatures (default: --dev).")
+@click.option("--target", type=click.FloatRange(0, 100), default=0.5, show_default=True,
+              help="Points of accuracy / F1 the tenant may lose against level 2.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the stored record as JSON.")
+def profile(store, tenant, dev_path, calibration_path, target, device, as_json):
+    """Fit TENANT's level temperatures and choose its dispatch policy; store both with its PET."""
+    import runtime
+    from runtime.level.profile import profile_tenant
+
+    with runtime.open(store, device=device) as rt:
+        rec = profile_tenant(rt, store, tenant, dev_path, calibration_path, target=target / 100)
+    if as_json:
+        click.echo(json.dumps(rec, indent=1, sort_keys=True))
+        return
+    p, pr = rec["policy"], rec["profile"]
+    click.echo(f"{tenant}: temperature level 1 {rec['temperature']['1']:.3g}, level 2 {rec['temperature']['2']:.3g}")
+    click.echo(f"  policy c={p['c']:g} k={p['k']:g} alpha={p['alpha']:g} w={p['w']:g} gate={p['gate']:g}")
+    click.echo(f"  expected on dev: metric {100 * pr['expected_metric']:.1f} (level 1 {100 * pr['level1_metric']:.1f}, "
+               f"level 2 {100 * pr['level2_metric']:.1f}), cost {pr['expected_cost']:.2f} of level 2, "
+               f"re-routed {100 * pr['expected_reroute']:.0f}%" + ("" if pr["met"] else "; target not met"))
