@@ -99,7 +99,8 @@ def domain():
 def _domain_training_options(f):
     for option in reversed([
         click.option("--corpus", "corpus_paths", multiple=True, required=True, type=click.Path(dir_okay=False)),
-        click.option("--mlm-steps", type=int, default=100, show_default=True),
+        click.option("--mlm-steps", type=int, default=100, show_default=True,
+                     help="Further pre-training steps of the lower layers: MLM, or causal LM on a decoder store."),
         click.option("--lr", type=float, default=5e-5, show_default=True),
         click.option("--batch-size", type=int, default=16, show_default=True),
         click.option("--format", "corpus_format", type=click.Choice(["text", "jsonl", "conll"]), default=None),

@@ -10,6 +10,7 @@ the file (and line) on a missing file, an unreadable format or an empty corpus.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,6 +19,20 @@ if TYPE_CHECKING:  # annotations only: reading data needs no torch
 
 FORMATS = ("text", "jsonl", "conll")
 IGNORE = -100  # label of sub-tokens the loss skips (torch's cross_entropy ignore_index)
+
+
+def read_corpora(paths, fmt=None) -> list[str]:
+    """The documents of one corpus file or several, in order."""
+    from runtime.model.stored import ManagerError
+
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    if not paths:
+        raise ManagerError("no corpus files given")
+    docs = []
+    for p in paths:
+        docs += read_corpus(p, fmt)
+    return docs
 
 
 def read_corpus(path: str | Path, fmt: str | None = None) -> list[str]:

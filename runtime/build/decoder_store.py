@@ -39,7 +39,7 @@ def build_decoder(store_path, *, model_path, corpus_paths, n: int = 3, lower_lay
     and saved in STORE/models/root.safetensors; the position table's target stays the original
     decoder's full-context output."""
     from runtime.build import plot
-    from runtime.build.manager import read_corpora
+    from runtime.build.data import read_corpora
     from runtime.model.decoder_config import decoder_meta
     from runtime.plot.causal import KeyValuer
 

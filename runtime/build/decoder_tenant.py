@@ -17,8 +17,10 @@ import time
 import numpy as np
 
 import hkstore
-from runtime.model.stored import load_lm_pet  # noqa: F401 - re-exported
-from runtime.model.stored import ManagerError
+from runtime.model.stored import (
+    ManagerError,
+    load_lm_pet,
+)
 
 LM_PET_TYPES = ("lora", "adapter", "bitfit", "diff")
 DEFAULT_LR = {"adapter": 1e-3, "lora": 1e-3, "bitfit": 3e-3, "diff": 3e-4}
@@ -71,11 +73,10 @@ def lm_tenant_create(store_path, tenant, *, train_path, version=None, pet_type: 
     before and after)."""
     import torch
 
+    from runtime.build.data import read_corpora
     from runtime.build.decoder_store import tokenize_decoder_corpus
-    from runtime.model.stored import base_decoder
-    from runtime.build.manager import read_corpora
     from runtime.model import pet as petlib
-    from runtime.model.stored import is_decoder_store
+    from runtime.model.stored import base_decoder, is_decoder_store
     from runtime.plot.retrieve import retrieve_list
 
     t0 = time.perf_counter()
@@ -141,9 +142,9 @@ def lm_tenant_eval(store_path, tenant, test_path, *, max_examples: int | None = 
     through the serving path (PLOT inputs of the tenant's version + the upper layers)."""
     import torch
 
+    from runtime.build.data import read_corpora
     from runtime.build.decoder_store import tokenize_decoder_corpus
     from runtime.model.stored import base_decoder
-    from runtime.build.manager import read_corpora
     from runtime.plot.retrieve import retrieve_list
 
     with hkstore.open(store_path) as store:

@@ -30,11 +30,14 @@ import numpy as np
 import hkstore
 from formats.pack import PetRecord
 from hkstore.errors import UnknownTenant
+from runtime.build.branch import branch_from, new_version_checks
+from runtime.build.data import read_corpora
 from runtime.model.stored import (
     ManagerError,
     base_encoder,
     context_encoder,
     default_model_path,
+    is_decoder_store,
     is_distilled,
     load_lower,
     load_model,
@@ -47,19 +50,6 @@ from runtime.model.stored import (
 DEFAULT_LR = {"adapter": 1e-3, "lora": 1e-3, "bitfit": 3e-3, "diff": 3e-4, "mask": 1e-3, "head": 3e-3}
 
 
-
-
-def read_corpora(paths, fmt=None) -> list[str]:
-    from runtime.build.data import read_corpus
-
-    if isinstance(paths, (str, os.PathLike)):
-        paths = [paths]
-    if not paths:
-        raise ManagerError("no corpus files given")
-    docs = []
-    for p in paths:
-        docs += read_corpus(p, fmt)
-    return docs
 
 
 def tokenize_corpus(encoder, docs: list[str], max_len: int) -> list[list[int]]:
@@ -231,30 +221,9 @@ def _domain_encoders(store, source, seqs, mlm_steps, lr, distill_steps, distill_
     return teacher, student, {"mlm": mlm, "distill": distill}
 
 
-def _branch_from(store, name, parent, teacher, student, count_seqs, alpha, info):
-    """The branch valued by the student (the teacher if not distilled), then its position
-    table: the teacher's full-context outputs are the target, through the branch's own lookups
-    (a second commit; until it lands the branch serves with its parent's table)."""
-    from runtime.build.plot import build_branch, fit_position
-
-    encoder = student if student is not None else teacher
-    info = dict(info, lower_weights=save_lower(store.path, name, encoder))
-    if student is not None:
-        info["context_weights"] = save_lower(store.path, name, teacher, "context")
-    out = build_branch(store, name, parent, encoder, count_seqs, alpha, info)
-    out["position"] = fit_position(store, name, teacher, count_seqs)
-    store.set_version_info(name, position=out["position"])
-    return out
-
-
-def _new_version_checks(store, name, parent):
-    hkstore.store.check_name("version", name)
-    snap = store.snapshot()
-    if name in snap.version_names:
-        raise ManagerError(f"version {name!r} already exists")
-    snap.version_index(parent)  # UnknownVersion
-    if not snap.versions[0]["segments"]:
-        raise ManagerError(f"{store.path}: the root PLOT is empty; run build first")
+def _decoder_store(store_path) -> bool:
+    with hkstore.open(store_path) as store:
+        return is_decoder_store(store.meta)
 
 
 def domain_create(store_path, name, corpus_paths, *, parent: str = "root", alpha: float = 50, mlm_steps: int = 100,
@@ -262,13 +231,21 @@ def domain_create(store_path, name, corpus_paths, *, parent: str = "root", alpha
                   max_len: int = 128, corpus_format=None, seed: int = 0, progress: bool = True) -> dict:
     """A domain version under `parent`: the parent's full-context lower layers further
     pre-trained (MLM) on the domain corpus, optionally window-distilled toward themselves
-    (distill_steps), then a branch of the corpus's top-alpha% n-grams valued by them."""
+    (distill_steps), then a branch of the corpus's top-alpha% n-grams valued by them. On a
+    decoder store: runtime.build.decoder_domain (mlm_steps are causal LM steps)."""
+    if _decoder_store(store_path):
+        from runtime.build.decoder_domain import decoder_domain_create
+
+        return decoder_domain_create(store_path, name, corpus_paths, parent=parent, alpha=alpha, lm_steps=mlm_steps,
+                                     lr=lr, distill_steps=distill_steps, distill_lr=distill_lr,
+                                     batch_size=batch_size, max_len=max_len, corpus_format=corpus_format, seed=seed,
+                                     progress=progress)
     t0 = time.perf_counter()
     if not 0 <= alpha <= 100:
         raise ValueError(f"alpha must be a percentage between 0 and 100, got {alpha}")
     # Train without the writer lock (minutes), then take it to publish; the checks run again under it.
     with hkstore.open(store_path) as store:
-        _new_version_checks(store, name, parent)
+        new_version_checks(store, name, parent)
         docs = read_corpora(corpus_paths, corpus_format)
         seqs = tokenize_corpus(base_encoder(store), docs, max_len)
         teacher, student, trained = _domain_encoders(store, parent, seqs, mlm_steps, lr, distill_steps, distill_lr,
@@ -276,8 +253,8 @@ def domain_create(store_path, name, corpus_paths, *, parent: str = "root", alpha
     info = {"corpus": [os.path.abspath(p) for p in _as_list(corpus_paths)], "documents": len(docs),
             "max_len": max_len, **trained, "trained_from": parent}
     with _open_writable(store_path) as store:
-        _new_version_checks(store, name, parent)
-        out = _branch_from(store, name, parent, teacher, student, seqs, alpha, info)
+        new_version_checks(store, name, parent)
+        out = branch_from(store, name, parent, teacher, student, seqs, alpha, info)
         return {"store": os.fspath(store_path), "version": name, "parent": parent, **out,
                 "seconds": round(time.perf_counter() - t0, 3)}
 
@@ -289,7 +266,15 @@ def domain_update(store_path, name, new_name, corpus_paths, *, alpha: float | No
     """A new version `new_name` (a sibling: child of `name`'s parent) from `name`'s saved
     full-context lower weights further pre-trained on the new corpus and, like `name` unless
     distill_steps says otherwise, window-distilled; its n-grams are the top-alpha% (default:
-    `name`'s alpha) of the old corpus (include_old) plus the new one."""
+    `name`'s alpha) of the old corpus (include_old) plus the new one. On a decoder store:
+    runtime.build.decoder_domain (mlm_steps are causal LM steps)."""
+    if _decoder_store(store_path):
+        from runtime.build.decoder_domain import decoder_domain_update
+
+        return decoder_domain_update(store_path, name, new_name, corpus_paths, alpha=alpha, lm_steps=mlm_steps,
+                                     lr=lr, distill_steps=distill_steps, distill_lr=distill_lr,
+                                     batch_size=batch_size, max_len=max_len, include_old=include_old,
+                                     corpus_format=corpus_format, seed=seed, progress=progress)
     t0 = time.perf_counter()
     with hkstore.open(store_path) as store:
         snap = store.snapshot()
@@ -299,7 +284,7 @@ def domain_update(store_path, name, new_name, corpus_paths, *, alpha: float | No
         if not old["info"].get("lower_weights"):
             raise ManagerError(f"version {name!r} has no saved lower-layer weights: it was not made by domain create")
         parent = old["parent"]
-        _new_version_checks(store, new_name, parent)
+        new_version_checks(store, new_name, parent)
         alpha = old["info"].get("alpha", 50) if alpha is None else alpha
         if not 0 <= alpha <= 100:
             raise ValueError(f"alpha must be a percentage between 0 and 100, got {alpha}")
@@ -320,8 +305,8 @@ def domain_update(store_path, name, new_name, corpus_paths, *, alpha: float | No
     info = {"corpus": old_paths + [p for p in new_paths if p not in old_paths], "documents": len(docs),
             "max_len": max_len, **trained, "trained_from": name, "updates": name}
     with _open_writable(store_path) as store:
-        _new_version_checks(store, new_name, parent)
-        out = _branch_from(store, new_name, parent, teacher, student, old_seqs + seqs, alpha, info)
+        new_version_checks(store, new_name, parent)
+        out = branch_from(store, new_name, parent, teacher, student, old_seqs + seqs, alpha, info)
         return {"store": os.fspath(store_path), "version": new_name, "parent": parent, "from": name, **out,
                 "seconds": round(time.perf_counter() - t0, 3)}
 
@@ -332,6 +317,8 @@ def domain_grow(store_path, name, corpus_paths, *, max_len: int | None = None, c
     (runtime.build.grow). The corpus is tokenized as construction does (max_len: the version's)."""
     from runtime.build.grow import grow
 
+    if _decoder_store(store_path):
+        raise ManagerError("domain grow does not support decoder stores yet (domain create / update do)")
     t0 = time.perf_counter()
     docs = read_corpora(corpus_paths, corpus_format)
     with _open_writable(store_path) as store:
