@@ -23,10 +23,9 @@ import os
 import time
 
 import hkstore
-from runtime.build.branch import branch_from, new_version_checks
+from runtime.build.branch import branch_from, new_version_checks, update_plan
 from runtime.build.data import read_corpora
 from runtime.model.stored import (
-    ManagerError,
     base_decoder,
     context_encoder,
     is_distilled,
@@ -137,24 +136,8 @@ def decoder_domain_update(store_path, name, new_name, corpus_paths, *, alpha: fl
     corpus, its windows the top-alpha% of the old corpus (include_old) and the new one."""
     t0 = time.perf_counter()
     with hkstore.open(store_path) as store:
-        snap = store.snapshot()
-        old = snap.versions[snap.version_index(name)]
-        if old["parent"] is None:
-            raise ManagerError(f"{name!r} is the root; domain update works on domain versions")
-        if not old["info"].get("lower_weights"):
-            raise ManagerError(f"version {name!r} has no saved lower-layer weights: it was not made by domain create")
-        parent = old["parent"]
-        new_version_checks(store, new_name, parent)
-        alpha = old["info"].get("alpha", 50) if alpha is None else alpha
-        if not 0 <= alpha <= 100:
-            raise ValueError(f"alpha must be a percentage between 0 and 100, got {alpha}")
-        max_len = max_len or old["info"].get("max_len", 128)
-        old_paths = list(old["info"].get("corpus", [])) if include_old else []
-        for p in old_paths:
-            if not os.path.isfile(p):
-                raise ManagerError(f"{p}: corpus of version {name!r} is gone; pass it again or use include_old=False")
-        if distill_steps is None:
-            distill_steps = (old["info"].get("distill") or {}).get("steps", 0)
+        parent, alpha, max_len, old_paths, distill_steps = update_plan(store, name, new_name, alpha, max_len,
+                                                                       include_old, distill_steps)
         base = base_decoder(store)
         docs, seqs = _corpus(base, corpus_paths, corpus_format, max_len)
         old_seqs = _corpus(base, old_paths, corpus_format, max_len)[1] if old_paths else []

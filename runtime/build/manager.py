@@ -30,7 +30,7 @@ import numpy as np
 import hkstore
 from formats.pack import PetRecord
 from hkstore.errors import UnknownTenant
-from runtime.build.branch import branch_from, new_version_checks
+from runtime.build.branch import branch_from, new_version_checks, update_plan
 from runtime.build.data import read_corpora
 from runtime.model.stored import (
     ManagerError,
@@ -277,25 +277,9 @@ def domain_update(store_path, name, new_name, corpus_paths, *, alpha: float | No
                                      corpus_format=corpus_format, seed=seed, progress=progress)
     t0 = time.perf_counter()
     with hkstore.open(store_path) as store:
-        snap = store.snapshot()
-        old = snap.versions[snap.version_index(name)]
-        if old["parent"] is None:
-            raise ManagerError(f"{name!r} is the root; domain update works on domain versions")
-        if not old["info"].get("lower_weights"):
-            raise ManagerError(f"version {name!r} has no saved lower-layer weights: it was not made by domain create")
-        parent = old["parent"]
-        new_version_checks(store, new_name, parent)
-        alpha = old["info"].get("alpha", 50) if alpha is None else alpha
-        if not 0 <= alpha <= 100:
-            raise ValueError(f"alpha must be a percentage between 0 and 100, got {alpha}")
-        max_len = max_len or old["info"].get("max_len", 128)
+        parent, alpha, max_len, old_paths, distill_steps = update_plan(store, name, new_name, alpha, max_len,
+                                                                       include_old, distill_steps)
         docs = read_corpora(corpus_paths, corpus_format)
-        old_paths = list(old["info"].get("corpus", [])) if include_old else []
-        for p in old_paths:
-            if not os.path.isfile(p):
-                raise ManagerError(f"{p}: corpus of version {name!r} is gone; pass it again or use include_old=False")
-        if distill_steps is None:
-            distill_steps = (old["info"].get("distill") or {}).get("steps", 0)
         base = base_encoder(store)
         seqs = tokenize_corpus(base, docs, max_len)
         old_seqs = tokenize_corpus(base, read_corpora(old_paths, corpus_format), max_len) if old_paths else []
