@@ -10,6 +10,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from test_cli_model import cli  # noqa: F401 - the hkstore construction commands as one click group
+from test_decoder_tenant import _one_thread  # noqa: F401 - tiny models: one torch thread
 
 import hkstore
 from runtime.build import manager
@@ -27,14 +28,6 @@ DOMAIN = ["storage engines keep tables of vectors , versions and packs .",
           "the engine keeps packs of vectors and tables of versions .",
           "tables keep vectors ; packs keep versions ."] * 3
 MORE = ["versions of tables keep packs of engines ."] * 3
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
