@@ -326,7 +326,7 @@ def row_tenant(args, ctx, t: Task, store, version, pet_type, tenant, **options):
     out = manager.tenant_create(store, tenant, version=version, train_path=ctx["data"]["tasks"][t.name]["train"],
                                 task=t.kind, pet_type=pet_type, epochs=args.epochs, lr=lr,
                                 batch_size=args.batch_size, max_len=args.max_len, seed=args.seed, replace=True,
-                                unseen=getattr(args, "unseen", 0.0), progress=args.progress, **options)
+                                unseen=args.unseen, progress=args.progress, **options)
     score = manager.tenant_eval(store, tenant, ctx["data"]["tasks"][t.name]["eval"], max_len=args.max_len)
     return score["score"], [out["loss_first"], out["loss_last"]], {"pet_bytes": out["pet_bytes"]}
 

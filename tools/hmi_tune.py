@@ -89,7 +89,7 @@ def main(argv=None):
 
     from runtime.model.encoder import load_encoder
 
-    base_args = argparse.Namespace(**{**config, "out": str(run), "progress": False, "fast": False})
+    base_args = argparse.Namespace(**{**acc.PREDATES, **config, "out": str(run), "progress": False, "fast": False})
     data = acc.prepare_data(base_args, run)  # the run's own files, rewritten identically (seeded)
     base = load_encoder(config.get("model"), config["lower_layers"])
     ctx = {"data": data, "store": str(run / "store"), "base": base}
