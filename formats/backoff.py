@@ -52,19 +52,3 @@ def backoff(keys, kind, pad_id):
         keys[hit, slot] = pad_id
         done |= hit
     return keys
-
-
-def right_bigram(keys, kind, pad_id):
-    """The right bi-gram of each row, the center and its right neighbour alone, and whether the
-    row has one that its own chain never reaches (FORMAT.md section 4, `right_bigram`): a
-    centered window of n >= 3 with a real right neighbour and a real slot left of the center
-    (a row whose left slots are all pad is its own right bi-gram's chain already)."""
-    keys = np.asarray(keys, dtype=np.uint32)
-    n = keys.shape[1]
-    c = left(n, kind)
-    rb = np.full_like(keys, pad_id)
-    if kind != "centered" or n < 3:
-        return rb, np.zeros(len(keys), dtype=bool)
-    rb[:, c:c + 2] = keys[:, c:c + 2]
-    has = (keys[:, c + 1] != pad_id) & (keys[:, :c] != pad_id).any(axis=1)
-    return rb, has

@@ -13,7 +13,7 @@ from functools import lru_cache
 import numpy as np
 
 from formats import accel
-from formats.backoff import backoff, key_order, left, ranked_slots, right_bigram
+from formats.backoff import backoff, key_order, left, ranked_slots
 from formats.errors import CorruptError
 from formats.xxh64 import hash_keys
 
@@ -82,34 +82,10 @@ def lookup(snapshot, version, windows):
     windows = np.ascontiguousarray(windows, dtype=np.uint32)
     if windows.ndim != 2 or windows.shape[1] != n:
         raise ValueError(f"windows must have shape (m, {n}), got {windows.shape}")
-    result = _lookup_chain(snapshot, version, windows)
-    if meta.get("right_bigram"):
-        _right_bigram_fallback(snapshot, version, windows, result)
-    return result
-
-
-def _lookup_chain(snapshot, version, windows):
     ext = accel.ext
     if ext is not None:
         return _lookup_c(ext, snapshot, version, windows)
     return _lookup_numpy(snapshot, version, windows)
-
-
-def _right_bigram_fallback(snapshot, version, windows, result):
-    """A store with meta right_bigram: a window its chain serves only at order 1 tries its right
-    bi-gram before settling (FORMAT.md section 4); a second search, of those windows alone."""
-    rb, has = right_bigram(windows, snapshot.meta["window"], snapshot.meta["pad_id"])
-    retry = np.flatnonzero(has & (result.order == 1))
-    if not len(retry):
-        return
-    again = _lookup_chain(snapshot, version, rb[retry])
-    take = again.order == 2
-    rows = retry[take]
-    if not result.values.flags.writeable:
-        result.values = np.array(result.values)
-    result.values[rows] = again.values[take]
-    result.version[rows] = again.version[take]
-    result.order[rows] = 2
 
 
 @lru_cache(maxsize=64)

@@ -364,18 +364,6 @@ class Store:
 
         self._commit(change)
 
-    def set_right_bigram(self):
-        """Turn on FORMAT.md section 4's right bi-gram step (meta right_bigram). It changes what
-        windows that reached a uni-gram are served, in every version, so a store with a sealed
-        version refuses; the root should hold the keys first (runtime.build.right_bigram)."""
-        def change(m):
-            sealed = [v["name"] for v in m["versions"] if v.get("sealed")]
-            if sealed:
-                raise StoreError(f"version {sealed[0]!r} is sealed: the right bi-gram step would change its answers")
-            m["meta"]["right_bigram"] = True
-
-        self._commit(change)
-
     def set_version_info(self, name, **info):
         self._snapshot.version_index(name)
         self._commit(lambda m: self._version(m, name)["info"].update(info))

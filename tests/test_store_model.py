@@ -12,21 +12,14 @@ import hkstore
 V, D, PAD = 5, 4, 0
 
 
-def chain(window, kind, right_bigram=False):
+def chain(window, kind):
     """The backoff chain, written straight from the spec's words."""
     n = len(window)
     lo = (n - 1) // 2 if kind == "centered" else n - 1
     offsets = [s - lo for s in range(n)]
     ranked = sorted(range(n), key=lambda s: (abs(offsets[s]), offsets[s] > 0))
-    # right_bigram: "[pad .. center, right neighbour, pad ..] before the uni-gram, for a centered
-    # window of n >= 3 with a real right neighbour and a real slot left of its center"
-    rb = None
-    if right_bigram and kind == "centered" and n >= 3 and window[lo + 1] != PAD and any(window[:lo]):
-        rb = tuple(t if s in (lo, lo + 1) else PAD for s, t in enumerate(window))
     w = list(window)
     while True:
-        if rb is not None and order(w, kind) == 1:
-            yield rb
         yield tuple(w)
         drop = [s for s in ranked[1:] if w[s] != PAD]
         if not drop:
@@ -45,17 +38,14 @@ class StoreMachine(RuleBasedStateMachine):
         super().__init__()
         self.tmp = None
 
-    @initialize(n=st.integers(2, 5), kind=st.sampled_from(["centered", "causal"]), seed=st.integers(0, 2**32 - 1),
-                right_bigram=st.booleans())
-    def setup(self, n, kind, seed, right_bigram):
+    @initialize(n=st.integers(2, 5), kind=st.sampled_from(["centered", "causal"]), seed=st.integers(0, 2**32 - 1))
+    def setup(self, n, kind, seed):
         import tempfile
 
         self.tmp = tempfile.TemporaryDirectory()
-        self.n, self.kind, self.right_bigram = n, kind, right_bigram
+        self.n, self.kind = n, kind
         self.rng = np.random.default_rng(seed)
         self.store = hkstore.create(self.tmp.name + "/s", d=D, vocab_size=V, n=n, window=kind)
-        if right_bigram:
-            self.store.set_right_bigram()
         lo = (n - 1) // 2 if kind == "centered" else n - 1
         uni = np.zeros((V, n), dtype=np.uint32)
         uni[:, lo] = np.arange(V)
@@ -137,8 +127,6 @@ class StoreMachine(RuleBasedStateMachine):
         self.sealed.add(version)
         with pytest.raises(hkstore.StoreError, match="sealed"):
             self.store.add_segment(version, self.random_keys(1), np.zeros((1, self.n, D)))
-        with pytest.raises(hkstore.StoreError, match="sealed"):
-            self.store.set_right_bigram()
 
     def sealed_up_to(self, version, served):
         """Every version from `version` up to `served` is sealed: the answer cannot change."""
@@ -168,7 +156,7 @@ class StoreMachine(RuleBasedStateMachine):
     def check(self, version, windows):
         got = self.store.lookup(version, windows)
         for i, w in enumerate(map(tuple, windows.tolist())):
-            for key in chain(w, self.kind, self.right_bigram):
+            for key in chain(w, self.kind):
                 served, value = self.resolve_exact(version, key)
                 if served is not None:
                     break

@@ -61,8 +61,7 @@ def retrieve(snapshot, version, seqs, unseen: float = 0.0, rng=None) -> tuple[to
     if vocab and len(ids) and int(ids.max()) >= vocab:
         raise ValueError(f"token id {int(ids.max())} is outside the store's vocabulary of {vocab}")
     if unseen:
-        wins = unseen_windows(wins, unseen, rng if rng is not None else np.random.default_rng(), kind, pad_id,
-                              bool(meta.get("right_bigram")))
+        wins = unseen_windows(wins, unseen, rng if rng is not None else np.random.default_rng(), kind, pad_id)
     result = snapshot.lookup(version, wins)
     B, L = len(seqs), int(lengths.max())
     real = np.arange(L)[None, :] < lengths[:, None]

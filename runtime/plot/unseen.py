@@ -16,29 +16,17 @@ from __future__ import annotations
 import numpy as np
 
 from formats.backoff import backoff, key_order
-from formats.backoff import right_bigram as right_bigram_of
 
 
-def unseen_windows(wins: np.ndarray, rate: float, rng: np.random.Generator, kind: str, pad_id: int,
-                   right_bigram: bool = False) -> np.ndarray:
-    """wins (W, n) uint32 with each row moved down its backoff chain a random number of steps.
-
-    right_bigram (the store's meta flag): the chain's order-1 step first passes through the
-    window's right bi-gram, as the lookup does."""
+def unseen_windows(wins: np.ndarray, rate: float, rng: np.random.Generator, kind: str, pad_id: int) -> np.ndarray:
+    """wins (W, n) uint32 with each row moved down its backoff chain a random number of steps."""
     if not 0.0 <= rate <= 1.0:
         raise ValueError(f"unseen rate {rate} is not in [0, 1]")
     wins = np.array(wins, dtype=np.uint32, copy=True)
-    rb, detour = right_bigram_of(wins, kind, pad_id)
-    detour &= right_bigram
     step = rng.random(len(wins)) < rate
     while True:
-        order = key_order(wins, kind, pad_id)
-        step &= order > 1  # a uni-gram is the chain's end
+        step &= key_order(wins, kind, pad_id) > 1  # a uni-gram is the chain's end
         if not step.any():
             return wins
-        turn = step & detour & (order == 2)
-        wins[turn] = rb[turn]
-        detour &= ~turn
-        plain = step & ~turn
-        wins[plain] = backoff(wins[plain], kind, pad_id)
+        wins[step] = backoff(wins[step], kind, pad_id)
         step[step] = rng.random(int(step.sum())) < rate
