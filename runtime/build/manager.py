@@ -298,19 +298,26 @@ def domain_update(store_path, name, new_name, corpus_paths, *, alpha: float | No
 def domain_grow(store_path, name, corpus_paths, *, max_len: int | None = None, corpus_format=None) -> dict:
     """Add to version `name` the windows of a corpus (e.g. a log of the text tenants were asked
     about) that it serves only by backing off, valued by the version's own lower layers
-    (runtime.build.grow). The corpus is tokenized as construction does (max_len: the version's)."""
+    (runtime.build.grow). The corpus is tokenized as construction does (max_len: the version's);
+    a decoder store's windows are causal and valued as its construction values them."""
     from runtime.build.grow import grow
 
-    if _decoder_store(store_path):
-        raise ManagerError("domain grow does not support decoder stores yet (domain create / update do)")
     t0 = time.perf_counter()
     docs = read_corpora(corpus_paths, corpus_format)
     with _open_writable(store_path) as store:
         snap = store.snapshot()
         info = snap.versions[snap.version_index(name)]["info"]
         max_len = max_len or info.get("max_len", 128)
-        seqs = tokenize_corpus(base_encoder(store), docs, max_len)
-        out = grow(store, name, seqs)
+        if is_decoder_store(store.meta):  # causal windows, valued by the version's decoder layers
+            from runtime.build.decoder_store import tokenize_decoder_corpus
+            from runtime.model.stored import base_decoder
+            from runtime.plot.causal import KeyValuer
+
+            base = base_decoder(store)
+            seqs = tokenize_decoder_corpus(base, docs, max_len)
+            out = grow(store, name, seqs, encoder=KeyValuer(version_encoder(store, name, base)))
+        else:
+            out = grow(store, name, seqs=tokenize_corpus(base_encoder(store), docs, max_len))
         return {"store": os.fspath(store_path), "documents": len(docs), **out,
                 "seconds": round(time.perf_counter() - t0, 3)}
 
