@@ -181,6 +181,13 @@ class Runtime:
         with self._refresh_lock:
             self.store.refresh()
 
+    def set_backlog(self, backlog) -> None:
+        """Count a front end's queue as load: backlog() -> (requests, tokens, enqueue time of the
+        oldest, time.perf_counter, or None), called as each batch starts. hkstore serve's
+        dispatcher batches texts before they reach the runtime; without this, load-aware choices
+        (the students' pruning policy) would see at most one batch of a burst."""
+        self.scheduler.load.backlog = backlog
+
     @property
     def tenants(self) -> list:
         return sorted(self.store.snapshot().pets)

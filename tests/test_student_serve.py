@@ -5,6 +5,7 @@ and "tag" (tagging) with two students each, "plain" without students.
 """
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -174,6 +175,47 @@ def test_the_scheduler_measures_the_queue_and_the_arrivals_for_its_decider():
     meter.arrived([4, 6], now=0.0)
     meter.arrived([5], now=0.9)
     assert meter.take([4, 6], oldest=0.0, now=1.5) == Load(3, 15, 1.5, 5.0, 1.5)  # the first arrivals aged out
+
+
+def test_the_dispatchers_queue_counts_as_load_for_the_policy(env):
+    """hkstore serve's dispatcher holds texts before the runtime sees them; the load a batch's
+    decider reads includes them (requests, tokens, the oldest one's wait)."""
+    import asyncio
+
+    from runtime.serve.dispatcher import Dispatcher
+    from runtime.serve.metrics import Metrics
+
+    texts = short_texts(env)[:5]
+    with runtime.open(env["store"], device="cpu") as rt:
+        tokens = [len(ids) for ids in rt.encoder.tokenize(texts, max_len=rt.max_len)]
+
+        async def offer_and_read():
+            d = Dispatcher(rt, Metrics(None), max_batch=8, max_wait_s=1.0, queue_limit=100)  # not started: nothing runs
+            assert rt.scheduler.load.backlog == d.backlog
+            first = d.offer("cls", texts[:3])
+            d.offer("tag", texts[3:])
+            now = time.perf_counter()
+            rt.scheduler.load.arrived([7], now)  # an item of the runtime's own queue
+            load = rt.scheduler.load.take([7], oldest=now, now=now + 2.0)
+            assert (load.queued, load.queued_tokens) == (1 + 5, 7 + sum(tokens))  # the runtime's own item too
+            assert 2.0 <= load.oldest_wait_s < 3.0  # the dispatcher's oldest text, not the runtime's item
+            d.drop(first[:2])
+            assert d.backlog()[:2] == (3, sum(tokens[2:]))
+            for e in d.pending:
+                if not e.future.done():
+                    e.future.cancel()
+
+        asyncio.run(offer_and_read())
+        rt.scheduler.load.backlog = None
+
+
+def test_a_backlog_adds_to_the_meters_load():
+    meter = LoadMeter(window_s=1.0)
+    meter.arrived([4, 6], now=0.0)
+    meter.backlog = lambda: (2, 30, -1.0)
+    assert meter.take([4], oldest=0.0, now=1.0) == Load(4, 40, 2.0, 10.0, 1.0)
+    meter.backlog = lambda: (0, 0, None)
+    assert meter.take([6], oldest=0.5, now=1.0) == Load(1, 6, 0.5, 10.0, 1.0)
 
 
 # -- over HTTP ------------------------------------------------------------------------------------

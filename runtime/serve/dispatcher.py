@@ -15,11 +15,13 @@ log = logging.getLogger("hkstore.serve")
 
 
 class _Entry:
-    __slots__ = ("tenant", "text", "future", "enqueued", "deadline", "state", "truncate", "policy", "students")
+    __slots__ = ("tenant", "text", "future", "enqueued", "deadline", "state", "truncate", "policy", "students",
+                 "tokens")
 
     def __init__(self, tenant, text, future, enqueued, deadline):
         self.tenant, self.text, self.future, self.enqueued, self.deadline = tenant, text, future, enqueued, deadline
         self.state = "queued"  # queued | taken | dropped
+        self.tokens = 0
 
 
 def _options(entry) -> dict:
@@ -42,6 +44,7 @@ class Dispatcher:
         self.inflight_limit = 1 if mode == "dedicated" else 2  # 2: the runtime pipelines prepare and compute
         self.pending = collections.deque()
         self.depth = 0  # texts queued and not yet handed to the runtime
+        self.depth_tokens = 0  # and their tokens: the runtime counts them as load (backlog)
         self.inflight = 0
         self._wake = asyncio.Event()
         self._slots = asyncio.Semaphore(self.inflight_limit)
@@ -52,6 +55,18 @@ class Dispatcher:
         self.batch_seconds = 0.0  # moving average of a batch's time in the runtime
         if mode == "dedicated":
             self._dedicated = _DedicatedModels(rt, dedicated_resident)
+        self._count_tokens = None
+        if hasattr(rt, "set_backlog") and hasattr(rt, "encoder"):
+            self._count_tokens = lambda texts: [len(ids) for ids in rt.encoder.tokenize(texts, max_len=rt.max_len)]
+            rt.set_backlog(self.backlog)
+
+    def backlog(self):
+        """(texts, tokens, enqueue time of the oldest) still queued here; read from the runtime's threads."""
+        try:
+            first = next((e.enqueued for e in self.pending if e.state == "queued"), None)
+        except RuntimeError:  # the event loop changed the deque meanwhile: the counts still hold
+            first = None
+        return self.depth, self.depth_tokens, first
 
     def start(self):
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -74,12 +89,14 @@ class Dispatcher:
         loop = asyncio.get_running_loop()
         now = time.perf_counter()
         entries = [_Entry(tenant, t, loop.create_future(), now, deadline) for t in texts]
-        for e in entries:
+        for e, count in zip(entries, self._count_tokens(texts) if self._count_tokens else [0] * len(entries)):
+            e.tokens = count
             e.truncate = truncate  # None: the runtime's default
             e.policy = policy  # None: the tenant's default (runtime.level.serve)
             e.students = students  # None: the pruning policy's choice (runtime.student.serve)
         self.pending.extend(entries)
         self.depth += len(entries)
+        self.depth_tokens += sum(e.tokens for e in entries)
         self.m.queue_depth.set(self.depth)
         self._wake.set()
         return entries
@@ -90,6 +107,7 @@ class Dispatcher:
             if e.state == "queued":
                 e.state = "dropped"
                 self.depth -= 1
+                self.depth_tokens -= e.tokens
             if not e.future.done():
                 e.future.cancel()
         self.m.queue_depth.set(self.depth)
@@ -145,6 +163,7 @@ class Dispatcher:
                 if e.state == "queued":
                     batch.append(e)
         self.depth -= len(batch)
+        self.depth_tokens -= sum(e.tokens for e in batch)
         # Under overload the oldest texts may not make their deadline any more: answer them now
         # (504) instead of spending a batch slot on an answer nobody waits for.
         now, live = time.perf_counter(), []
