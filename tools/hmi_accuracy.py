@@ -21,6 +21,8 @@ Rows (Table 3):
   hplm-lora     the same with LoRA
   hplm-wide     hplm with a wider adapter (bottleneck --wide-bottleneck, default 256): how much
                 of the gap to dedicated is the adapter's capacity, at what cost in bytes
+  hplm-full     hplm with every upper-layer weight tuned (a dense diff PET, density 1, lr
+                --lr-full): the PLOT-only row as a real tenant, trained as served (--unseen)
 --lower-layers is the split (default 3 of all-MiniLM-L6-v2's 6: half, as HMI splits BERT-base):
 the layers the PLOT replaces; PETs and the upper-layer rows work on the rest. The dedicated and
 shared rows do not depend on it.
@@ -64,7 +66,7 @@ TASKS = {  # name: (task kind, directory under --data, domain)
     "NCBI-disease": ("tagging", "ner/NCBI-disease", "biology"),
     "sciie": ("tagging", "ner/sciie", "cs"),
 }
-ROWS = ("dedicated", "shared", "adapter-only", "plot-only", "hplm", "hplm-grown", "hplm-lora", "hplm-wide")
+ROWS = ("dedicated", "shared", "adapter-only", "plot-only", "hplm", "hplm-grown", "hplm-lora", "hplm-wide", "hplm-full")
 ROW_TITLES = {
     "dedicated": "dedicated (full fine-tuning)",
     "shared": "shared (frozen encoder, head only)",
@@ -74,6 +76,7 @@ ROW_TITLES = {
     "hplm-grown": "hPLM, PLOT grown with the evaluation text's missed windows",
     "hplm-lora": "hPLM with LoRA",
     "hplm-wide": "hPLM, adapter bottleneck {wide_bottleneck}",
+    "hplm-full": "hPLM, every upper-layer weight tuned (dense diff PET)",
 }
 VARIANTS = {  # ablation rows -> title; "root-plain*" read OUT/store-plain, whose root is not distilled
     "root-plain-nopos": "root PLOT, no distillation, no position table",
@@ -84,7 +87,7 @@ VARIANTS = {  # ablation rows -> title; "root-plain*" read OUT/store-plain, whos
     "domain-nonorm": "domain PLOT, MLM + distillation; adapter without its LayerNorm deltas",
 }
 ALPHAS = (0, 30, 50, 100)
-SEED_ROWS = ("dedicated", "hplm", "hplm-grown", "hplm-wide")  # the rows the goal compares, repeated under --extra-seeds
+SEED_ROWS = ("dedicated", "hplm", "hplm-grown", "hplm-wide", "hplm-full")  # the rows the goal compares, repeated under --extra-seeds
 T0 = time.time()
 
 
@@ -309,10 +312,10 @@ def run_row(args, ctx, task: Task, row, suffix=""):
     elif row == "hplm-grown":
         score, log, extra = row_grown(args, ctx, task, suffix)
     else:
-        options = {"bottleneck": args.wide_bottleneck} if row == "hplm-wide" else {}
-        score, log, extra = row_tenant(args, ctx, task, ctx["store"], TASKS[task.name][2],
-                                       "lora" if row == "hplm-lora" else "adapter", f"{task.name}-{row}{suffix}",
-                                       **options)
+        pet_type = {"hplm-lora": "lora", "hplm-full": "diff"}.get(row, "adapter")
+        options = {"hplm-wide": {"bottleneck": args.wide_bottleneck}, "hplm-full": {"density": 1.0}}.get(row, {})
+        score, log, extra = row_tenant(args, ctx, task, ctx["store"], TASKS[task.name][2], pet_type,
+                                       f"{task.name}-{row}{suffix}", **options)
     return {"score": score, "metric": "accuracy" if task.kind == "classification" else "entity_f1",
             "seconds": round(time.time() - t0, 1), "loss_first": log[0], "loss_last": log[-1], **extra}
 
@@ -322,7 +325,7 @@ def row_tenant(args, ctx, t: Task, store, version, pet_type, tenant, **options):
     options (bottleneck, norms) go to tenant_create, whose defaults are the hPLM row's."""
     from runtime.build import manager
 
-    lr = args.lr_adapter if pet_type == "adapter" else args.lr_lora
+    lr = {"adapter": args.lr_adapter, "lora": args.lr_lora, "diff": args.lr_full}[pet_type]
     out = manager.tenant_create(store, tenant, version=version, train_path=ctx["data"]["tasks"][t.name]["train"],
                                 task=t.kind, pet_type=pet_type, epochs=args.epochs, lr=lr,
                                 batch_size=args.batch_size, max_len=args.max_len, seed=args.seed, replace=True,
