@@ -22,7 +22,7 @@ Rows (Table 3):
   hplm-wide     hplm with a wider adapter (bottleneck --wide-bottleneck, default 256): how much
                 of the gap to dedicated is the adapter's capacity, at what cost in bytes
   hplm-full     hplm with every upper-layer weight tuned (a dense diff PET, density 1, lr
-                --lr-full): the PLOT-only row as a real tenant, trained as served (--unseen)
+                --lr-diff): the PLOT-only row as a real tenant, trained as served (--unseen)
 --lower-layers is the split (default 3 of all-MiniLM-L6-v2's 6: half, as HMI splits BERT-base):
 the layers the PLOT replaces; PETs and the upper-layer rows work on the rest. The dedicated and
 shared rows do not depend on it.
@@ -325,7 +325,7 @@ def row_tenant(args, ctx, t: Task, store, version, pet_type, tenant, **options):
     options (bottleneck, norms) go to tenant_create, whose defaults are the hPLM row's."""
     from runtime.build import manager
 
-    lr = {"adapter": args.lr_adapter, "lora": args.lr_lora, "diff": args.lr_full}[pet_type]
+    lr = {"adapter": args.lr_adapter, "lora": args.lr_lora, "diff": args.lr_diff}[pet_type]
     out = manager.tenant_create(store, tenant, version=version, train_path=ctx["data"]["tasks"][t.name]["train"],
                                 task=t.kind, pet_type=pet_type, epochs=args.epochs, lr=lr,
                                 batch_size=args.batch_size, max_len=args.max_len, seed=args.seed, replace=True,
@@ -596,7 +596,7 @@ def markdown(results) -> str:
 RESUMABLE = ("tasks", "rows", "alpha_tasks", "distill_tasks", "extra_seeds")  # may differ on a rerun
 # Settings only rows depend on (not the store): free to change while no row has a score, so the
 # store of a final run can be built while its settings are still being chosen on dev.
-TRAINING = ("epochs", "epochs_full", "batch_size", "lr_full", "lr_head", "lr_adapter", "lr_lora", "wide_bottleneck",
+TRAINING = ("epochs", "epochs_full", "batch_size", "lr_full", "lr_head", "lr_adapter", "lr_lora", "lr_diff", "wide_bottleneck",
             "unseen")
 
 
@@ -652,6 +652,7 @@ def main(argv=None):
     # 5e-3 scored as well on seed 0 but collapsed on sci-cite under seed 1 (BENCHMARKS.md).
     p.add_argument("--lr-adapter", type=float, default=2e-3)
     p.add_argument("--lr-lora", type=float, default=5e-3)
+    p.add_argument("--lr-diff", type=float, default=3e-4, help="the hplm-full row's (dense diff PET; chosen on dev)")
     p.add_argument("--unseen", type=float, default=0.3,
                    help="the PLOT rows' tenants train on inputs as served to unseen text (runtime.plot.unseen; "
                         "tenant create's default, chosen on dev)")
