@@ -97,3 +97,13 @@ def test_tenant_create_unseen_trains_and_is_recorded(env, cli, tmp_path):  # noq
     assert bad.exit_code != 0 and "Traceback" not in bad.output
     with hkstore.open(store) as s:
         assert "w" not in s.snapshot().pets
+    # Every upper-layer weight as the PET (issue 21's hplm-full row): --pet diff --density 1.
+    r = runner.invoke(cli, ["tenant", "create", store, "full", "--version", "dom", "--train", env["cls"], "--epochs",
+                            "1", "--pet", "diff", "--density", "1", "--max-len", "32", "--quiet", "--json"])
+    assert r.exit_code == 0, r.output
+    with hkstore.open(store) as s:
+        record = s.get_pet("full")
+        assert record.meta["density"] == 1.0
+        d = s.meta["d"]
+        square = [v for k, v in record.tensors.items() if k.split(".")[-2] in "qkvo" and k.endswith(".index")]
+        assert square and all(len(np.unique(ix)) == d * d for ix in square)  # every weight of each d x d target

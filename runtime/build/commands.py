@@ -186,6 +186,8 @@ def tenant():
 @click.option("--max-len", type=int, default=128, show_default=True)
 @click.option("--bottleneck", type=int, default=64, show_default=True)
 @click.option("--rank", type=int, default=8, show_default=True)
+@click.option("--density", type=click.FloatRange(0, 1, min_open=True), default=0.005, show_default=True,
+              help="diff / mask: the share of each target's weights the PET changes (1: every weight).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--unseen", type=click.FloatRange(0, 1), default=manager.UNSEEN, show_default=True,
               help="Train on inputs as the version serves text outside its corpus: each backoff step taken "
@@ -194,7 +196,7 @@ def tenant():
 @_quiet_option
 @_json_option
 def tenant_create(store, tenant, version, train_path, task, pet_type, epochs, max_examples, lr, batch_size, max_len,
-                  bottleneck, rank, seed, unseen, replace, quiet, as_json):
+                  bottleneck, rank, density, seed, unseen, replace, quiet, as_json):
     """Fine-tune a PET for TENANT on PLOT inputs of --version and store it. On a decoder store:
     an lm PET (causal LM loss) on --train as plain text (--task and the head do not apply)."""
     if _is_decoder_store(store):
@@ -206,8 +208,8 @@ def tenant_create(store, tenant, version, train_path, task, pet_type, epochs, ma
         return
     _run(manager.tenant_create, store, tenant, version=version, train_path=train_path, task=task, pet_type=pet_type,
          epochs=epochs, max_examples=max_examples, lr=lr, batch_size=batch_size, max_len=max_len,
-         bottleneck=bottleneck, rank=rank, seed=seed, unseen=unseen, replace=replace, progress=not quiet,
-         as_json=as_json)
+         bottleneck=bottleneck, rank=rank, density=density, seed=seed, unseen=unseen, replace=replace,
+         progress=not quiet, as_json=as_json)
 
 
 @tenant.command("update")
