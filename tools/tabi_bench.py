@@ -20,8 +20,10 @@ writes the tenant's levels record into the store):
    scored under each level (Tabi §7.3.2); word pruning per alpha (share of tokens dropped,
    level-2 seconds, metric loss; Tabi Table 3); reliability diagrams before/after calibration
    (PNG). Results: OUT/<task>.json (a finished task is not redone: resume), OUT/summary.md.
-4. --poisson RATE: fast, exact and auto under the same Poisson arrivals of the tasks' test
-   queries (tenants mixed, concurrent callers batched by the scheduler), taking turns.
+4. --poisson RATE[,RATE...]: fast, exact and auto under the same Poisson arrivals of the tasks'
+   test queries (tenants mixed, concurrent callers batched by the scheduler), taking turns, at
+   each offered rate; with several rates, throughput and p99 against the offered rate
+   (saturation) in FIGURES/tabi_saturation.png.
 """
 
 from __future__ import annotations
@@ -265,7 +267,7 @@ def run_task(task, args):
 # -- Poisson load -----------------------------------------------------------------------------------
 
 
-def poisson(args, results) -> dict:
+def poisson(args, results, rate: float) -> dict:
     """Each system under the same Poisson arrivals of the tasks' test queries (tenants mixed):
     achieved throughput and latency; the systems take turns, --poisson-rounds times."""
     import threading
@@ -289,7 +291,7 @@ def poisson(args, results) -> dict:
             pool += [(r["tenant"], ids, pos, pet) for ids, pos in q.pairs()]
         rng = np.random.default_rng(args.seed)
         picks = rng.choice(len(pool), size=args.poisson_count)
-        gaps = rng.exponential(1.0 / args.poisson, size=args.poisson_count)
+        gaps = rng.exponential(1.0 / rate, size=args.poisson_count)
         systems = ("fast", "exact", "auto")
         out = {name: {"seconds": [], "throughput": []} for name in systems}
         lock = threading.Lock()
@@ -314,9 +316,9 @@ def poisson(args, results) -> dict:
                 elapsed = time.perf_counter() - t0
                 out[name]["seconds"] += lat
                 out[name]["throughput"].append(len(lat) / elapsed)
-                print(f"  poisson round {rnd + 1} {name}: {len(lat) / elapsed:.1f} req/s, mean "
+                print(f"  poisson {rate:g}/s round {rnd + 1} {name}: {len(lat) / elapsed:.1f} req/s, mean "
                       f"{1000 * np.mean(lat):.0f} ms; {uptime()}", flush=True)
-        return {"rate": args.poisson, "count": args.poisson_count, "rounds": args.poisson_rounds,
+        return {"rate": rate, "count": args.poisson_count, "rounds": args.poisson_rounds,
                 **{name: {"throughput_rps": float(np.median(v["throughput"])), **latency(v["seconds"])}
                    for name, v in out.items()}, "uptime_end": uptime()}
     finally:
@@ -324,6 +326,28 @@ def poisson(args, results) -> dict:
 
 
 # -- report ---------------------------------------------------------------------------------------
+
+
+def saturation_figure(loads, path):
+    """Achieved throughput and p99 latency against the offered Poisson rate, per system."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    rates = [load["rate"] for load in loads]
+    for name in ("fast", "exact", "auto"):
+        a.plot(rates, [load[name]["throughput_rps"] for load in loads], marker="o", label=name)
+        b.plot(rates, [load[name]["p99_ms"] for load in loads], marker="o", label=name)
+    a.plot(rates, rates, color="grey", linestyle=":", label="offered")
+    a.set(xlabel="offered requests/s", ylabel="achieved requests/s", title="throughput")
+    b.set(xlabel="offered requests/s", ylabel="p99 latency, ms", title="p99 latency", yscale="log")
+    a.legend()
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def figures(results, path):
@@ -403,7 +427,8 @@ def main(argv=None):
     ap.add_argument("--limit", type=int, default=0, help="serve at most this many test queries (0: all)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--poisson", type=float, default=0.0, help="also a Poisson load at this rate (requests/s)")
+    ap.add_argument("--poisson", type=lambda s: [float(x) for x in s.split(",") if x], default=[],
+                    help="also a Poisson load at these rates (requests/s, comma-separated)")
     ap.add_argument("--poisson-count", type=int, default=200)
     ap.add_argument("--poisson-rounds", type=int, default=2)
     args = ap.parse_args(argv)
@@ -424,14 +449,17 @@ def main(argv=None):
         results.append(r)
     figures(results, args.figures)
     text = summary(results)
-    if args.poisson > 0:
-        load = poisson(args, results)
+    if args.poisson:
+        loads = [poisson(args, results, rate) for rate in args.poisson]
         with open(os.path.join(args.out, "poisson.json"), "w") as f:
-            json.dump(load, f, indent=1)
-        text += f"\n\nPoisson load, {load['rate']:g} requests/s, both tenants mixed:\n\n"
-        text += "| system | throughput req/s | mean ms | p50 ms | p99 ms |\n|---|---|---|---|---|\n"
-        text += "\n".join(f"| {n} | {load[n]['throughput_rps']:.1f} | {load[n]['mean_ms']:.0f} | "
-                           f"{load[n]['p50_ms']:.0f} | {load[n]['p99_ms']:.0f} |" for n in ("fast", "exact", "auto"))
+            json.dump(loads, f, indent=1)
+        text += "\n\nPoisson load, both tenants mixed:\n\n"
+        text += "| offered req/s | system | throughput req/s | mean ms | p50 ms | p99 ms |\n|---|---|---|---|---|---|\n"
+        text += "\n".join(f"| {load['rate']:g} | {n} | {load[n]['throughput_rps']:.1f} | {load[n]['mean_ms']:.0f} | "
+                           f"{load[n]['p50_ms']:.0f} | {load[n]['p99_ms']:.0f} |"
+                           for load in loads for n in ("fast", "exact", "auto"))
+        if len(loads) > 1:
+            saturation_figure(loads, os.path.join(args.figures, "tabi_saturation.png"))
     with open(os.path.join(args.out, "summary.md"), "w") as f:
         f.write(text + "\n")
     print(text)
