@@ -45,6 +45,8 @@ TASKS = {  # task -> (kind, split dir)
     "NCBI-disease": ("tagging", "ner/NCBI-disease"),
     "chemprot": ("classification", "text_classification/chemprot"),
     "sciie": ("tagging", "ner/sciie"),
+    "sci-cite": ("classification", "text_classification/sci-cite"),
+    "bc5cdr": ("tagging", "ner/bc5cdr"),
 }
 
 
