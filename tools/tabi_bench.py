@@ -269,16 +269,13 @@ def run_task(task, args):
 # -- Poisson load -----------------------------------------------------------------------------------
 
 
-def poisson(args, results, rate: float) -> dict:
-    """Each system under the same Poisson arrivals of the tasks' test queries (tenants mixed):
-    achieved throughput and latency; the systems take turns, --poisson-rounds times."""
-    import threading
-    from concurrent.futures import ThreadPoolExecutor
-
+def poisson(args, results) -> list:
+    """Each system under the same Poisson arrivals of the tasks' test queries (tenants mixed), at
+    each rate of --poisson: achieved throughput and latency; the systems take turns,
+    --poisson-rounds times. One runtime and one query pool serve every rate."""
     import torch
 
     import runtime
-    from runtime.level.serve import answer
 
     torch.set_num_threads(args.threads)
     rt = runtime.open(args.store, device="cpu", max_len=args.max_len, max_batch=args.batch)
@@ -291,40 +288,49 @@ def poisson(args, results, rate: float) -> dict:
             _, _, test, _ = split_data(r["task"], kind, args)
             q = Queries(rt.encoder, test, kind, list(pet.labels), max_len)
             pool += [(r["tenant"], ids, pos, pet) for ids, pos in q.pairs()]
-        rng = np.random.default_rng(args.seed)
-        picks = rng.choice(len(pool), size=args.poisson_count)
-        gaps = rng.exponential(1.0 / rate, size=args.poisson_count)
-        systems = ("fast", "exact", "auto")
-        out = {name: {"seconds": [], "throughput": []} for name in systems}
-        lock = threading.Lock()
-        for rnd in range(args.poisson_rounds):
-            for name in systems[rnd % 3:] + systems[:rnd % 3]:
-                lat = []
-
-                def one(j, name=name, lat=lat):
-                    tenant, ids, pos, pet = pool[j]
-                    t = time.perf_counter()
-                    answer(rt.scheduler, [(tenant, ids, pos, pet, pet.version, name)])
-                    with lock:
-                        lat.append(time.perf_counter() - t)
-
-                t0 = time.perf_counter()
-                with ThreadPoolExecutor(64) as ex:
-                    due = t0
-                    for j, gap in zip(picks, gaps):
-                        due += gap
-                        time.sleep(max(0.0, due - time.perf_counter()))
-                        ex.submit(one, int(j))
-                elapsed = time.perf_counter() - t0
-                out[name]["seconds"] += lat
-                out[name]["throughput"].append(len(lat) / elapsed)
-                print(f"  poisson {rate:g}/s round {rnd + 1} {name}: {len(lat) / elapsed:.1f} req/s, mean "
-                      f"{1000 * np.mean(lat):.0f} ms; {uptime()}", flush=True)
-        return {"rate": rate, "count": args.poisson_count, "rounds": args.poisson_rounds,
-                **{name: {"throughput_rps": float(np.median(v["throughput"])), **latency(v["seconds"])}
-                   for name, v in out.items()}, "uptime_end": uptime()}
+        return [poisson_rate(args, rt, pool, rate) for rate in args.poisson]
     finally:
         rt.close()
+
+
+def poisson_rate(args, rt, pool, rate: float) -> dict:
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from runtime.level.serve import answer
+
+    rng = np.random.default_rng(args.seed)
+    picks = rng.choice(len(pool), size=args.poisson_count)
+    gaps = rng.exponential(1.0 / rate, size=args.poisson_count)
+    systems = ("fast", "exact", "auto")
+    out = {name: {"seconds": [], "throughput": []} for name in systems}
+    lock = threading.Lock()
+    for rnd in range(args.poisson_rounds):
+        for name in systems[rnd % 3:] + systems[:rnd % 3]:
+            lat = []
+
+            def one(j, name=name, lat=lat):
+                tenant, ids, pos, pet = pool[j]
+                t = time.perf_counter()
+                answer(rt.scheduler, [(tenant, ids, pos, pet, pet.version, name)])
+                with lock:
+                    lat.append(time.perf_counter() - t)
+
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(64) as ex:
+                due = t0
+                for j, gap in zip(picks, gaps):
+                    due += gap
+                    time.sleep(max(0.0, due - time.perf_counter()))
+                    ex.submit(one, int(j))
+            elapsed = time.perf_counter() - t0
+            out[name]["seconds"] += lat
+            out[name]["throughput"].append(len(lat) / elapsed)
+            print(f"  poisson {rate:g}/s round {rnd + 1} {name}: {len(lat) / elapsed:.1f} req/s, mean "
+                  f"{1000 * np.mean(lat):.0f} ms; {uptime()}", flush=True)
+    return {"rate": rate, "count": args.poisson_count, "rounds": args.poisson_rounds,
+            **{name: {"throughput_rps": float(np.median(v["throughput"])), **latency(v["seconds"])}
+               for name, v in out.items()}, "uptime_end": uptime()}
 
 
 # -- report ---------------------------------------------------------------------------------------
@@ -452,7 +458,7 @@ def main(argv=None):
     figures(results, args.figures)
     text = summary(results)
     if args.poisson:
-        loads = [poisson(args, results, rate) for rate in args.poisson]
+        loads = poisson(args, results)
         with open(os.path.join(args.out, "poisson.json"), "w") as f:
             json.dump(loads, f, indent=1)
         text += "\n\nPoisson load, both tenants mixed:\n\n"
