@@ -80,12 +80,9 @@ class Result:
 
 
 def _cuda_available() -> bool:
-    try:
-        import cupy
+    from runtime.exec.gpu import cuda_available
 
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # no CuPy, no driver, no device
-        return False
+    return cuda_available()
 
 
 class Runtime:
@@ -416,7 +413,12 @@ def open(store_path, device: str = "auto", **options) -> Runtime:  # noqa: A001 
     from runtime.gen.api import DecoderRuntime, is_decoder_store_path
 
     if is_decoder_store_path(store_path):
-        return DecoderRuntime(store_path, device, **options)
+        if device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
+        if device == "cuda" and not _cuda_available():
+            raise StoreError("device='cuda' needs CuPy and a CUDA GPU (pip install 'hkstore[gpu]')")
+        return DecoderRuntime(store_path, "cuda" if device == "auto" and _cuda_available() else
+                              "cpu" if device == "auto" else device, **options)
     return Runtime(store_path, device, **options)
 
 

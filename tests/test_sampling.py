@@ -135,3 +135,5 @@ def test_hkstore_generate(tmp_path):
     assert streamed.exit_code == 0 and streamed.output.strip() == out["text"].strip()
     bad = CliRunner().invoke(main, ["generate", str(tmp_path / "s"), "the cat", "--max-tokens", "50"])
     assert bad.exit_code == 1 and "context" in bad.output and "Traceback" not in bad.output
+    no_gpu = CliRunner().invoke(main, ["generate", str(tmp_path / "s"), "the cat", "--device", "cuda"])
+    assert no_gpu.exit_code == 1 and "--device cuda" in no_gpu.output and "Traceback" not in no_gpu.output

@@ -24,6 +24,9 @@ Systems (one torch thread each, the same base weights):
   loaded into the slot (set_peft_model_state_dict from host memory), then model.generate on
   the group: what a user would write with transformers and PEFT.
 
+--device cuda runs hGPT on the GPU executor's decode path (needs CuPy and a GPU; compare it
+with itself across tenant counts: the other systems stay on the CPU).
+
 Rounds interleave the systems and tenant counts (the order rotates each round); each row is
 one (round, T, system) measurement, appended to --out as a JSON line, so a stopped run resumes.
 The summary gives the median over rounds, hGPT@T / hGPT@1 and hGPT / transformers+PEFT.
@@ -201,6 +204,12 @@ class Bench:
 
             pets = self.lora_pets(max(tenants) + 1)
             gen = PlotDecoder(self.store.snapshot(), "root", self.dec)
+            if a.device == "cuda":  # the GPU executor's decode path (BGMV / SGMV kernels, KV pool on the device)
+                from runtime.exec.gpu_decoder import GpuDecoderExecutor
+                from runtime.gen.device_decode import DevicePlotDecoder
+
+                self.executor = getattr(self, "executor", None) or GpuDecoderExecutor(self.dec)
+                gen = DevicePlotDecoder(self.store.snapshot(), "root", self.dec, executor=self.executor)
             batched_step.lora_only = batcher.lora_only = lora_only if system == "hGPT" else (lambda pet: pet is None)
             t0 = time.perf_counter()
             try:
@@ -307,6 +316,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--resident", type=int, default=4, help="GPT-dedicated: full copies kept loaded")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: hGPT on the GPU executor (runtime.gen.device_decode); the other systems stay on the CPU")
     ap.add_argument("--out", default="/tmp/bench_tenants_gen.jsonl", help="JSON lines, one per measurement (resume)")
     ap.add_argument("--figure", default=None, help="PNG of tokens/s against tenants")
     args = ap.parse_args(argv)
@@ -328,7 +339,7 @@ def main(argv=None) -> int:
         tokens, seconds, swaps = bench.measure(system, tenants)
         row = {"round": rnd, "tenants": T, "system": system, "tokens": tokens, "seconds": round(seconds, 3),
                "tokens_per_s": round(tokens / seconds, 2), "swaps": swaps, "distinct": len(set(tenants)),
-               "load": os.getloadavg()[0]}
+               "load": os.getloadavg()[0], "device": args.device if system == "hGPT" else "cpu"}
         with open(args.out, "a") as f:
             f.write(json.dumps(row) + "\n")
         rows.append(row)
@@ -337,7 +348,7 @@ def main(argv=None) -> int:
         print(json.dumps(row) + f"  [{k + 1}/{len(plan)}, ETA {eta:.0f} s]", flush=True)
     med, table = summarize(rows, args.tenants, args.systems)
     print(json.dumps({"store": os.path.abspath(args.store), "requests": len(bench.prompts), "batch": args.batch,
-                      "max_tokens": args.max_tokens, "threads": args.threads, "uptime": uptime(),
+                      "max_tokens": args.max_tokens, "threads": args.threads, "device": args.device, "uptime": uptime(),
                       "median_tokens_per_s": table}, indent=1))
     if args.figure:
         from tools.plots import line_plot

@@ -61,6 +61,16 @@ _F32_MIN = float(np.finfo(np.float32).min)
 _PEAK_FLOPS, _BANDWIDTH = 5e13, 3e12
 
 
+def cuda_available() -> bool:
+    """Whether CuPy imports and sees a CUDA device (what device="auto" picks the GPU by)."""
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # noqa: BLE001 - no CuPy, no driver, no device
+        return False
+
+
 def _import_cupy():
     try:
         import cupy

@@ -43,8 +43,8 @@ class ServingPet:
     key: object  # what identifies the tenant in a batch (tenant name, or any hashable)
     meta: dict
     parts: dict
-    head_weight: torch.Tensor
-    head_bias: torch.Tensor
+    head_weight: torch.Tensor | None  # None: a decoder (lm) PET, scored by the decoder's LM head
+    head_bias: torch.Tensor | None
     scale: float = 1.0
     version: str | None = None  # PLOT version the PET was trained on (from its meta)
     token: object = None  # changes when the tenant's record changes (device caches key on it)
@@ -62,7 +62,7 @@ class ServingPet:
 
     @property
     def nbytes(self) -> int:
-        total = self.head_weight.numel() * 4 + self.head_bias.numel() * 4
+        total = 0 if self.head_weight is None else self.head_weight.numel() * 4 + self.head_bias.numel() * 4
         for arrays in self.parts.values():
             total += sum(a.numel() * a.element_size() for a in arrays)
         return total
@@ -77,6 +77,8 @@ def prepare_pet(encoder, pet: petlib.Pet, key=None, token=None) -> ServingPet:
         if bits[0] != "layers":
             continue
         i, kind = int(bits[1]), bits[2]
+        if bits[-1] in ("delta", "score"):  # would be read as an index list below
+            raise ValueError(f"PET tensor {name} is in training form: serve runtime.model.pet.export(pet)")
         if kind == "lora" and bits[4] == "A":
             target = bits[3]
             parts[("lora", i, target)] = (_f32(value), _f32(t[f"layers.{i}.lora.{target}.B"]))
@@ -96,11 +98,14 @@ def prepare_pet(encoder, pet: petlib.Pet, key=None, token=None) -> ServingPet:
                 _f32(t[p + n]) for n in ("down.weight", "down.bias", "up.weight", "up.bias"))
         elif kind == "norm" and bits[4] == "weight":
             parts[("norm", i, bits[3])] = (_f32(value), _f32(t[f"layers.{i}.norm.{bits[3]}.bias"]))
-    if "head.weight" not in t:
+    if "head.weight" in t:
+        head = _f32(t["head.weight"]), _f32(t["head.bias"])
+    elif meta.get("task") == "lm":  # a decoder tenant: the decoder's own LM head scores the vocabulary
+        head = None, None
+    else:
         raise ValueError("PET has no head (head.weight)")
-    return ServingPet(key=key, meta=dict(meta), parts=parts, head_weight=_f32(t["head.weight"]),
-                      head_bias=_f32(t["head.bias"]), scale=float(meta.get("scale", 1.0)),
-                      version=meta.get("version"), token=token)
+    return ServingPet(key=key, meta=dict(meta), parts=parts, head_weight=head[0], head_bias=head[1],
+                      scale=float(meta.get("scale", 1.0)), version=meta.get("version"), token=token)
 
 
 def _f32(v) -> torch.Tensor:

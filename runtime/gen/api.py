@@ -31,17 +31,26 @@ def is_decoder_store_path(path) -> bool:
 
 
 class DecoderRuntime:
-    def __init__(self, store_path, device: str = "auto", *, kv_budget_bytes: int = DEFAULT_KV_BUDGET,
-                 max_running: int = 64, decoder=None, **_ignored):
+    def __init__(self, store_path, device: str = "cpu", *, kv_budget_bytes: int = DEFAULT_KV_BUDGET,
+                 max_running: int = 64, decoder=None, dtype: str = "fp32", pet_cache_bytes: int = 512 << 20,
+                 lora_kernel: str = "auto", executor=None, **_ignored):
+        """device "cpu" (the reference path) or "cuda" (runtime.gen.device_decode: the upper layers,
+        KV pool and PETs on the GPU executor; `executor` hands in one already built)."""
         import hkstore
         from runtime.model.stored import base_decoder
 
-        if device == "cuda":
-            raise ValueError("the decoder path runs on the CPU executor only so far (device='cpu' or 'auto')")
-        self.device = "cpu"
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda (runtime.open resolves auto), got {device!r}")
+        self.device = device
         self.store = hkstore.open(store_path)
         try:
             self.decoder = decoder if decoder is not None else base_decoder(self.store)
+            self.executor = executor
+            if device == "cuda" and executor is None:
+                from runtime.exec.gpu_decoder import GpuDecoderExecutor
+
+                self.executor = GpuDecoderExecutor(self.decoder, dtype=dtype, pet_cache_bytes=pet_cache_bytes,
+                                                   lora_kernel=lora_kernel)
         except BaseException:
             self.store.close()
             raise
@@ -63,11 +72,19 @@ class DecoderRuntime:
         return self._parse(snap, request)
 
     def batcher(self, snap, version):
-        """A continuous batcher over one PLOT version of snap, with this runtime's KV budget."""
+        """A continuous batcher over one PLOT version of snap, with this runtime's KV budget, on
+        this runtime's device."""
         from runtime.gen.batcher import Batcher
-        from runtime.gen.plot_decode import PlotDecoder
 
-        return Batcher(PlotDecoder(snap, version, self.decoder), self.kv_budget_bytes, self.max_running)
+        if self.device == "cuda":
+            from runtime.gen.device_decode import DevicePlotDecoder
+
+            gen = DevicePlotDecoder(snap, version, self.decoder, executor=self.executor)
+        else:
+            from runtime.gen.plot_decode import PlotDecoder
+
+            gen = PlotDecoder(snap, version, self.decoder)
+        return Batcher(gen, self.kv_budget_bytes, self.max_running)
 
     def refresh(self):
         """Serve the store's newest manifest (what hkstore serve calls when a commit lands):
@@ -141,16 +158,13 @@ class DecoderRuntime:
     def stream(self, requests):
         """Events as tokens are made: {"index", "token", "text" (the completion so far),
         "finished", "finish_reason"}; the last event of each request has finished True."""
-        from runtime.gen.batcher import Batcher
-        from runtime.gen.plot_decode import PlotDecoder
-
         snap = self.store.snapshot()
         parsed = [self._parse(snap, r) for r in requests]
         by_version = {}
         for i, (version, prompt, params, pet) in enumerate(parsed):
             by_version.setdefault(version, []).append((i, prompt, params, pet))
         for version, items in by_version.items():  # one batch per PLOT version
-            batcher = Batcher(PlotDecoder(snap, version, self.decoder), self.kv_budget_bytes, self.max_running)
+            batcher = self.batcher(snap, version)
             index = {batcher.submit(prompt, params, pet): i for i, prompt, params, pet in items}
             while batcher.busy:
                 for e in batcher.step():
@@ -159,9 +173,6 @@ class DecoderRuntime:
 
     def generate(self, requests) -> list[dict]:
         """One result per request, in order: ids, text, finish_reason, logprobs, usage."""
-        from runtime.gen.batcher import Batcher
-        from runtime.gen.plot_decode import PlotDecoder
-
         snap = self.store.snapshot()
         parsed = [self._parse(snap, r) for r in requests]
         results: list[dict | None] = [None] * len(parsed)
@@ -169,7 +180,7 @@ class DecoderRuntime:
         for i, item in enumerate(parsed):
             by_version.setdefault(item[0], []).append((i, *item[1:]))
         for version, items in by_version.items():
-            batcher = Batcher(PlotDecoder(snap, version, self.decoder), self.kv_budget_bytes, self.max_running)
+            batcher = self.batcher(snap, version)
             index = {batcher.submit(prompt, params, pet): i for i, prompt, params, pet in items}
             batcher.run()
             for rid, i in index.items():

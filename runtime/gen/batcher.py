@@ -125,7 +125,9 @@ class Batcher:
             from runtime.gen.kv_pool import KVPool
 
             c = self.gen.decoder.config
-            self.pool = KVPool(self.gen.decoder, min(self.budget // self.bytes_per_token, self.max_running * c.max_len))
+            positions = min(self.budget // self.bytes_per_token, self.max_running * c.max_len)
+            new_pool = getattr(self.gen, "new_pool", None)  # the device path's pool lives on the device
+            self.pool = new_pool(positions) if new_pool else KVPool(self.gen.decoder, positions)
         admitted = []
         while self.waiting and len(self.running) + len(admitted) < self.max_running and \
                 self.reserved + self.waiting[0].reserve <= self.budget:
@@ -139,7 +141,8 @@ class Batcher:
             admitted.append((req, slots))
         if not admitted:
             return
-        if hasattr(self.gen, "prefill_many") and all(lora_only(r.pet) for r, _ in admitted):
+        if hasattr(self.gen, "prefill_many") and (getattr(self.gen, "prefills_any_pet", False) or
+                                                  all(lora_only(r.pet) for r, _ in admitted)):
             seqs = self.gen.prefill_many([r.prompt for r, _ in admitted], [r.pet for r, _ in admitted],
                                          [s for _, s in admitted], self.pool)
         else:  # other PETs: one prompt at a time, its cache then moved into the pool

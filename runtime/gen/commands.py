@@ -26,14 +26,15 @@ import click
 @click.option("--top-p", type=float, default=1.0, show_default=True)
 @click.option("--seed", type=int, default=None)
 @click.option("--stop", multiple=True, help="Stop sequence (repeat for more, at most 4).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="cuda: the upper layers, KV cache and PET on the GPU executor (auto: when CuPy sees a GPU).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of streaming text.")
-def generate(store, prompt, version, tenant, max_tokens, temperature, top_k, top_p, seed, stop, as_json):
+def generate(store, prompt, version, tenant, max_tokens, temperature, top_k, top_p, seed, stop, device, as_json):
     """Complete PROMPT with the decoder store STORE (greedy unless --temperature)."""
     import hkstore
     from formats.errors import FormatError
     from hkstore.errors import StoreError
     from runtime.gen.batcher import Batcher
-    from runtime.gen.plot_decode import PlotDecoder
     from runtime.gen.sampling import SamplingParams
     from runtime.model.stored import base_decoder
 
@@ -49,7 +50,7 @@ def generate(store, prompt, version, tenant, max_tokens, temperature, top_k, top
                     raise ValueError(f"unknown tenant {tenant!r}")
                 pet = load_lm_pet(st, tenant, dec)
                 version = version or pet.meta.get("version") or snap.read_pet(tenant).meta.get("version")
-            gen = PlotDecoder(snap, version or snap.version_names[0], dec)
+            gen = _generator(snap, version or snap.version_names[0], dec, device)
             params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                                     max_tokens=max_tokens, stop=list(stop))
             batcher = Batcher(gen, kv_budget_bytes=1 << 40, max_running=1)
@@ -67,3 +68,17 @@ def generate(store, prompt, version, tenant, max_tokens, temperature, top_k, top
         click.echo(json.dumps(result, indent=1))
     else:
         click.echo("")
+
+
+def _generator(snap, version, decoder, device):
+    from runtime.exec.gpu import cuda_available
+
+    if device == "cuda" and not cuda_available():
+        raise ValueError("--device cuda: no CUDA GPU with CuPy here (pip install 'hkstore[gpu]'); use --device cpu")
+    if device == "cuda" or (device == "auto" and cuda_available()):
+        from runtime.gen.device_decode import DevicePlotDecoder
+
+        return DevicePlotDecoder(snap, version, decoder)
+    from runtime.gen.plot_decode import PlotDecoder
+
+    return PlotDecoder(snap, version, decoder)

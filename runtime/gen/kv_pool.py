@@ -19,18 +19,17 @@ from __future__ import annotations
 import torch
 
 
-class KVPool:
-    def __init__(self, decoder, positions: int):
-        c = decoder.config
-        self.first = decoder.lower_layers
-        n = c.num_layers - decoder.lower_layers
-        self.k = torch.zeros(n, positions, c.kv_heads, c.head_dim)
-        self.v = torch.zeros(n, positions, c.kv_heads, c.head_dim)
+class Pages:
+    """The free list of a pool of `positions` pages (one position each): the bookkeeping that
+    the host pool and the device pool (runtime.gen.device_decode.DeviceKVPool) share."""
+
+    def __init__(self, positions: int):
         self._free = list(range(positions - 1, -1, -1))  # a stack: the low pages first
+        self._positions = positions
 
     @property
     def positions(self) -> int:
-        return self.k.shape[1]
+        return self._positions
 
     @property
     def available(self) -> int:
@@ -44,6 +43,16 @@ class KVPool:
 
     def free(self, slots: torch.Tensor) -> None:
         self._free.extend(reversed(slots.tolist()))
+
+
+class KVPool(Pages):
+    def __init__(self, decoder, positions: int):
+        super().__init__(positions)
+        c = decoder.config
+        self.first = decoder.lower_layers
+        n = c.num_layers - decoder.lower_layers
+        self.k = torch.zeros(n, positions, c.kv_heads, c.head_dim)
+        self.v = torch.zeros(n, positions, c.kv_heads, c.head_dim)
 
     def adopt(self, seq, slots: torch.Tensor) -> None:
         """Move seq's KVCache (one unpadded sequence: every position real) into its pages."""

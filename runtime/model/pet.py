@@ -66,7 +66,7 @@ def linear(pet: Pet | None, i: int, target: str, x: torch.Tensor, lin: torch.nn.
         return F.linear(x, w, b)
     t, p = pet.tensors, f"layers.{i}."
     if (k := f"{p}bias.{target}") in t:
-        b = b + t[k]
+        b = t[k] if b is None else b + t[k]  # BitFit on a bias-free projection (Llama) adds one
     if (k := f"{p}diff.{target}.delta") in t:
         w = w + t[k]
     if (k := f"{p}diff.{target}.index") in t:

@@ -3,7 +3,7 @@
 It covers what runtime.exec.ops_gpu, runtime.exec.gpu (with device_cache and hot_tier) and
 tests/test_ops_gpu.py use of CuPy - ``asarray``, ``empty`` (poisoned), ``zeros``, ``ones``,
 ``full``, ``asnumpy``, ``ascontiguousarray``, ``copyto``, ``matmul``, ``stack``,
-``concatenate``, ``where``, ``exp``, ``ndarray``, ``RawModule``, and ``cuda``: ``Stream``,
+``concatenate``, ``where``, ``exp``, ``tanh``, ``ndarray``, ``RawModule``, and ``cuda``: ``Stream``,
 ``Event``, ``Device``, ``alloc_pinned_memory``, ``get_elapsed_time``,
 ``runtime.getDevice``/``getDeviceCount`` - and no more.
 
@@ -181,6 +181,7 @@ def _checked(fn, name):
 matmul = _checked(np.matmul, "matmul")
 where = _checked(np.where, "where")
 exp = _checked(np.exp, "exp")
+tanh = _checked(np.tanh, "tanh")
 stack = _checked(np.stack, "stack")
 concatenate = _checked(np.concatenate, "concatenate")
 

@@ -1,0 +1,305 @@
+"""The GPU executor's decode path (hGPT on the device): a decoder's upper layers, its KV cache and
+every sequence's PET on one CUDA device, for runtime.gen's continuous batcher.
+
+    ex = GpuDecoderExecutor(decoder)                      # upper-layer weights + LM head on the device
+    k, v = ex.kv_arrays(positions)                        # the device KV pool (runtime.gen.kv_pool.DeviceKVPool)
+    h, orders = ex.inputs(snapshot, version, wins, lengths, starts)   # PLOT lookups -> (B, L, d) on the device
+    logits = ex.forward(h, lengths, kv_len, pages, pets, k, v)        # (B, vocab) host fp32
+
+One forward serves a prefill (a prompt per row, L = its padded length, kv_len = 0) and a decode
+step (L = 1, kv_len = what each sequence's pages hold) alike: each row's new keys and values are
+written at its next pages, then every row attends over its pages (causal inside the new
+positions). Nothing runs the lower layers.
+
+What it reuses of runtime.exec.gpu.GpuExecutor, unchanged: the batch plan (rows of one tenant
+contiguous, one segment each), the device PET cache and layer-wise prefetch on the pets
+stream, the edit operators (BGMV when every LoRA tenant of the step has one row, SGMV when
+rows share one; BitFit bias gather; sparse diff add; the segmented adapter) and the PET lanes.
+What is the decoder's own: pre-norm layers (LayerNorm through the fused kernel with a zero
+residual, or RMSNorm), optional biases, rotary positions, gated FFNs, the tanh / ReLU / SiLU
+activations, causal aggregation (the aggregate kernel with only each window's last slot
+counted: runtime.plot.causal's rule), the position table gathered per row from a device copy,
+and the LM head (one GEMM, fp32 logits back to the host for sampling).
+
+The caller passes rows in the plan's order (runtime.gen.device_decode sorts its sequences by
+``plan(pets).perm``) so that no permutation runs on the device.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from runtime.exec.gpu import _F32_MIN, GpuExecutor
+from runtime.exec.plan import ServingPet, prepare_pet
+
+BASE = ServingPet(key="<base model>", meta={"task": "lm"}, parts={}, head_weight=None, head_bias=None)
+
+
+class GpuDecoderExecutor(GpuExecutor):
+    def __init__(self, decoder, *, dtype: str = "fp32", pet_cache_bytes: int = 512 << 20, prefetch: bool = True,
+                 lora_kernel: str = "auto", device_id: int | None = None, lanes: int = 1, _cupy=None, _ops=None):
+        self.decoder = decoder
+        super().__init__(decoder, dtype=dtype, pet_cache_bytes=pet_cache_bytes, prefetch=prefetch, hot_tier_rows=0,
+                         max_batch=1, max_len=1, lora_kernel=lora_kernel, device_id=device_id, lanes=lanes,
+                         _cupy=_cupy, _ops=_ops)
+        self._pets: dict[int, tuple] = {}  # id(Pet) -> (Pet, ServingPet): the Pet held so its id stays its own
+        self._tables: dict = {}  # (version, manifest generation) -> device position table or None
+        self.forward_seconds = 0.0
+
+    # -- weights -----------------------------------------------------------------------------
+
+    def _upload_weights(self) -> dict:
+        """Upper layers' W^T (d_in, d_out), biases (None where the model has none), norms; and
+        under key "final" the final norm and the LM head's W^T (d, vocab)."""
+        cp, dec, out = self.cp, self.encoder, {}
+
+        def dev(t):
+            return None if t is None else cp.asarray(t.detach().numpy().astype(self.dtype))
+
+        def norm(m, w, name):
+            w[name + ".g"], w[name + ".b"], w[name + ".eps"] = dev(m.weight), dev(getattr(m, "bias", None)), float(m.eps)
+
+        for i in self.layers:
+            blk, w = dec.layers[i], {}
+            for t in ("q", "k", "v", "o", "ffn_in", "ffn_out", "ffn_gate"):
+                lin = getattr(blk, t, None)
+                if lin is not None:
+                    w[t] = cp.ascontiguousarray(dev(lin.weight.T))
+                    w[t + ".b"] = dev(lin.bias)
+            norm(blk.ln_attn, w, "ln_attn")
+            norm(blk.ln_ffn, w, "ln_ffn")
+            out[i] = w
+        head = dec.word.weight if dec.config.tied else dec.lm_head
+        final = {"head": cp.ascontiguousarray(dev(head.T))}
+        norm(dec.ln_final, final, "ln_final")
+        out["final"] = final
+        return out
+
+    def _alloc_buffers(self, tokens: int):
+        self.staged = []  # the decode path stages its own inputs (see inputs)
+
+    def kv_arrays(self, positions: int):
+        """Zeroed device keys and values (upper layers, positions, kv_heads, head_dim) of a KV pool."""
+        c, cp = self.config, self.cp
+        shape = (len(self.layers), int(positions), c.kv_heads, c.head_dim)
+        with self._device():
+            return cp.zeros(shape, dtype=self.dtype), cp.zeros(shape, dtype=self.dtype)
+
+    def serving_pet(self, pet) -> ServingPet:
+        """The executor form of a runtime.model.pet.Pet (None: the base model), made once per Pet."""
+        if pet is None:
+            return BASE
+        entry = self._pets.get(id(pet))
+        if entry is None:
+            entry = self._pets[id(pet)] = (pet, prepare_pet(self.encoder, pet, key=id(pet), token=id(pet)))
+        return entry[1]
+
+    # -- inputs: lookups and causal aggregation -------------------------------------------------
+
+    def inputs(self, snapshot, version, wins: np.ndarray, lengths: np.ndarray, starts: np.ndarray):
+        """Upper-layer inputs (B, L, d) fp32 on the device of B rows of lengths[b] new tokens
+        whose windows wins (sum(lengths), n) are row-major, the first at position starts[b]:
+        one host lookup, the values uploaded in the store's dtype, each token's own window's
+        last slot (the aggregate kernel, causal, every other slot masked out), plus the
+        version's position table. Returns (inputs, served order of every window)."""
+        cp = self.cp
+        lengths = np.asarray(lengths, dtype=np.int64)
+        B, L = len(lengths), int(lengths.max())
+        n = wins.shape[1]
+        result = snapshot.lookup(version, wins)
+        values = np.ascontiguousarray(result.values)
+        stream, keep = self.input_stream, []
+        with self._device(), stream:
+            rows = (np.repeat(np.arange(B, dtype=np.int64) * L, lengths)
+                    + np.arange(len(wins), dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths))
+            padded = cp.zeros((B * L, n, values.shape[-1]), dtype=values.dtype)
+            padded[self.upload(rows, stream, keep)] = self.upload(values, stream, keep)
+            last = np.zeros((B * L, n), dtype=bool)
+            last[:, n - 1] = True
+            h = self.ops.aggregate(padded, lengths.astype(np.int32), "causal",
+                                   slot_mask=self.upload(last, stream, keep))
+            table = self._position_table(snapshot, version, stream, keep)
+            if table is not None:
+                at = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(L)[None, :]
+                real = (np.arange(L)[None, :] < lengths[:, None]) & (at < table.shape[0])
+                h += table[self.upload(np.where(real, at, 0), stream, keep)] * \
+                    self.upload(real.astype(np.float32)[..., None], stream, keep)
+            done = cp.cuda.Event()
+            done.record(stream)
+        self.compute_stream.wait_event(done)
+        self._keep_inputs = keep  # until the compute stream has used them (the next forward syncs)
+        return h, np.asarray(result.order)
+
+    def _position_table(self, snapshot, version, stream, keep):
+        key = (version, snapshot.manifest.get("generation"))
+        if key not in self._tables:
+            table = snapshot.position(version)
+            self._tables = {key: None if table is None else self.upload(np.asarray(table, np.float32), stream, keep)}
+        return self._tables[key]
+
+    # -- the upper layers ------------------------------------------------------------------------
+
+    def forward(self, h, lengths, kv_len, pages, pets, k_pool, v_pool) -> np.ndarray:
+        """Next-token logits (B, vocab) fp32 (host) after each row's last new token. h (B, L, d)
+        device inputs; lengths (B,) new tokens per row; kv_len (B,) positions each row's pages
+        already hold; pages (B, S) page indices (S >= max(kv_len + lengths); unused entries may
+        repeat any page); pets: ServingPets in plan order (rows of one tenant contiguous).
+        Writes each row's new keys and values into k_pool / v_pool at its pages."""
+        cp = self.cp
+        t0 = time.perf_counter()
+        B, L, d = h.shape
+        plan = self.plan(pets)
+        if not (plan.perm == np.arange(B)).all():
+            raise ValueError("rows must come in plan order (one tenant's rows contiguous, first-seen order)")
+        lengths, kv_len = np.asarray(lengths, dtype=np.int64), np.asarray(kv_len, dtype=np.int64)
+        keep = [self.__dict__.pop("_keep_inputs", None)]
+        stream = self.compute_stream
+        with self._device(), stream:
+            self.pet_cache.new_batch()
+            x = h.reshape(B * L, d).astype(self.dtype)
+            attend = self._attention(B, L, lengths, kv_len, np.asarray(pages, dtype=np.int64), k_pool, v_pool, keep)
+            rotary = self._rotary(B, L, kv_len, keep) if self.config.rotary else None
+            pending = self._issue(plan, self.layers[0], L, keep)
+            for idx, i in enumerate(self.layers):
+                groups, event = pending
+                if idx + 1 < len(self.layers):
+                    pending = self._issue(plan, self.layers[idx + 1], L, keep)
+                if event is not None:
+                    stream.wait_event(event)
+                x = self._decoder_layer(i, x, B, L, groups, attend, rotary, keep)
+            last = self.upload(np.arange(B, dtype=np.int64) * L + lengths - 1, stream, keep)
+            final = self.weights["final"]
+            y = self._plain_norm(final, "ln_final", x[last])
+            logits = cp.matmul(y, final["head"]).astype(np.float32)
+            host = cp.asnumpy(logits)
+            stream.synchronize()
+        keep.clear()
+        self.forward_seconds += time.perf_counter() - t0
+        return host
+
+    def _attention(self, B, L, lengths, kv_len, pages, k_pool, v_pool, keep):
+        """attend(layer, q (B, L, H, hd), k, v (B, L, KV, hd)) -> ctx (B * L, H * hd): writes the
+        real new positions' keys and values at their pages, gathers every row's pages and
+        attends causally (query t of row b sees keys j <= kv_len[b] + t)."""
+        cp, c = self.cp, self.config
+        H, KV, hd = c.heads, c.kv_heads, c.head_dim
+        S = pages.shape[1]
+        real = np.arange(L)[None, :] < lengths[:, None]
+        at = kv_len[:, None] + np.arange(L)[None, :]
+        new_pages = self.upload(pages[np.arange(B)[:, None], np.minimum(at, S - 1)][real], self.compute_stream, keep)
+        new_rows = self.upload(np.flatnonzero(real.reshape(-1)), self.compute_stream, keep)
+        flat = self.upload(pages.reshape(-1), self.compute_stream, keep)
+        allowed = (np.arange(S)[None, None, :] <= at[:, :, None]) & \
+            (np.arange(S)[None, None, :] < (kv_len + lengths)[:, None, None])
+        allowed = self.upload(allowed[:, None, None], self.compute_stream, keep)  # (B, 1, 1, L, S)
+        scale = np.float32(1.0 / math.sqrt(hd))
+
+        def attend(i, q, k, v):
+            li = i - self.layers[0]
+            kp, vp = k_pool[li], v_pool[li]
+            kp[new_pages] = k.reshape(B * L, KV, hd)[new_rows]
+            vp[new_pages] = v.reshape(B * L, KV, hd)[new_rows]
+            keys = kp[flat].reshape(B, S, KV, hd).transpose(0, 2, 3, 1)[:, :, None]  # (B, KV, 1, hd, S)
+            values = vp[flat].reshape(B, S, KV, hd).transpose(0, 2, 1, 3)[:, :, None]  # (B, KV, 1, S, hd)
+            qg = q.reshape(B, L, KV, H // KV, hd).transpose(0, 2, 3, 1, 4)  # head h reads K/V head h // (H / KV)
+            scores = cp.matmul(qg, keys).astype(np.float32) * scale  # (B, KV, g, L, S)
+            scores = cp.where(allowed, scores, np.float32(_F32_MIN))
+            scores -= scores.max(axis=-1, keepdims=True)
+            probs = cp.exp(scores)
+            probs /= probs.sum(axis=-1, keepdims=True)
+            ctx = cp.matmul(probs.astype(self.dtype), values)  # (B, KV, g, L, hd)
+            return cp.ascontiguousarray(ctx.transpose(0, 3, 1, 2, 4)).reshape(B * L, H * hd)
+
+        return attend
+
+    def _rotary(self, B, L, kv_len, keep):
+        """(cos, sin) (B, L, 1, hd) of each new position kv_len[b] + t (half-split pairs)."""
+        c = self.config
+        hd = c.head_dim
+        inv_freq = 1.0 / (c.rope_theta ** (np.arange(0, hd, 2, dtype=np.int64).astype(np.float32) / hd))
+        angles = (kv_len[:, None] + np.arange(L)[None, :]).astype(np.float32)[..., None] * inv_freq
+        angles = np.concatenate([angles, angles], -1)[:, :, None, :]
+        return (self.upload(np.cos(angles).astype(self.dtype), self.compute_stream, keep),
+                self.upload(np.sin(angles).astype(self.dtype), self.compute_stream, keep))
+
+    def _rotate(self, x, rotary):
+        cos, sin = rotary
+        half = x.shape[-1] // 2
+        return x * cos + self.cp.concatenate([-x[..., half:], x[..., :half]], axis=-1) * sin
+
+    def _decoder_layer(self, i, h, B, L, groups, attend, rotary, keep):
+        """One pre-norm decoder layer on rows h (B * L, d) (runtime.model.decoder.Decoder.layer)."""
+        c, w = self.config, self.weights[i]
+        H, KV, hd = c.heads, c.kv_heads, c.head_dim
+        x = self._pre_norm(w, "ln_attn", h, groups, L, keep)
+        q, k, v = self._proj(w, ("q", "k", "v"), x, groups)
+        q, k, v = q.reshape(B, L, H, hd), k.reshape(B, L, KV, hd), v.reshape(B, L, KV, hd)
+        if rotary is not None:
+            q, k = self._rotate(q, rotary), self._rotate(k, rotary)
+        a, = self._proj(w, ("o",), attend(i, q, k, v), groups)
+        h = h + a
+        x = self._pre_norm(w, "ln_ffn", h, groups, L, keep)
+        if c.gated:  # the gate is the base model's (decoder PETs do not edit it)
+            gate = self.cp.matmul(x, w["ffn_gate"])
+            if w["ffn_gate.b"] is not None:
+                gate += w["ffn_gate.b"]
+            f = self._act(gate) * self._proj(w, ("ffn_in",), x, groups)[0]
+        else:
+            f = self._act(self._proj(w, ("ffn_in",), x, groups)[0])
+        out, = self._proj(w, ("ffn_out",), f, groups)
+        return h + out
+
+    def _act(self, y):
+        cp, act = self.cp, self.config.act
+        if act == "gelu_tanh":
+            return 0.5 * y * (1.0 + cp.tanh(math.sqrt(2.0 / math.pi) * (y + 0.044715 * y * y * y)))  # Python floats keep the dtype
+        if act == "gelu":  # the erf GELU of the fused kernel, with a zero bias
+            return self.ops.bias_gelu(y, cp.zeros(y.shape[-1], dtype=y.dtype))
+        if act == "relu":
+            return y * (y > 0)
+        return y / (1.0 + cp.exp(-y))  # silu
+
+    def _proj(self, w, targets, x, groups, gelu=False) -> list:
+        """As GpuExecutor._proj, for projections that may have no bias (Llama)."""
+        cp = self.cp
+        ys = {t: cp.matmul(x, w[t]) for t in targets}
+        self._run_edits(ys, x, groups)
+        out = []
+        for target, y in ys.items():
+            if w[target + ".b"] is not None:
+                y += w[target + ".b"]
+            if ("adapter", target) in groups:  # on the biased output, as runtime.model.pet.linear
+                _, aw = groups[("adapter", target)]
+                self.ops.segmented_adapter(y, aw["down"], aw["down_bias"], aw["up"], aw["up_bias"], aw["seg_starts"],
+                                           aw["seg_ids"], out=y)
+            out.append(y)
+        return out
+
+    def _plain_norm(self, w, name, x):
+        g, b, eps = w[name + ".g"], w[name + ".b"], w[name + ".eps"]
+        if b is None:
+            return self._rms(x, g, eps)
+        return self.ops.residual_layernorm(x, self.cp.zeros_like(x), g, b, eps)
+
+    def _rms(self, x, gain, eps):
+        x32 = x.astype(np.float32)
+        scale = 1.0 / ((x32 * x32).mean(axis=-1, keepdims=True) + np.float32(eps)) ** 0.5
+        return (gain.astype(np.float32) * (x32 * scale)).astype(self.dtype)
+
+    def _pre_norm(self, w, name, h, groups, L, keep):
+        """Norm `name` of rows h, with the gain (and shift) deltas of the tenants that have them."""
+        if ("norm", name) not in groups:
+            return self._plain_norm(w, name, h)
+        group, nw = groups[("norm", name)]
+        g, b, eps = w[name + ".g"], w[name + ".b"], w[name + ".eps"]
+        if b is not None:
+            return self.ops.segmented_layernorm(h, self.cp.zeros_like(h), g, b, nw["weight"], nw["bias"],
+                                                nw["seg_starts"], nw["seg_ids"], eps)
+        # RMSNorm: each row's gain plus its tenant's delta (rows of tenants without one: + 0)
+        deltas = self.cp.concatenate([nw["weight"], self.cp.zeros((1, g.shape[0]), dtype=g.dtype)])
+        which = np.repeat(group.request_ids, L)  # (rows,) stacked index, -1: none
+        index = np.where(which < 0, deltas.shape[0] - 1, which)
+        return self._rms(h, g + deltas[self.upload(index, self.compute_stream, keep)], eps)
