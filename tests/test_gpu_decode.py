@@ -33,7 +33,7 @@ def _emu_missing():
     return compiler_missing_reason()
 
 
-pytestmark = pytest.mark.skipif(_emu_missing() is not None, reason=f"CUDA emulation unavailable: {_emu_missing()}")
+emulated = pytest.mark.skipif(_emu_missing() is not None, reason=f"CUDA emulation unavailable: {_emu_missing()}")
 
 
 def _hf_model(arch: str, vocab: int):
@@ -104,12 +104,10 @@ def _close(got, want, tol):
     return err <= tol * max(1.0, want.abs().max().item())
 
 
-@pytest.mark.parametrize("dtype,tol", [("fp32", 1e-4), ("fp16", 3e-2)])
-def test_mixed_tenant_steps_match_the_cpu_path(setup, standin, dtype, tol):
-    """Teacher-forced: the same prompts and tokens through both paths; every sequence's logits
-    after its prefill and after each decode step agree (each with its own PET, several kinds
-    and a base-model row in one step, one LoRA shared by two rows)."""
-    dec, snap = setup
+def _teacher_forced(gen, dec, snap, tol):
+    """The same prompts and tokens through gen and the CPU path; every sequence's logits after
+    its prefill and after each decode step agree (each with its own PET, several kinds and a
+    base-model row in one step, one LoRA shared by two rows)."""
     zoo = _zoo(dec)
     prompts = dec.tokenize(["the cat sat", "a dog ran in the park", "storage engines keep", "the", "vectors ,"])
     pets = [zoo["lora"], None, zoo["adapter"], zoo["lora"], zoo["bitfit"]]
@@ -117,7 +115,6 @@ def test_mixed_tenant_steps_match_the_cpu_path(setup, standin, dtype, tol):
     pets.append(zoo["diff"])
     cpu = PlotDecoder(snap, "root", dec)
     ref = [cpu.prefill(p, pet) for p, pet in zip(prompts, pets)]
-    gen = _device_gen(dec, snap, standin, dtype=dtype)
     pool = gen.new_pool(256)
     seqs = gen.prefill_many(prompts, pets, [pool.alloc(len(p) + 6) for p in prompts], pool)
     rng = np.random.default_rng(0)
@@ -132,6 +129,29 @@ def test_mixed_tenant_steps_match_the_cpu_path(setup, standin, dtype, tol):
     assert any(o < 3 for s in seqs for o in s.orders)  # backoff was exercised
 
 
+@emulated
+@pytest.mark.parametrize("dtype,tol", [("fp32", 1e-4), ("fp16", 3e-2)])
+def test_mixed_tenant_steps_match_the_cpu_path(setup, standin, dtype, tol):
+    dec, snap = setup
+    _teacher_forced(_device_gen(dec, snap, standin, dtype=dtype), dec, snap, tol)
+
+
+def _gpu_available():
+    from runtime.exec.gpu import cuda_available
+
+    return cuda_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_available(), reason="needs CuPy and a CUDA GPU")
+@pytest.mark.parametrize("dtype,tol", [("fp32", 1e-4), ("fp16", 3e-2)])
+def test_real_gpu_matches_the_cpu_path(setup, dtype, tol):
+    """The same check on a real device (CuPy, cuBLAS, the kernels compiled by NVRTC)."""
+    dec, snap = setup
+    _teacher_forced(DevicePlotDecoder(snap, "root", dec, dtype=dtype), dec, snap, tol)
+
+
+@emulated
 @pytest.mark.parametrize("lora_kernel", ["bgmv", "sgmv"])
 def test_lora_kernels_agree(setup, standin, lora_kernel):
     """Every row its own LoRA (BGMV) or rows sharing one (SGMV): the same logits either way."""
@@ -153,6 +173,7 @@ def test_lora_kernels_agree(setup, standin, lora_kernel):
         assert _close(s.logits, r.logits, 1e-4)
 
 
+@emulated
 def test_batcher_on_the_device_generates_what_the_cpu_path_does(setup, standin):
     """Continuous batching unchanged over the device path: sequences join as others leave
     (max_running 2), sampling with seeds, stop at max_tokens; the same tokens and text."""
@@ -177,6 +198,7 @@ def test_batcher_on_the_device_generates_what_the_cpu_path_does(setup, standin):
         assert np.allclose(got["logprobs"], want["logprobs"], atol=1e-4)
 
 
+@emulated
 def test_device_decoder_runtime_serves_generate(setup, standin, tmp_path):
     """DecoderRuntime(device="cuda") with an executor handed in: generate through the device
     path equals the CPU runtime's greedy output."""
