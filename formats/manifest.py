@@ -146,3 +146,9 @@ def load(directory, allow_rollback=False):
             raise CorruptError(f"{name}: holds generation {manifest.get('generation')}, not its own")
         return manifest
     raise CorruptError(f"{directory}: CURRENT keeps changing; is a writer committing in a loop?")
+
+
+def value_slots(meta) -> int:
+    """Vectors a store keeps per key: meta "value_slots" (1: the key's last slot only, what a
+    decoder store serves), or all n where it is absent (FORMAT.md section 2)."""
+    return int(meta.get("value_slots", meta["n"]))

@@ -19,7 +19,8 @@ from formats.errors import CorruptError, FormatError
 from formats.xxh64 import checksum, hash_keys, xxh64_rows
 
 MAGIC = b"HKSEG\x00\x00\x01"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # values hold all n slots of a key
+FORMAT_LAST_SLOT = 2  # values hold only each key's last slot (decoder stores: FORMAT.md section 3)
 HEADER_SIZE = 256
 ALIGN = 64
 DTYPES = {"fp16": 1, "int8": 2}
@@ -28,6 +29,8 @@ TOMBSTONE = 1
 
 _HEAD = struct.Struct("<8sIIIIQQQ")  # magic, format, n, d, dtype, count, capacity, max_probe
 _SECTION = struct.Struct("<QQQ")  # offset, length, xxh64
+_SLOTS = struct.Struct("<I")  # format 2: value slots per entry (1), right after the section table
+_SLOTS_AT = _HEAD.size + 6 * _SECTION.size
 
 
 def _capacity(count):
@@ -90,16 +93,18 @@ def _row_sums(key_hashes, values, scales):
 def write_segment(path, keys, values, *, tombstone=None, dtype="fp16"):
     """Write a segment to `path` atomically (temp file, fsync, rename, fsync directory).
 
-    keys: (count, n) ids, unique; values: (count, n, d); tombstone: optional (count,) bools.
+    keys: (count, n) ids, unique; values: (count, n, d), or (count, 1, d) for a segment that
+    keeps only each key's last slot (format 2); tombstone: optional (count,) bools.
     """
     if dtype not in DTYPES:
         raise FormatError(f"unknown value dtype {dtype!r} (expected fp16 or int8)")
     keys = np.ascontiguousarray(keys, dtype="<u4")
     values = np.asarray(values)
-    if keys.ndim != 2 or values.ndim != 3 or values.shape[:2] != keys.shape:
-        raise FormatError(f"keys {keys.shape} and values {values.shape} do not match (count, n) and (count, n, d)")
+    if keys.ndim != 2 or values.ndim != 3 or values.shape[0] != keys.shape[0] or values.shape[1] not in (
+            keys.shape[1], 1):
+        raise FormatError(f"keys {keys.shape} and values {values.shape} do not match (count, n) and (count, n or 1, d)")
     count, n = keys.shape
-    d = values.shape[2]
+    slots, d = values.shape[1], values.shape[2]
     if count and len(np.unique(keys.view(np.dtype((np.void, 4 * n))).ravel())) != count:
         raise FormatError("a segment's keys must be unique")
     flags = np.zeros(count, dtype=np.uint8)
@@ -123,9 +128,12 @@ def write_segment(path, keys, values, *, tombstone=None, dtype="fp16"):
         table.append((offset, len(raw), checksum(raw), raw))
         offset += -(-len(raw) // ALIGN) * ALIGN
     header = bytearray(HEADER_SIZE)
-    _HEAD.pack_into(header, 0, MAGIC, FORMAT_VERSION, n, d, DTYPES[dtype], count, capacity, max_probe)
+    fmt = FORMAT_VERSION if slots == n else FORMAT_LAST_SLOT  # n == 1 is not a store's (n >= 2)
+    _HEAD.pack_into(header, 0, MAGIC, fmt, n, d, DTYPES[dtype], count, capacity, max_probe)
     for i, (off, length, digest, _) in enumerate(table):
         _SECTION.pack_into(header, _HEAD.size + i * _SECTION.size, off, length, digest)
+    if fmt == FORMAT_LAST_SLOT:
+        _SLOTS.pack_into(header, _SLOTS_AT, slots)
     struct.pack_into("<Q", header, HEADER_SIZE - 8, checksum(bytes(header[:HEADER_SIZE - 8])))
     tmp = f"{path}.tmp"
     with open(tmp, "wb") as f:
@@ -158,8 +166,13 @@ class Segment:
             raise CorruptError(f"segment {name}: not an hkstore segment (bad magic)")
         if struct.unpack_from("<Q", header, HEADER_SIZE - 8)[0] != checksum(header[:HEADER_SIZE - 8]):
             raise CorruptError(f"segment {name}: header checksum mismatch")
-        if fmt != FORMAT_VERSION:
-            raise FormatError(f"segment {name}: format version {fmt} is not supported (this reader knows {FORMAT_VERSION})")
+        if fmt not in (FORMAT_VERSION, FORMAT_LAST_SLOT):
+            raise FormatError(f"segment {name}: format version {fmt} is not supported (this reader knows "
+                              f"{FORMAT_VERSION} and {FORMAT_LAST_SLOT})")
+        # slots: vectors kept per entry, the key's last ones (n, or 1 in format 2)
+        self.slots = self.n if fmt == FORMAT_VERSION else _SLOTS.unpack_from(header, _SLOTS_AT)[0]
+        if fmt == FORMAT_LAST_SLOT and self.slots != 1:
+            raise CorruptError(f"segment {name}: format 2 keeps 1 slot per entry, the header says {self.slots}")
         self.dtype = {v: k for k, v in DTYPES.items()}.get(dtype)
         if self.dtype is None:
             raise FormatError(f"segment {name}: unknown value dtype code {dtype}")
@@ -171,13 +184,13 @@ class Segment:
             raise CorruptError(f"segment {name}: truncated ({size} bytes, sections need {end})")
         if size > end:
             raise CorruptError(f"segment {name}: {size - end} unexpected bytes after the last section")
-        n, d, count = self.n, self.d, self.count
+        n, d, count, slots = self.n, self.d, self.count, self.slots
         self.index = self._array("index", "<u4", (self.capacity,))
         self.keys = self._array("keys", "<u4", (count, n))
         self.flags = self._array("flags", "u1", (count,))
         self.rowsums = self._array("rowsums", "<u8", (count,))
-        self.values = self._array("values", "<f2" if self.dtype == "fp16" else "i1", (count, n, d))
-        self.scales = self._array("scales", "<f4", (count, n)) if self.dtype == "int8" else None
+        self.values = self._array("values", "<f2" if self.dtype == "fp16" else "i1", (count, slots, d))
+        self.scales = self._array("scales", "<f4", (count, slots)) if self.dtype == "int8" else None
         self._checked = False
         self._row_ok = None
         self._lock = threading.Lock()
@@ -276,22 +289,23 @@ class Segment:
         return (self.flags[entries] & TOMBSTONE) != 0
 
     def read_values(self, entries, key_hashes, out=None, out_rows=None):
-        """Value rows of the given entries (m, n, d), each checked on first return: float16
+        """Value rows of the given entries (m, slots, d), each checked on first return: float16
         for fp16 segments, float32 (dequantized) for int8 ones, whose float16 conversion
-        would cost more than the gather. With `out` ((M, n, d) of that dtype) the rows go to
-        out[out_rows] (out_rows None: out is (m, n, d) and takes them all) and out is returned."""
+        would cost more than the gather. With `out` ((M, slots, d) of that dtype) the rows go to
+        out[out_rows] (out_rows None: out is (m, slots, d) and takes them all) and out is returned."""
         ext = accel.ext
         if ext is not None:
             self._check_once()
             entries = np.ascontiguousarray(entries, dtype=np.int64)
             key_hashes = np.ascontiguousarray(key_hashes, dtype=np.uint64)
             if out is None:
-                out = np.empty((len(entries), self.n, self.d), dtype=np.float16 if self.scales is None else np.float32)
+                out = np.empty((len(entries), self.slots, self.d),
+                               dtype=np.float16 if self.scales is None else np.float32)
             if out_rows is not None:
                 out_rows = np.ascontiguousarray(out_rows, dtype=np.int64)
             # One pass: first-return rows are checked against their rowsums, then copied
             # (int8: dequantized); rows are prefetched ahead.
-            bad = ext.gather(self.values, self.count, self.n, entries, out, out_rows, self.scales, self.rowsums,
+            bad = ext.gather(self.values, self.count, self.slots, entries, out, out_rows, self.scales, self.rowsums,
                              self._row_ok, key_hashes)
             if bad >= 0:
                 raise CorruptError(f"segment {self.name}: value row {entries[bad]} fails its checksum")
@@ -319,7 +333,7 @@ class Segment:
         ext = accel.ext
         if ext is not None:
             entries = np.ascontiguousarray(entries, dtype=np.int64)
-            bad = ext.gather(self.values, self.count, self.n, entries, None, None, self.scales, self.rowsums,
+            bad = ext.gather(self.values, self.count, self.slots, entries, None, None, self.scales, self.rowsums,
                              self._row_ok, np.ascontiguousarray(key_hashes, dtype=np.uint64))
             if bad >= 0:
                 raise CorruptError(f"segment {self.name}: value row {entries[bad]} fails its checksum")
@@ -330,7 +344,7 @@ class Segment:
         # The C hash over each row's bytes beats the vectorized one here: rows are long.
         values = memoryview(self._mm)[self.sections["values"][0]:][:self.sections["values"][1]]
         scales = self.scales is not None and memoryview(self._mm)[self.sections["scales"][0]:][:self.sections["scales"][1]]
-        vbytes, sbytes = self.n * self.d * self.values.itemsize, self.n * 4
+        vbytes, sbytes = self.slots * self.d * self.values.itemsize, self.slots * 4
         for e, h in zip(entries[fresh].tolist(), key_hashes[fresh].tolist()):
             digest = xxhash.xxh64_intdigest(values[e * vbytes:(e + 1) * vbytes], h)
             if scales:

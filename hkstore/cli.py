@@ -266,7 +266,7 @@ def lookup(store, version, text, ids, as_json):
     if not ids:
         raise click.ClickException("nothing to look up: empty input")
     w, res = lookup_windows(store, version, ids)
-    c = left(meta["n"], meta["window"])
+    c = left(meta["n"], meta["window"]) - (meta["n"] - res.values.shape[1])  # the centre's stored slot
     rows = [{"position": i, "token": tokens[i], "window": w[i].tolist(),
              "version": res.version_names[res.version[i]] if res.order[i] else None,
              "order": int(res.order[i]), "norm": float(np.linalg.norm(res.values[i, c].astype(np.float32)))}

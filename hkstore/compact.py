@@ -40,9 +40,9 @@ def own_entries(snapshot, version):
 
 
 def read_entries(segments, keys, seg, ent):
-    """Values of the given entries as float32 (m, n, d)."""
-    d = segments[0].d if segments else 0
-    values = np.zeros((len(keys), keys.shape[1], d), dtype=np.float32)
+    """Values of the given entries as float32 (m, slots, d)."""
+    d, slots = (segments[0].d, segments[0].slots) if segments else (0, keys.shape[1])
+    values = np.zeros((len(keys), slots, d), dtype=np.float32)
     hashes = hash_keys(keys)
     for s in np.unique(seg):
         rows = np.flatnonzero(seg == s)

@@ -15,12 +15,14 @@ import numpy as np
 from formats import accel
 from formats.backoff import backoff, key_order, left, ranked_slots
 from formats.errors import CorruptError
+from formats.manifest import value_slots
 from formats.xxh64 import hash_keys
 
 
 @dataclass
 class LookupResult:
-    values: np.ndarray  # (m, n, d): float16 (fp16 store) or float32 (int8 store); zeros where order == 0
+    values: np.ndarray  # (m, slots, d): float16 (fp16 store) or float32 (int8 store); zeros where order == 0
+    # (slots: formats.manifest.value_slots, n or 1 = each key's last slot: a decoder store)
     version: np.ndarray  # (m,) int16: index of the served version in snapshot.version_names, -1 on a miss
     order: np.ndarray  # (m,) int8: order of the served key, 0 on a miss
     version_names: list
@@ -142,7 +144,7 @@ def _lookup_c(ext, snapshot, version, windows):
         # The common case: one segment serves every window; gather straight into the result.
         values = search[used[0]].read_values(served_entry, served_hash)
     else:
-        values = np.empty((m, n, d), dtype=np.float16 if meta["dtype"] == "fp16" else np.float32)
+        values = np.empty((m, value_slots(meta), d), dtype=np.float16 if meta["dtype"] == "fp16" else np.float32)
         if misses:
             values[order_out == 0] = 0
         for s in used:
@@ -191,7 +193,7 @@ def _lookup_numpy(snapshot, version, windows):
         values = flat[used[0]].read_values(served_entry, served_hash)
     else:
         dtype = np.float16 if meta["dtype"] == "fp16" else np.float32
-        values = np.zeros((m, n, d), dtype=dtype)
+        values = np.zeros((m, value_slots(meta), d), dtype=dtype)
         for s in used:
             rows = np.flatnonzero(served_seg == s)
             values[rows] = flat[s].read_values(served_entry[rows], served_hash[rows])

@@ -57,7 +57,7 @@ def verify(path):
             try:
                 seg = Segment(os.path.join(path, "segments", name))
                 seg.verify()
-                if (seg.n, seg.d) != (meta["n"], meta["d"]):
+                if (seg.n, seg.slots, seg.d) != (meta["n"], mf.value_slots(meta), meta["d"]):
                     raise CorruptError(f"segment {name}: shape does not match the store")
                 for start in range(0, seg.count, 1 << 16):
                     seg.check_rows(np.arange(start, min(start + (1 << 16), seg.count)))

@@ -232,8 +232,10 @@ class Store:
             segments = {}
             for name in names:
                 segments[name] = self._segments.get(name) or Segment(os.path.join(self.path, "segments", name))
-                if (segments[name].n, segments[name].d) != (manifest["meta"]["n"], manifest["meta"]["d"]):
-                    raise CorruptError(f"segment {name}: shape (n={segments[name].n}, d={segments[name].d}) does not match the store")
+                seg, meta = segments[name], manifest["meta"]
+                if (seg.n, seg.slots, seg.d) != (meta["n"], mf.value_slots(meta), meta["d"]):
+                    raise CorruptError(f"segment {name}: shape (n={seg.n}, slots={seg.slots}, d={seg.d}) does not "
+                                       "match the store")
             positions = {}
             for v in manifest["versions"]:
                 entry = v.get("position")
@@ -307,21 +309,28 @@ class Store:
         self._commit(lambda m: self._version(m, version).__setitem__("sealed", True))
 
     def _check_keys_values(self, keys, values):
+        """Check keys (count, n) and values (count, n, d); returns the values as the store keeps
+        them: a store with value_slots 1 keeps each key's last slot (also taken as (count, 1, d))."""
         meta = self.meta
         keys = np.asarray(keys)
         if keys.ndim != 2 or keys.shape[1] != meta["n"]:
             raise StoreError(f"keys must have shape (count, {meta['n']}), got {keys.shape}")
-        if values is not None:
-            values = np.asarray(values)
-            if values.shape != (len(keys), meta["n"], meta["d"]):
-                raise StoreError(f"values must have shape ({len(keys)}, {meta['n']}, {meta['d']}), got {values.shape}")
         if len(keys) and (keys.min() < 0 or keys.max() >= 2**32):
             raise StoreError("token ids must fit in uint32")
+        if values is None:
+            return None
+        values = np.asarray(values)
+        slots = mf.value_slots(meta)
+        if values.shape == (len(keys), meta["n"], meta["d"]):
+            return values[:, meta["n"] - slots:]
+        if values.shape != (len(keys), slots, meta["d"]):
+            raise StoreError(f"values must have shape ({len(keys)}, {meta['n']}, {meta['d']}), got {values.shape}")
+        return values
 
     def add_segment(self, version, keys, values, *, tombstone=None):
         """Write one immutable segment of entries and attach it to `version` (newest)."""
         self._require_writable()
-        self._check_keys_values(keys, values)
+        values = self._check_keys_values(keys, values)
         self._snapshot.version_index(version)
 
         def change(m):
@@ -341,7 +350,7 @@ class Store:
         if self._snapshot.versions[self._snapshot.version_index(version)]["parent"] is None:
             raise StoreError("entries of the root cannot be deleted: it is what every lookup falls back to")
         keys = np.unique(keys, axis=0)
-        values = np.zeros((len(keys), self.meta["n"], self.meta["d"]), dtype=np.float16)
+        values = np.zeros((len(keys), mf.value_slots(self.meta), self.meta["d"]), dtype=np.float16)
         return self.add_segment(version, keys, values, tombstone=np.ones(len(keys), dtype=bool))
 
     def create_version(self, name, parent, info=None, keys=None, values=None):
@@ -352,7 +361,7 @@ class Store:
             raise StoreError(f"version {name!r} already exists")
         self._snapshot.version_index(parent)
         if keys is not None:
-            self._check_keys_values(keys, values)
+            values = self._check_keys_values(keys, values)
 
         def change(m):
             segments = []
@@ -541,9 +550,12 @@ def model_meta(model_dir):
 
 def create(path, *, d, vocab_size, n=3, window="centered", lower_layers=3, dtype="fp16", pad_id=0,
            base_model="unknown", tokenizer_fingerprint="", model_path=None, num_layers=None, root="root",
-           architecture="encoder"):
+           architecture="encoder", value_slots=None):
     """Create an empty store whose root version holds nothing yet; returns it open for writing.
-    architecture: "encoder" (averaged windows) or "decoder" (causal windows, hGPT)."""
+    architecture: "encoder" (averaged windows) or "decoder" (causal windows, hGPT). value_slots:
+    vectors kept per key, n (every slot; an encoder store's only choice) or 1 (the key's last
+    slot, all a decoder serves: a decoder store's default; n gives the layout of decoder stores
+    made before format 2)."""
     path = os.fspath(path)
     if dtype not in DTYPES:
         raise StoreError(f"unknown value dtype {dtype!r} (expected fp16 or int8)")
@@ -564,6 +576,11 @@ def create(path, *, d, vocab_size, n=3, window="centered", lower_layers=3, dtype
             "window": window, "lower_layers": int(lower_layers), "dtype": dtype, "pad_id": int(pad_id),
             "vocab_size": int(vocab_size), "model_path": model_path, "num_layers": num_layers,
             "architecture": architecture}
+    slots = (1 if architecture == "decoder" else n) if value_slots is None else int(value_slots)
+    if slots not in (1, n) or (slots == 1 and architecture != "decoder"):
+        raise StoreError(f"value_slots must be {n}" + (" or 1" if architecture == "decoder" else "") + f", got {slots}")
+    if slots != n:
+        meta["value_slots"] = slots
     manifest = {"format": mf.FORMAT_VERSION, "generation": 1, "next_file": 1, "meta": meta,
                 "versions": [{"name": root, "parent": None, "segments": [], "created": time.time(), "info": {}}],
                 "pets": {}, "packs": [], "pack_end": 0}

@@ -108,9 +108,9 @@ class GpuDecoderExecutor(GpuExecutor):
         cp = self.cp
         lengths = np.asarray(lengths, dtype=np.int64)
         B, L = len(lengths), int(lengths.max())
-        n = wins.shape[1]
         result = snapshot.lookup(version, wins)
         values = np.ascontiguousarray(result.values)
+        n = values.shape[1]  # the store's value slots: the key's n, or 1 (only its last slot kept)
         stream, keep = self.input_stream, []
         with self._device(), stream:
             rows = (np.repeat(np.arange(B, dtype=np.int64) * L, lengths)

@@ -65,7 +65,7 @@ def retrieve(snapshot, version, seqs, unseen: float = 0.0, rng=None) -> tuple[to
     result = snapshot.lookup(version, wins)
     B, L = len(seqs), int(lengths.max())
     real = np.arange(L)[None, :] < lengths[:, None]
-    values = np.zeros((B, L, n, d), dtype=np.float32)
+    values = np.zeros((B, L, result.values.shape[1], d), dtype=np.float32)  # a decoder store may keep 1 slot
     values[real] = result.values
     if is_decoder_store(meta):  # runtime.plot.causal: the window ending at each token, its last slot
         inputs = last_slot(torch.from_numpy(values), torch.from_numpy(lengths))
