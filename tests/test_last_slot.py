@@ -19,7 +19,8 @@ D, VOCAB, PAD = 8, 12, 0
 
 def _pair(tmp, n, dtype):
     """A last-slot decoder store and a full-layout one (value_slots n: the pre-format-2 layout)."""
-    kw = dict(d=D, vocab_size=VOCAB, n=n, window="causal", architecture="decoder", pad_id=PAD, dtype=dtype)
+    kw = {"d": D, "vocab_size": VOCAB, "n": n, "window": "causal", "architecture": "decoder", "pad_id": PAD,
+          "dtype": dtype}
     return hkstore.create(tmp / "last", **kw), hkstore.create(tmp / "full", value_slots=n, **kw)
 
 
@@ -72,7 +73,7 @@ def test_segment_format_2_on_disk(tmp_path):
     values = np.arange(2 * 1 * 4, dtype=np.float32).reshape(2, 1, 4)
     write_segment(tmp_path / "a.seg", keys, values)
     seg = Segment(tmp_path / "a.seg")
-    raw = open(tmp_path / "a.seg", "rb").read()
+    raw = (tmp_path / "a.seg").read_bytes()
     assert int.from_bytes(raw[8:12], "little") == FORMAT_LAST_SLOT
     assert (seg.n, seg.slots, seg.d) == (3, 1, 4)
     seg.verify()
@@ -80,14 +81,14 @@ def test_segment_format_2_on_disk(tmp_path):
                                   values[[1, 0]].astype(np.float16))
     # all n slots: format 1, as written before format 2 (no slot count in the header)
     write_segment(tmp_path / "b.seg", keys, np.zeros((2, 3, 4), np.float32))
-    raw1 = open(tmp_path / "b.seg", "rb").read()
+    raw1 = (tmp_path / "b.seg").read_bytes()
     assert int.from_bytes(raw1[8:12], "little") == 1 and not any(raw1[192:248])
     with pytest.raises(FormatError):  # two of three slots is no format
         write_segment(tmp_path / "c.seg", keys, np.zeros((2, 2, 4), np.float32))
     # a flipped slot count is caught by the header checksum, never read as a shape
     bad = bytearray(raw)
     bad[192] = 3
-    open(tmp_path / "d.seg", "wb").write(bad)
+    (tmp_path / "d.seg").write_bytes(bytes(bad))
     with pytest.raises(CorruptError):
         Segment(tmp_path / "d.seg")
     assert HEADER_SIZE == 256
