@@ -195,3 +195,54 @@ def test_an_app_streams_chunk_by_chunk_in_process_and_closing_cancels(env):
             await span.shutdown()
 
     asyncio.run(main())
+
+
+def test_the_engine_keeps_an_idle_batcher_until_a_commit_lands(env, tmp_path):
+    """Between requests the engine keeps its batcher (and KV pool: allocating one per request
+    cost tens of ms of time to first token) while the store's snapshot is the newest; once a
+    commit lands and the runtime refreshes, the next request gets a batcher on the new one."""
+    import shutil
+    import threading
+
+    from prometheus_client import CollectorRegistry
+
+    import hkstore
+    import runtime
+    from runtime.serve.openai_routes import GenEngine, _metrics
+
+    path = tmp_path / "s"
+    shutil.copytree(env["store"], path)
+    rt = runtime.open(str(path), device="cpu")
+    engine = GenEngine(rt, _metrics(CollectorRegistry()), queue_limit=8)
+    try:
+        def run_one():
+            done = threading.Event()
+
+            def sink(event):
+                if event["type"] == "error" or event.get("finished"):
+                    done.set()
+
+            engine.submit({"prompt": "the cat", "max_tokens": 3}, sink)
+            assert done.wait(60)
+            for _ in range(100):  # the engine retires the batcher's work right after the last event
+                with engine.cond:
+                    batchers = dict(engine.batchers)
+                if batchers and not any(b.busy for b in batchers.values()):
+                    return batchers
+                threading.Event().wait(0.01)
+            return batchers
+
+        first = run_one()
+        (version, b1), = first.items()
+        assert b1.pool is not None
+        second = run_one()
+        assert second[version] is b1  # the same batcher, its pool kept
+        with hkstore.open(str(path), writable=True) as st:
+            st.set_version_info(version, note="a commit")
+        rt.refresh()
+        third = run_one()
+        assert third[version] is not b1
+        assert third[version].gen.snapshot.manifest["generation"] > b1.gen.snapshot.manifest["generation"]
+    finally:
+        engine.stop()
+        rt.close()

@@ -170,7 +170,8 @@ class GenEngine:
                                if not c.rotary else CHAT_DEFAULT_MAX_TOKENS)
             version, prompt, params, pet = rt.parse(snap, request)
             batcher = self.batchers.get(version)
-            if batcher is None:
+            if batcher is None or (not batcher.busy and batcher.gen.snapshot.manifest.get("generation") !=
+                                   snap.manifest.get("generation")):  # idle over an older snapshot: a new one
                 batcher = self.batchers[version] = rt.batcher(snap, version)
             try:
                 rid = batcher.submit(prompt, params, pet)
@@ -203,10 +204,14 @@ class GenEngine:
                     if b is not None:
                         b.cancel(rid)
                         b.done.pop(rid, None)  # a waiting one is done at once; a running one at its next step
+            newest = self.rt.store.snapshot().manifest.get("generation")
             for version, b in list(self.batchers.items()):
                 if b.busy:
                     self._step(version, b)
-                if not b.busy:  # idle: the next request makes a batcher on the newest snapshot
+                # An idle batcher over an older snapshot goes: the next request makes one on the
+                # newest. One over the newest stays, with its KV pool (allocating and zeroing a
+                # pool per request cost tens of milliseconds of time to first token).
+                if not b.busy and b.gen.snapshot.manifest.get("generation") != newest:
                     del self.batchers[version]
             self._gauges()
         for key, h in list(self.handles.items()):
