@@ -234,9 +234,10 @@ class Runtime:
             pet = load_pet(self.encoder, record.tensors, pet_meta(meta))
         except ValueError as e:
             raise IncompatiblePet(f"tenant {tenant!r}'s PET does not fit the model: {e}") from None
-        from runtime.level.serve import current
+        from runtime.level.serve import calibration, current
 
-        pet.meta.update(version=version, tenant=tenant, levels=current(meta), created=meta.get("created"))
+        pet.meta.update(version=version, tenant=tenant, levels=current(meta), calibration=calibration(meta),
+                        created=meta.get("created"))
         return self.executor.load_pet(pet, key=tenant, token=token)
 
     def _normalize(self, requests) -> list:

@@ -5,6 +5,8 @@ batches of both levels equal one request at a time); the executor's opt-in atten
 
 from __future__ import annotations
 
+import json
+import pathlib
 import shutil
 
 import numpy as np
@@ -17,8 +19,9 @@ from test_runtime import shared_tiny_store
 import hkstore
 import runtime
 from runtime.build import manager
-from runtime.level import calibrate, dispatch, ensemble, profile
+from runtime.level import dispatch, ensemble, profile
 from runtime.level.prune import prune, word_spans
+from runtime.model import calibrate
 from runtime.model import pet as petlib
 from runtime.model.stored import base_encoder, context_encoder
 from runtime.plot.retrieve import retrieve
@@ -431,3 +434,88 @@ def test_levels_profile_command_stores_a_policy_that_serving_follows(tiny, store
                        (["adapter-cls", "--dev", str(tmp_path / "none.jsonl")], "does not exist")):
         bad = CliRunner().invoke(main, ["levels", "profile", str(store_copy), *args, "--device", "cpu"])
         assert bad.exit_code != 0 and says in bad.output and "Traceback" not in bad.output
+
+
+# -- temperatures fitted at tenant create / update (runtime.build.calibration) ------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 400), st.floats(0.01, 0.9), st.integers(0, 10))
+def test_holdout_splits_disjointly_and_refuses_too_few(n, share, seed):
+    from runtime.build.calibration import MIN_HELD, holdout
+
+    k = max(MIN_HELD, round(share * n))
+    if k >= n:
+        with pytest.raises(ValueError, match="too few"):
+            holdout(n, share, seed)
+        return
+    train, held = holdout(n, share, seed)
+    assert len(held) == k and sorted(train + held) == list(range(n))
+    assert (train, held) == holdout(n, share, seed)  # seeded
+
+
+@pytest.mark.parametrize("task,pet_type", [("classification", "adapter"), ("tagging", "lora")])
+def test_tenant_create_fits_level_temperatures_on_held_out_examples(tiny, store_copy, task, pet_type):
+    """--calibration-share holds examples out of training; both levels' temperatures minimize the
+    NLL there (no worse than T = 1), serving reads them until a profile exists, and an update
+    refits them for its own round."""
+    from click.testing import CliRunner
+
+    from hkstore.cli import main
+    from runtime.build.calibration import MIN_HELD, _samples, holdout, level_logits
+
+    root = pathlib.Path(tiny[0]).parent
+    train = root / ("cls.jsonl" if task == "classification" else "tags.conll")
+    r = CliRunner().invoke(main, ["tenant", "create", str(store_copy), "cal", "--version", "strings", "--train",
+                                  str(train), "--task", task, "--pet", pet_type, "--epochs", "1", "--max-examples",
+                                  "40", "--rank", "4", "--bottleneck", "8", "--calibration-share", "0.25", "--quiet",
+                                  "--json"])
+    assert r.exit_code == 0, r.output
+    data, _ = manager.read_task(train, task)
+    n = min(40, len(data[0]))
+    k = max(MIN_HELD, round(0.25 * n))
+    assert json.loads(r.output)["examples"] == n - k  # k held out of training
+    with hkstore.open(store_copy) as st_:
+        meta = st_.snapshot().read_pet("cal").meta
+        rec = meta["calibration"]
+        assert rec["examples"] == k and rec["share"] == 0.25 and rec["updates"] == 0
+        base = base_encoder(st_)
+        _, pet = manager.load_tenant(st_, "cal", base)
+        pick = manager._subsample(len(data[0]), 40, 0)
+        ids, targets = manager.encode_task(base, data, task, meta["labels"], 128, pick)
+        _, held = holdout(len(ids), 0.25, 0)
+        logits = level_logits(st_, base, "strings", pet, [ids[i] for i in held])
+    for level, z in zip(("1", "2"), logits):
+        zz, y = _samples(z, [targets[i] for i in held])
+        T = rec["temperature"][level]
+        assert T > 0 and calibrate.nll(zz, y, T) <= calibrate.nll(zz, y, 1.0) + 1e-9
+    with runtime.open(store_copy, device="cpu", max_len=48) as rt:
+        res = rt.infer([{"tenant": "cal", "text": tiny[1]["texts"][0]}])[0]
+        assert res.level == 1
+        if task == "classification":  # the served probabilities are level 1's at its fitted temperature
+            want = calibrate.softmax(np.asarray(res.logits), rec["temperature"]["1"])
+            np.testing.assert_allclose(res.probabilities, want, atol=1e-6)
+            assert abs(rec["temperature"]["1"] - 1.0) > 1e-3  # (so the check above could fail)
+    if task == "classification":  # profiling without --calibration keeps the fitted temperatures
+        r = CliRunner().invoke(main, ["levels", "profile", str(store_copy), "cal", "--dev", str(train), "--device",
+                                      "cpu", "--json"])
+        assert r.exit_code == 0, r.output
+        assert json.loads(r.output)["temperature"] == rec["temperature"]
+    r = CliRunner().invoke(main, ["tenant", "update", str(store_copy), "cal", "--epochs", "1", "--max-examples", "40",
+                                  "--quiet", "--json"])
+    assert r.exit_code == 0, r.output
+    with hkstore.open(store_copy) as st_:
+        after = st_.snapshot().read_pet("cal").meta
+    assert after["calibration"]["updates"] == after["train"]["updates"] == 1
+
+
+def test_a_share_too_large_for_the_data_is_one_line(tiny, store_copy):
+    from click.testing import CliRunner
+
+    from hkstore.cli import main
+
+    root = pathlib.Path(tiny[0]).parent
+    r = CliRunner().invoke(main, ["tenant", "create", str(store_copy), "cal", "--version", "root", "--train",
+                                  str(root / "cls.jsonl"), "--max-examples", "8", "--calibration-share", "0.5",
+                                  "--quiet"])
+    assert r.exit_code != 0 and "too few" in r.output and "Traceback" not in r.output

@@ -136,7 +136,7 @@ def run_task(task, args):
     import torch
 
     import runtime
-    from runtime.level import calibrate as cal
+    from runtime.model import calibrate as cal
     from runtime.level import profile
 
     kind = TASKS[task][0]

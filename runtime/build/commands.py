@@ -192,11 +192,14 @@ def tenant():
 @click.option("--unseen", type=click.FloatRange(0, 1), default=manager.UNSEEN, show_default=True,
               help="Train on inputs as the version serves text outside its corpus: each backoff step taken "
                    "with this probability.")
+@click.option("--calibration-share", type=click.FloatRange(0, 1, max_open=True), default=0.0, show_default=True,
+              help="Hold this share of the examples out of training and fit the tenant's level temperatures "
+                   "on it (Tabi Eq. 3; multi-level inference reads them). 0: no calibration.")
 @click.option("--replace", is_flag=True, help="Overwrite an existing tenant.")
 @_quiet_option
 @_json_option
 def tenant_create(store, tenant, version, train_path, task, pet_type, epochs, max_examples, lr, batch_size, max_len,
-                  bottleneck, rank, density, seed, unseen, replace, quiet, as_json):
+                  bottleneck, rank, density, seed, unseen, calibration_share, replace, quiet, as_json):
     """Fine-tune a PET for TENANT on PLOT inputs of --version and store it. On a decoder store:
     an lm PET (causal LM loss) on --train as plain text (--task and the head do not apply)."""
     if _is_decoder_store(store):
@@ -208,8 +211,8 @@ def tenant_create(store, tenant, version, train_path, task, pet_type, epochs, ma
         return
     _run(manager.tenant_create, store, tenant, version=version, train_path=train_path, task=task, pet_type=pet_type,
          epochs=epochs, max_examples=max_examples, lr=lr, batch_size=batch_size, max_len=max_len,
-         bottleneck=bottleneck, rank=rank, density=density, seed=seed, unseen=unseen, replace=replace,
-         progress=not quiet, as_json=as_json)
+         bottleneck=bottleneck, rank=rank, density=density, seed=seed, unseen=unseen,
+         calibration_share=calibration_share, replace=replace, progress=not quiet, as_json=as_json)
 
 
 @tenant.command("update")

@@ -375,12 +375,14 @@ def tenant_create(store_path, tenant, *, version, train_path, task: str = "class
                   epochs: int = 3, max_examples: int | None = None, lr: float | None = None, batch_size: int = 16,
                   max_len: int = 128, bottleneck: int = 64, rank: int = 8, density: float = 0.005,
                   norms: tuple[str, ...] | None = None, seed: int = 0, replace: bool = False,
-                  unseen: float = UNSEEN, progress: bool = True) -> dict:
+                  unseen: float = UNSEEN, calibration_share: float = 0.0, progress: bool = True) -> dict:
     """Fine-tune a PET + head on the upper layers with inputs served by PLOT `version`
     (runtime.plot.retrieve, the serving path) and store it as `tenant`'s PET. norms: the
     LayerNorms it tunes (runtime.model.pet.create_pet's default: both for an adapter).
     unseen: train on inputs as the version serves text outside its corpus (each backoff step
-    taken with this probability, runtime.plot.unseen); 0 trains on the windows as served."""
+    taken with this probability, runtime.plot.unseen); 0 trains on the windows as served.
+    calibration_share > 0: that share of the examples is held out of training and fits the
+    tenant's level temperatures (runtime.build.calibration; the meta's ``calibration``)."""
     from runtime.model import pet as petlib
 
     t0 = time.perf_counter()
@@ -394,7 +396,8 @@ def tenant_create(store_path, tenant, *, version, train_path, task: str = "class
                                              train_path=train_path, task=task, pet_type=pet_type, epochs=epochs,
                                              max_examples=max_examples, lr=lr, batch_size=batch_size, max_len=max_len,
                                              bottleneck=bottleneck, rank=rank, density=density, norms=norms, seed=seed,
-                                             replace=replace, unseen=unseen, progress=progress)
+                                             replace=replace, unseen=unseen, calibration_share=calibration_share,
+                                             progress=progress)
     with _open_writable(store_path) as store:
         _tenant_checks(store, tenant, version, replace)
         store.put_pet(record)
@@ -429,7 +432,7 @@ def tenants_create(store_path, specs, *, progress: bool = True) -> list[dict]:
 
 def _train_new(store, encoder, tenant, *, version, train_path, task="classification", pet_type="adapter", epochs=3,
                max_examples=None, lr=None, batch_size=16, max_len=128, bottleneck=64, rank=8, density=0.005,
-               norms=None, seed=0, replace=False, unseen=UNSEEN, progress=True):
+               norms=None, seed=0, replace=False, unseen=UNSEEN, calibration_share=0.0, progress=True):
     """(record, loss log, examples) of a new tenant trained on store's snapshot (not stored)."""
     from runtime.model import pet as petlib
 
@@ -440,13 +443,34 @@ def _train_new(store, encoder, tenant, *, version, train_path, task="classificat
     data, labels = read_task(train_path, task)
     pick = _subsample(len(data[0]), max_examples, seed)
     ids, targets = encode_task(encoder, data, task, labels, max_len, pick)
+    ids, targets, held = _hold_out(ids, targets, calibration_share, seed)
     pet = petlib.create_pet(encoder, pet_type, task, labels, bottleneck=bottleneck, rank=rank, density=density,
                             norms=norms, seed=seed)
     cfg = _train_cfg(pet_type, lr, epochs, batch_size, seed, progress)
     exported, log = _fit_pet(store, encoder, pet, version, ids, targets, cfg, unseen)
     extra = {"train": {"path": os.path.abspath(train_path), "examples": len(ids), "epochs": epochs, "lr": cfg.lr,
                        "max_len": max_len, "unseen": unseen, "loss_last": log[-1], "updates": 0}}
+    if held:
+        extra["calibration"] = _calibration(store, encoder, version, pet, held, calibration_share, 0)
     return _record(tenant, store, version, exported, extra), log, len(ids)
+
+
+def _hold_out(ids, targets, share, seed):
+    """(training ids, targets, held-out (ids, targets) or None) for a calibration share."""
+    if not share:
+        return ids, targets, None
+    from runtime.build.calibration import holdout
+
+    train, held = holdout(len(ids), share, seed)
+    return ([ids[i] for i in train], [targets[i] for i in train],
+            ([ids[i] for i in held], [targets[i] for i in held]))
+
+
+def _calibration(store, encoder, version, pet, held, share, updates):
+    """The PET's calibration record (runtime.build.calibration), tied to its training round."""
+    from runtime.build.calibration import calibrate_pet
+
+    return dict(calibrate_pet(store, encoder, version, pet, *held, share=share), updates=updates)
 
 
 def _tenant_checks(store, tenant, version, replace):
@@ -521,13 +545,18 @@ def tenant_update(store_path, tenant, *, train_path=None, version=None, epochs: 
         max_len = max_len or train.get("max_len", 128)
         pick = _subsample(len(data[0]), max_examples, seed)
         ids, targets = encode_task(encoder, data, task, labels, max_len, pick)
+        share = (meta.get("calibration") or {}).get("share") or 0.0  # a calibrated tenant is refitted alike
+        ids, targets, held = _hold_out(ids, targets, share, seed)
         cfg = _train_cfg(meta["pet_type"], lr or train.get("lr"), epochs, batch_size, seed, progress)
-        exported, log = _fit_pet(store, encoder, trainable(encoder, pet), version, ids, targets, cfg,
-                                 train.get("unseen", 0.0))
+        model = trainable(encoder, pet)
+        exported, log = _fit_pet(store, encoder, model, version, ids, targets, cfg, train.get("unseen", 0.0))
         train.update(path=os.path.abspath(train_path), examples=len(ids), epochs=epochs, lr=cfg.lr, max_len=max_len,
                      loss_last=log[-1], updates=int(train.get("updates", 0)) + 1)
         extra = {k: v for k, v in meta.items() if k not in exported.meta and k not in ("tenant", "version", "created")}
         extra["train"] = train
+        extra.pop("calibration", None)
+        if held:
+            extra["calibration"] = _calibration(store, encoder, version, model, held, share, train["updates"])
         record = _record(tenant, store, version, exported, extra)
     with _open_writable(store_path) as store:
         snap = store.snapshot()

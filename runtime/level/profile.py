@@ -4,7 +4,7 @@ re-using saved level outputs, then record it with the tenant.
 ``collect`` runs the held-out queries once per level through the scheduler (level 1 with its
 attention and coverage; level 2 on the full text and on the text pruned at each alpha) and
 keeps the logits and the measured seconds. Everything after that is arithmetic on the saved
-outputs, as in Tabi: ``calibrate`` fits the temperatures (runtime.level.calibrate), and
+outputs, as in Tabi: ``calibrate`` fits the temperatures (runtime.model.calibrate), and
 ``choose`` scores every candidate (c, k, alpha, w, gate) by its *expected* metric and cost:
 a query is re-routed with Eq. 4's probability p, so its expected scoring counts (correct for
 classification; true positives, predicted and gold entities for tagging) are
@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from runtime.level import calibrate as cal
 from runtime.level import dispatch, ensemble
 from runtime.level.executor import LevelTag
 from runtime.level.prune import prune, word_spans
+from runtime.model import calibrate as cal
 from runtime.sched.scheduler import Item
 
 GRID = {"c": [0.0, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.99, 1.01], "k": [10.0, 30.0, 100.0, 1000.0],
@@ -198,7 +198,7 @@ def profile_tenant(rt, store_path, tenant: str, dev_path, calibration_path=None,
                    alphas=GRID["alpha"], batch: int = 32) -> dict:
     """Tabi §4.1 and §5 for one tenant of an open runtime (runtime.open(store_path)): the levels'
     temperatures fitted on calibration_path (labelled text the PET did not train on; default:
-    dev_path), the policy chosen on dev_path for `target` (the metric as a fraction: 0.005 is
+    the ones fitted at tenant create / update when the PET has them, else dev_path), the policy chosen on dev_path for `target` (the metric as a fraction: 0.005 is
     half a point below level 2), the record saved in the tenant's PET meta. Returns the record."""
     from runtime.level.queries import read_queries
 
@@ -211,8 +211,14 @@ def profile_tenant(rt, store_path, tenant: str, dev_path, calibration_path=None,
     if not len(dev) or not len(calib):
         raise ValueError("profiling needs at least one labelled example")
     n = rt.meta["n"]
-    saved_c = collect(rt.scheduler, pet, calib.pairs(), alphas=[0.0], n=n, batch=batch)
-    temps = calibrate(saved_c, calib.targets)
+    from runtime.level.serve import calibration
+
+    fitted = None if calibration_path else calibration(rt.store.snapshot().read_pet(tenant).meta)
+    if fitted:  # fitted at tenant create / update on held-out training examples (Tabi's way)
+        temps = {"temperature": fitted["temperature"], "ece": fitted["ece"]}
+    else:
+        saved_c = collect(rt.scheduler, pet, calib.pairs(), alphas=[0.0], n=n, batch=batch)
+        temps = calibrate(saved_c, calib.targets)
     saved_d = collect(rt.scheduler, pet, dev.pairs(), alphas=list(alphas), n=n, batch=batch)
     result = choose(saved_d, temps["temperature"], dev.stats, dev.metric, target, dict(GRID, alpha=list(alphas)))
     levels = record(temps["temperature"], temps["ece"], result["chosen"], result, target, len(dev))

@@ -21,9 +21,9 @@ import numpy as np
 
 from runtime.errors import BadRequest
 from runtime.level import dispatch, ensemble
-from runtime.level.calibrate import softmax
 from runtime.level.executor import LevelTag
 from runtime.level.prune import prune, word_spans
+from runtime.model.calibrate import softmax
 from runtime.sched.scheduler import Item
 
 POLICIES = ("fast", "auto", "exact")
@@ -55,7 +55,19 @@ def levels(pet) -> dict:
 
 
 def temperature(pet, level: int) -> float:
-    return float((levels(pet).get("temperature") or {}).get(str(level), 1.0))
+    """The level's temperature: the levels record's (hkstore levels profile), else the one
+    fitted when the tenant was created or updated (the meta's current ``calibration``), else 1."""
+    fitted = levels(pet).get("temperature") or (pet.meta.get("calibration") or {}).get("temperature") or {}
+    return float(fitted.get(str(level), 1.0))
+
+
+def calibration(meta: dict):
+    """The calibration record fitted at tenant create / update (runtime.build.calibration),
+    None when absent or made for an earlier training round of the PET."""
+    record = meta.get("calibration")
+    if not record or record.get("updates") != (meta.get("train") or {}).get("updates", 0):
+        return None
+    return record
 
 
 def policy_of(pet, asked, level2: bool = True):
