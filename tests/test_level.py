@@ -519,3 +519,18 @@ def test_a_share_too_large_for_the_data_is_one_line(tiny, store_copy):
                                   str(root / "cls.jsonl"), "--max-examples", "8", "--calibration-share", "0.5",
                                   "--quiet"])
     assert r.exit_code != 0 and "too few" in r.output and "Traceback" not in r.output
+
+
+def test_calibration_eval_tool(tiny, store_copy, tmp_path):
+    from tools.calibration_eval import main as calibration_eval
+
+    cls = str(pathlib.Path(tiny[0]).parent / "cls.jsonl")
+    out = calibration_eval(["--store", str(store_copy), "--version", "root", "--task", "classification", "--train",
+                            cls, "--test", cls, "--share", "0.3", "--epochs", "1", "--out", str(tmp_path / "r.jsonl")])
+    assert out["cal"]["trained_on"] < out["full"]["trained_on"]
+    assert out["cal"]["held_out"]["examples"] == out["full"]["trained_on"] - out["cal"]["trained_on"]
+    for level in ("1", "2"):
+        assert out["cal"]["test"][level]["temperature"] == out["cal"]["held_out"]["temperature"][level]
+        assert out["full"]["test"][level]["temperature"] == 1.0  # no calibration record
+        assert out["full"]["test"][level]["ece_T1"] == out["full"]["test"][level]["ece_fitted"]
+    assert json.loads((tmp_path / "r.jsonl").read_text())["task"] == "cls"
