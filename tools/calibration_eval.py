@@ -18,8 +18,6 @@ import json
 import os
 import time
 
-import numpy as np
-
 
 def _samples(logits, targets):
     from runtime.build.calibration import _samples
@@ -51,7 +49,7 @@ def evaluate(store_path, tenant, version, test_path, task):
         out[level] = {"metric": round(100 * float((zz.argmax(-1) == y).mean()), 2),
                       "ece_T1": round(float(cal.reliability(cal.softmax(zz), y)["ece"]), 4),
                       "ece_fitted": round(float(cal.reliability(cal.softmax(zz, T), y)["ece"]), 4),
-                      "temperature": T, "samples": int(len(y))}
+                      "temperature": T, "samples": len(y)}
     return out
 
 
