@@ -141,11 +141,10 @@ class Runtime:
             self.executor = CpuExecutor(encoder, lora_kernel=lora_kernel, prefetch=prefetch, int8=dtype == "int8")
         self.pets = PetCache(host_cache_bytes)
         self._refresh_lock = threading.Lock()
-        executor = self.executor
-        if device == "cpu":  # level-2 items (full-context lower layers) batch with level-1 ones
-            from runtime.level.executor import LevelExecutor
+        from runtime.level.executor import LevelExecutor
 
-            executor = LevelExecutor(self.executor, self.store, encoder)
+        # level-2 items (full-context lower layers) batch with level-1 ones, on either executor
+        executor = LevelExecutor(self.executor, self.store, encoder)
         from runtime.student.executor import StudentExecutor
         from runtime.student.serve import StudentServing
 
@@ -322,11 +321,9 @@ class Runtime:
                 pets[tenant] = self.pet(tenant)
         asks = [(tenant, [int(t) for t in ids], self._positions(pets[tenant], ids, words), pets[tenant],
                  pets[tenant].version, policy) for tenant, ids, words, _, _, _, policy, _ in parsed]
-        level2 = self.device == "cpu"
         snap = self.store.snapshot()
-        tags = [self.students.tag(snap, p[0], pets[p[0]].meta, p[7], policy_of(pets[p[0]], p[6], level2)[0])
-                for p in parsed]
-        answers = answer(self.scheduler, asks, level2=level2, tags=tags)
+        tags = [self.students.tag(snap, p[0], pets[p[0]].meta, p[7], policy_of(pets[p[0]], p[6])[0]) for p in parsed]
+        answers = answer(self.scheduler, asks, tags=tags)
         return [self._result(p, pets[p[0]], a) for p, a in zip(parsed, answers)]
 
     @staticmethod

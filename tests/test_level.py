@@ -354,24 +354,6 @@ def test_policy_over_http(tiny, store_copy, tmp_path):
         server.stop()
 
 
-def test_level1_only_executors_default_to_fast(tiny, store_copy):
-    from runtime.level.serve import answer
-    from runtime.sched.scheduler import Scheduler
-
-    _policy(store_copy, "adapter-cls", c=1.01, k=100.0, alpha=0.0, w=0.0, gate=0.0)
-    with runtime.open(store_copy, device="cpu", max_len=48) as rt:
-        plain = Scheduler(rt.executor, rt.store.snapshot, pipeline=False)  # no LevelExecutor: as on the GPU
-        try:
-            pet = rt.pet("adapter-cls")
-            ids = rt._normalize([{"tenant": "x", "text": tiny[1]["texts"][0]}])[0][1]
-            (a,) = answer(plain, [("adapter-cls", ids, None, pet, pet.version, None)], level2=False)
-            assert a.level == 1
-            with pytest.raises(runtime.BadRequest, match="level 1 only"):
-                answer(plain, [("adapter-cls", ids, None, pet, pet.version, "exact")], level2=False)
-        finally:
-            plain.close()
-
-
 def test_cli_policy(tiny, store_copy):
     import json
 
@@ -534,3 +516,44 @@ def test_calibration_eval_tool(tiny, store_copy, tmp_path):
         assert out["full"]["test"][level]["temperature"] == 1.0  # no calibration record
         assert out["full"]["test"][level]["ece_T1"] == out["full"]["test"][level]["ece_fitted"]
     assert json.loads((tmp_path / "r.jsonl").read_text())["task"] == "cls"
+
+
+def test_levels_on_the_emulated_gpu_executor_equal_the_cpu_ones(tiny):
+    """LevelExecutor over the GPU executor (the real kernels on the CUDA-on-CPU emulation):
+    level-1, level-2 and gated items of several tenants in one batch give the CPU executor's
+    logits, the attention each token receives (word pruning) and the same coverage gating."""
+    from runtime.exec.emu.module import compiler_missing_reason
+
+    if compiler_missing_reason() is not None:
+        pytest.skip(f"CUDA emulation unavailable: {compiler_missing_reason()}")
+    from runtime.exec import ops_gpu
+    from runtime.exec.emu import cupy_standin
+    from runtime.exec.gpu import GpuExecutor
+    from runtime.level.executor import LevelExecutor, LevelTag
+    from runtime.sched.scheduler import Item, Scheduler
+
+    store, info = tiny
+    tenants = ("adapter-cls", "lora-cls", "bitfit-tag", "diff-cls")
+    with runtime.open(store, device="cpu", max_len=48) as rt, ops_gpu.use_cupy(cupy_standin):
+        seqs = [rt._normalize([{"tenant": "x", "text": t}])[0][1] for t in info["texts"][:8]]
+        gpu = GpuExecutor(rt.encoder, _cupy=cupy_standin, _ops=ops_gpu, hot_tier_rows=0, max_batch=8, max_len=48)
+        out = {}
+        for name, inner in (("cpu", rt.executor), ("gpu", gpu)):
+            ex = LevelExecutor(inner, rt.store, rt.encoder)
+            pets = {t: ex.load_pet(manager.load_tenant(rt.store, t, rt.encoder)[1], key=t) for t in tenants}
+            tags = [LevelTag(level=1 + j % 2, attention=j % 2 == 0, gate=0.5 if j == 4 else 0.0)
+                    for j in range(len(seqs))]
+            items = [Item(seq, pets[tenants[j % 4]], rt.pet(tenants[j % 4]).version, tag=tag)
+                     for j, (seq, tag) in enumerate(zip(seqs, tags))]
+            sched = Scheduler(ex, rt.store.snapshot, max_batch=8, pipeline=False)
+            outputs = sched.run(items)
+            out[name] = ([o.logits for o in outputs], [(t.level, t.coverage, t.received) for t in tags])
+        for a, b in zip(out["cpu"][0], out["gpu"][0]):
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-4)
+        for (l1, c1, r1), (l2, c2, r2) in zip(out["cpu"][1], out["gpu"][1]):
+            assert (l1, c1) == (l2, c2)
+            if r1 is None:
+                assert r2 is None
+            else:
+                np.testing.assert_allclose(r2, r1, rtol=1e-4, atol=1e-5)
+        assert any(r is not None for _, _, r in out["gpu"][1]) and {lv for lv, _, _ in out["gpu"][1]} == {1, 2}

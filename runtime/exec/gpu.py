@@ -50,6 +50,7 @@ import threading
 import time
 
 import numpy as np
+import torch
 
 from runtime.exec.device_cache import DevicePetCache
 from runtime.exec.hot_tier import HotTier
@@ -382,6 +383,9 @@ class GpuExecutor:
             lengths = np.asarray(staged["lengths"], dtype=np.int64)
             mask = cp.asarray(np.arange(L)[None, :] < lengths[plan.perm][:, None])
             seg_rows = plan.seg_starts * L
+            # opt-in (runtime.level's word pruning): the attention each token receives, summed
+            # over real queries and averaged over heads, accumulated while attention runs
+            received = cp.zeros((B, L), dtype=np.float32) if plan.received is not None else None
             pending = self._issue(plan, self.layers[0], L, keep)
             for idx, i in enumerate(self.layers):
                 groups, event = pending
@@ -389,9 +393,11 @@ class GpuExecutor:
                     pending = self._issue(plan, self.layers[idx + 1], L, keep)
                 if event is not None:
                     stream.wait_event(event)
-                x = self._layer(i, x, mask, B, L, groups, seg_rows)
+                x = self._layer(i, x, mask, B, L, groups, seg_rows, received)
             logits = self._heads(x.reshape(B, L, d), plan, keep)
             host = [cp.asnumpy(a) for a in logits]  # synchronises the compute stream
+            if received is not None:
+                plan.received += torch.from_numpy(cp.asnumpy(received)[:, :plan.received.shape[1]])
             stream.synchronize()
         start, end = staged["events"]
         try:
@@ -572,7 +578,7 @@ class GpuExecutor:
             out.append(y)
         return out
 
-    def _layer(self, i, x, mask, B, L, groups, seg_rows):
+    def _layer(self, i, x, mask, B, L, groups, seg_rows, received=None):
         cp, c = self.cp, self.config
         w = self.weights[i]
         d, H = c.d, c.heads
@@ -583,6 +589,8 @@ class GpuExecutor:
         scores -= scores.max(axis=-1, keepdims=True)
         probs = cp.exp(scores)
         probs /= probs.sum(axis=-1, keepdims=True)
+        if received is not None:
+            received += (probs * mask[:, None, :, None]).sum(axis=2).mean(axis=1)
         ctx = cp.matmul(probs.astype(self.dtype), v)  # (B, H, L, dh)
         ctx = cp.ascontiguousarray(ctx.transpose(0, 2, 1, 3)).reshape(B * L, d)
         a, = self._proj(w, ("o",), ctx, groups)

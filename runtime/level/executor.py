@@ -1,6 +1,7 @@
-"""Level-1 and level-2 items in the same mixed-tenant batches (the CPU executor).
+"""Level-1 and level-2 items in the same mixed-tenant batches (the CPU or the GPU executor).
 
-``LevelExecutor`` wraps the runtime's CPU executor for the scheduler. An item whose ``tag``
+``LevelExecutor`` wraps the runtime's executor for the scheduler (on the GPU executor the
+inputs it builds are staged to the device like the executor's own). An item whose ``tag``
 is a ``LevelTag`` says how it is served:
 
 * level 1: its upper-layer inputs come from the PLOT (runtime.plot.mixed.retrieve_mixed), as
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from runtime.exec.plan import Prepared
+from runtime.exec.plan import BatchPlan, Prepared
 from runtime.level.dispatch import coverage
 from runtime.plot.mixed import retrieve_mixed
 
@@ -101,12 +102,17 @@ class LevelExecutor:
         if any(t is not None and t.level == 1 and t.attention for t in tags):
             plan.received = torch.zeros(B, L)
         timings = {"retrieval": t1 - t0, "lower": time.perf_counter() - t1, "transfer": 0.0}
+        if hasattr(self.inner, "stage"):  # the GPU executor: the inputs go to the device as its own do
+            with self.inner._device():
+                staged, timings["transfer"] = self.inner.stage(inputs.numpy())
+            staged["lengths"] = np.array(lengths, dtype=np.int64)
+            return Prepared(items, timings, (staged, plan), served)
         return Prepared(items, timings, (inputs, mask, plan), served)
 
     def compute(self, prepared: Prepared) -> list:
         logits = self.inner.compute(prepared)
         payload = prepared.payload
-        plan = payload[2] if isinstance(payload, tuple) and len(payload) == 3 else None
+        plan = payload[-1] if isinstance(payload, tuple) and isinstance(payload[-1], BatchPlan) else None
         if plan is not None and getattr(plan, "received", None) is not None:
             received = plan.received.numpy() / max(len(self.inner.layers), 1)
             for j, b in enumerate(plan.perm.tolist()):

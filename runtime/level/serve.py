@@ -70,12 +70,12 @@ def calibration(meta: dict):
     return record
 
 
-def policy_of(pet, asked, level2: bool = True):
+def policy_of(pet, asked):
     """(policy name, profiled parameters or None) for a request that asked `asked` (None:
-    the default, auto once the tenant is profiled and the executor serves level 2, else fast)."""
+    the default, auto once the tenant is profiled, else fast)."""
     chosen = levels(pet).get("policy")
     if asked is None:
-        asked = "auto" if chosen and level2 else "fast"
+        asked = "auto" if chosen else "fast"
     if asked not in POLICIES:
         raise BadRequest(f"policy must be one of {', '.join(POLICIES)}, got {asked!r}")
     if asked == "auto" and not chosen:
@@ -83,16 +83,14 @@ def policy_of(pet, asked, level2: bool = True):
     return asked, chosen
 
 
-def answer(scheduler, requests, level2: bool = True, tags=None) -> list:
+def answer(scheduler, requests, tags=None) -> list:
     """Answers of requests: (tenant, ids, positions, pet, version, asked policy) each;
     positions: the token positions a tagging request reports (None: classification).
     tags: per request, the tag of its item when it is served at policy fast (e.g. a
     runtime.student StudentTag: students may answer it; its ``students`` says how many did)."""
     items, plans = [], []
     for i, (tenant, ids, positions, pet, version, asked) in enumerate(requests):
-        name, chosen = policy_of(pet, asked, level2)
-        if name != "fast" and not level2:
-            raise BadRequest(f"policy {name}: this runtime's executor serves level 1 only (policy fast)")
+        name, chosen = policy_of(pet, asked)
         tag = tags[i] if tags is not None and name == "fast" else None
         if name == "exact":
             tag = LevelTag(level=2)
