@@ -183,3 +183,45 @@ def test_the_kv_pool_path_equals_each_sequence_with_its_own_cache(tmp_path):
     small.submit(prompts[0], SamplingParams(max_tokens=3))
     small.step()
     assert small.pool.positions == 40 and small.pool.available == 40 - len(prompts[0]) - 3
+
+
+@pytest.mark.parametrize("kinds", [("adapter", "bitfit", None, "lora"), ("adapter", "adapter", "diff", None)])
+def test_every_pet_kind_is_prefilled_in_one_pass_per_pet_and_matches_alone(gen, kinds):
+    """prefill_many takes any PET: the per-row LoRA pass plus one pass per other PET shared by
+    its prompts (runtime.gen.batched_prefill shared_pet); greedy continuations equal each
+    prompt's own single-sequence path (prefill + append, Decoder.upper with a KVCache)."""
+    from runtime.gen import batched_prefill
+
+    dec = gen.decoder
+    pets = {}
+    for j, kind in enumerate(kinds):
+        if kind is not None and kind not in pets:
+            p = petlib.create_pet(dec, kind, "lm", [], seed=10 + j)
+            g = torch.Generator().manual_seed(10 + j)
+            with torch.no_grad():
+                for t in p.tensors.values():
+                    if t.is_floating_point():
+                        t.add_(torch.randn(t.shape, generator=g) * 0.3)
+            pets[kind] = petlib.export(p) if kind == "diff" else p
+    prompts = dec.tokenize(["the cat", "a dog ran in", "storage engines", "the park and the"])
+    row_pets = [pets.get(k) for k in kinds]
+    calls = []
+    real = batched_prefill.prefill_batch
+
+    def counting(*args, **kwargs):
+        calls.append(len(args[3]))
+        return real(*args, **kwargs)
+
+    batched_prefill.prefill_batch = counting
+    try:
+        b = Batcher(gen, kv_budget_bytes=1 << 30, max_running=8)
+        ids = [b.submit(p, SamplingParams(max_tokens=6, ignore_eos=True), pet) for p, pet in zip(prompts, row_pets)]
+        b.run()
+    finally:
+        batched_prefill.prefill_batch = real
+    others = {id(p) for p in row_pets if p is not None and not p.meta.get("pet_type") == "lora"}
+    assert sorted(calls) == sorted(([sum(1 for p in row_pets if p is None or p.meta["pet_type"] == "lora")]
+                                    if any(p is None or p.meta["pet_type"] == "lora" for p in row_pets) else []) +
+                                   [sum(1 for p in row_pets if p is not None and id(p) == o) for o in others])
+    for rid, p, pet in zip(ids, prompts, row_pets):
+        assert b.result(rid)["ids"] == gen.greedy(p, 6, pet)

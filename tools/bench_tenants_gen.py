@@ -12,8 +12,9 @@ Systems (one torch thread each, the same base weights):
   continuous batching up to --batch sequences), every request with its tenant's LoRA
   (rank 8 on q and v of the upper layers; all T held in memory, as the server keeps loaded
   PETs), mixed tenants in one step by BGMV / SGMV (runtime.gen.lora_batch);
-- hGPT-grouped: the same, but without BGMV / SGMV: decode steps run one GEMM per group of rows
-  sharing a PET and each request is prefilled alone (what the batcher does for non-LoRA PETs);
+- hGPT-grouped: the same, but without BGMV / SGMV: decode steps and prefills run one GEMM per
+  group of rows sharing a PET (what the batcher does for non-LoRA PETs; before session 10 it
+  prefilled each such request alone, which the session-9 figures measured);
 - GPT-shared: the full decoder (all layers, no PLOT) through the same batcher, no tenant weights;
 - GPT-dedicated: a full fine-tuned copy per tenant: batches hold one tenant, one runs at a time,
   --resident copies stay loaded and any other tenant first copies its full weights from host
@@ -198,7 +199,7 @@ class Bench:
         t0 = time.perf_counter()
         swaps = 0
         if system in ("hGPT", "hGPT-grouped"):
-            from runtime.gen import batched_step, batcher
+            from runtime.gen import batched_step, batcher, plot_decode
             from runtime.gen.lora_batch import lora_only
             from runtime.gen.plot_decode import PlotDecoder
 
@@ -210,12 +211,13 @@ class Bench:
 
                 self.executor = getattr(self, "executor", None) or GpuDecoderExecutor(self.dec)
                 gen = DevicePlotDecoder(self.store.snapshot(), "root", self.dec, executor=self.executor)
-            batched_step.lora_only = batcher.lora_only = lora_only if system == "hGPT" else (lambda pet: pet is None)
+            batched_step.lora_only = batcher.lora_only = plot_decode.lora_only = (
+                lora_only if system == "hGPT" else (lambda pet: pet is None))
             t0 = time.perf_counter()
             try:
                 tokens = run_batcher(gen, self.prompts, [pets[t] for t in tenants], a.max_tokens, a.batch)
             finally:
-                batched_step.lora_only = batcher.lora_only = lora_only
+                batched_step.lora_only = batcher.lora_only = plot_decode.lora_only = lora_only
         elif system == "GPT-shared":
             tokens = run_batcher(FullGen(self.full), self.prompts, [None] * len(tenants), a.max_tokens, a.batch)
         elif system == "GPT-dedicated":

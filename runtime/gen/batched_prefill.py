@@ -7,8 +7,8 @@ straight into the sequences' KV pool pages.
 
 Equal to each prompt's own prefill (runtime.gen.plot_decode.PlotDecoder.prefill: Decoder.upper
 with a KVCache) to float rounding: a prompt's padding is masked out of every other position
-and never written to the pool. Only for steps whose PETs are all pure LoRA (or none); the
-batcher prefills other PETs one request at a time.
+and never written to the pool. Rows with pure-LoRA PETs (or none) go in one call; rows sharing
+any other PET go in one call per PET (shared_pet: runtime.gen.plot_decode.prefill_many).
 """
 
 from __future__ import annotations
@@ -19,18 +19,22 @@ import torch
 import torch.nn.functional as F
 
 from runtime.gen.lora_batch import LoraBatch
+from runtime.model import pet as petlib
 from runtime.model.decoder import _act, _norm, _rotate
 
 
 @torch.no_grad()
-def prefill_batch(decoder, h: torch.Tensor, mask: torch.Tensor, seqs, pool) -> torch.Tensor:
+def prefill_batch(decoder, h: torch.Tensor, mask: torch.Tensor, seqs, pool, shared_pet=False) -> torch.Tensor:
     """Upper layers over h (B, T, d) (mask (B, T): real tokens, right-padded) with each row's
     LoRA (seqs[b].pet); keys and values of the real positions go to seqs[b].slots in pool,
-    whose kv_len becomes its prompt's length. Returns the last real position's logits."""
+    whose kv_len becomes its prompt's length. Returns the last real position's logits.
+    shared_pet: every row has the same PET, of any kind (runtime.model.pet applies it whole:
+    adapters, BitFit, diff, norm deltas), instead of per-row LoRAs."""
     c = decoder.config
     B, T, _ = h.shape
     lengths = mask.sum(1)
-    lb = LoraBatch([s.pet for s in seqs])
+    pet = seqs[0].pet if shared_pet else None
+    lb = LoraBatch([None] * B if shared_pet else [s.pet for s in seqs])
     positions = decoder.positions_of(mask)
     pages = torch.zeros(B, T, dtype=torch.long)
     for b, s in enumerate(seqs):
@@ -40,13 +44,15 @@ def prefill_batch(decoder, h: torch.Tensor, mask: torch.Tensor, seqs, pool) -> t
 
     def lin(i, target, x):
         lin_ = getattr(decoder.layers[i], target)
+        if pet is not None:
+            return petlib.linear(pet, i, target, x, lin_)
         y = F.linear(x, lin_.weight, lin_.bias)
         d = lb.delta(i, target, x)
         return y if d is None else y + d
 
     for i in range(decoder.lower_layers, c.num_layers):
         blk = decoder.layers[i]
-        x = _norm(None, i, "ln_attn", h, blk.ln_attn)
+        x = _norm(pet, i, "ln_attn", h, blk.ln_attn)
         q = lin(i, "q", x).view(B, T, H, hd).transpose(1, 2)
         k = lin(i, "k", x).view(B, T, KV, hd).transpose(1, 2)
         v = lin(i, "v", x).view(B, T, KV, hd).transpose(1, 2)
@@ -60,7 +66,7 @@ def prefill_batch(decoder, h: torch.Tensor, mask: torch.Tensor, seqs, pool) -> t
         scores = (q @ k.transpose(-2, -1) / math.sqrt(hd)).masked_fill(~allowed, torch.finfo(h.dtype).min)
         ctx = (scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, H * hd)
         h = h + lin(i, "o", ctx)
-        x = _norm(None, i, "ln_ffn", h, blk.ln_ffn)
+        x = _norm(pet, i, "ln_ffn", h, blk.ln_ffn)
         if c.gated:
             f = _act(c.act, F.linear(x, blk.ffn_gate.weight, blk.ffn_gate.bias)) * lin(i, "ffn_in", x)
         else:

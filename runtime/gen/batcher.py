@@ -142,7 +142,7 @@ class Batcher:
         if not admitted:
             return
         if hasattr(self.gen, "prefill_many") and (getattr(self.gen, "prefills_any_pet", False) or
-                                                  all(lora_only(r.pet) for r, _ in admitted)):
+                                                  all(lora_only(r.pet) for r, _ in admitted)):  # (FullGen: LoRA)
             seqs = self.gen.prefill_many([r.prompt for r, _ in admitted], [r.pet for r, _ in admitted],
                                          [s for _, s in admitted], self.pool)
         else:  # other PETs: one prompt at a time, its cache then moved into the pool

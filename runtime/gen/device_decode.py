@@ -42,8 +42,6 @@ class DeviceKVPool(Pages):
 
 
 class DevicePlotDecoder(PlotDecoder):
-    prefills_any_pet = True  # runtime.gen.batcher: prefill_many takes every PET kind
-
     def __init__(self, snapshot, version, decoder, executor=None, **executor_options):
         super().__init__(snapshot, version, decoder)
         if executor is None:

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from formats.backoff import windows as causal_windows
+from runtime.gen.lora_batch import lora_only
 from runtime.model.decoder import KVCache
 from runtime.model.stored import is_decoder_store
 from runtime.plot.retrieve import retrieve
@@ -73,10 +74,12 @@ class PlotDecoder:
         seq.orders = served.order[0, :len(prompt)].tolist()
         return seq
 
+    prefills_any_pet = True  # runtime.gen.batcher: prefill_many takes every PET kind
+
     def prefill_many(self, prompts: list[list[int]], pets: list, slots: list, pool) -> list[Sequence]:
-        """New sequences for several prompts at once (pure-LoRA PETs or none): one lookup and
-        one upper-layer pass for all (runtime.gen.batched_prefill), their keys and values in
-        their pages of pool."""
+        """New sequences for several prompts at once: one lookup for all, then one upper-layer
+        pass for the prompts with pure-LoRA PETs or none (per-row LoRA) and one per other PET
+        shared by its prompts (runtime.gen.batched_prefill); keys and values in their pages of pool."""
         from runtime.gen.batched_prefill import prefill_batch
 
         for p in prompts:
@@ -85,9 +88,16 @@ class PlotDecoder:
             self._check_room(len(p))
         seqs = [Sequence(list(p), len(p), pet, cache=None, slots=sl) for p, pet, sl in zip(prompts, pets, slots)]
         h, mask, served = retrieve(self.snapshot, self.version, [s.ids for s in seqs])
-        logits = prefill_batch(self.decoder, h, mask, seqs, pool)
+        groups: dict = {}  # None: the per-row LoRA pass; id(pet): the rows sharing that PET
         for b, s in enumerate(seqs):
-            s.logits = logits[b]
+            groups.setdefault(None if lora_only(s.pet) else id(s.pet), []).append(b)
+        for key, rows in groups.items():
+            T = int(mask[rows].sum(1).max())
+            logits = prefill_batch(self.decoder, h[rows, :T], mask[rows, :T], [seqs[b] for b in rows], pool,
+                                   shared_pet=key is not None)
+            for j, b in enumerate(rows):
+                seqs[b].logits = logits[j]
+        for b, s in enumerate(seqs):
             s.orders = served.order[b, :s.prompt_len].tolist()
         return seqs
 
