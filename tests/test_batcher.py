@@ -219,7 +219,7 @@ def test_every_pet_kind_is_prefilled_in_one_pass_per_pet_and_matches_alone(gen, 
         b.run()
     finally:
         batched_prefill.prefill_batch = real
-    others = {id(p) for p in row_pets if p is not None and not p.meta.get("pet_type") == "lora"}
+    others = {id(p) for p in row_pets if p is not None and p.meta.get("pet_type") != "lora"}
     assert sorted(calls) == sorted(([sum(1 for p in row_pets if p is None or p.meta["pet_type"] == "lora")]
                                     if any(p is None or p.meta["pet_type"] == "lora" for p in row_pets) else []) +
                                    [sum(1 for p in row_pets if p is not None and id(p) == o) for o in others])
