@@ -285,3 +285,34 @@ def test_students_cli_scores_removes_and_fails_in_one_line(env, tag_students):
     assert run(main, ["students", "rm", env["store"], "tag"]).exit_code == 0
     with hkstore.open(env["store"]) as store:
         assert "tag" not in store.snapshot().students and "tag" in store.snapshot().pets
+
+
+@pytest.mark.parametrize("task,layers", [("tagging", 1), ("classification", 2)])
+def test_device_students_equal_virtual_stacking(task, layers):
+    """runtime.student.device_stack on the GPU executor's device (the CUDA-on-CPU emulation, the
+    fused GELU kernel included) equals stack.ensemble + model.head, for every k."""
+    from runtime.exec.emu.module import compiler_missing_reason
+
+    if compiler_missing_reason() is not None:
+        pytest.skip(f"CUDA emulation unavailable: {compiler_missing_reason()}")
+    import types
+
+    from runtime.exec import ops_gpu
+    from runtime.exec.emu import cupy_standin
+    from runtime.student.device_stack import DeviceStudents
+
+    group = random_group(4, layers, 16, 2, 32, seed=3)
+    group.meta["task"] = task
+    ex = types.SimpleNamespace(cp=cupy_standin, ops=ops_gpu, _device=lambda: cupy_standin.cuda.Device(0),
+                               compute_stream=cupy_standin.cuda.Stream())
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 7, 16, generator=g)
+    mask = torch.arange(7)[None, :] < torch.tensor([7, 4, 1])[:, None]
+    x[~mask] = 0
+    with ops_gpu.use_cupy(cupy_standin):
+        dev = DeviceStudents(ex)
+        for k in range(1, group.size + 1):
+            want = model.head(group, stack.ensemble(group, x, mask, k)).numpy()
+            got = dev.logits(group, k, x.numpy(), mask.numpy())
+            real = mask.numpy() if task == "tagging" else np.ones(3, bool)
+            np.testing.assert_allclose(got[real], want[real], rtol=1e-4, atol=1e-4)

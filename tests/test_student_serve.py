@@ -293,3 +293,35 @@ def test_students_of_an_updated_pet_are_stale_until_distilled_again(env):
         assert rt.infer([{"tenant": "upd", "text": text, "students": 1}])[0].students == 1
     bad = cli(main, ["students", "create", store, "plain", "-q"])
     assert bad.exit_code == 1 and "--dev is needed" in bad.output and len(bad.output.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("tenant", ["cls", "tag"])
+def test_students_under_the_emulated_gpu_executor_equal_the_cpu_ones(env, tenant):
+    """StudentExecutor over the GPU executor (runtime.student.device_stack, the CUDA-on-CPU
+    emulation) answers student items as it does over the CPU executor, for every k."""
+    from runtime.exec.emu.module import compiler_missing_reason
+
+    if compiler_missing_reason() is not None:
+        pytest.skip(f"CUDA emulation unavailable: {compiler_missing_reason()}")
+    from runtime.exec import ops_gpu
+    from runtime.exec.emu import cupy_standin
+    from runtime.exec.gpu import GpuExecutor
+    from runtime.level.executor import LevelExecutor
+    from runtime.student.executor import StudentExecutor
+
+    texts = short_texts(env)[:5]
+    with runtime.open(env["store"], device="cpu", max_len=32) as rt, ops_gpu.use_cupy(cupy_standin):
+        snap = rt.store.snapshot()
+        group = load_group(snap, tenant, snap.meta["d"])
+        ids = [rt.encoder.tokenizer.encode(t).ids for t in texts]
+        gpu = GpuExecutor(rt.encoder, _cupy=cupy_standin, _ops=ops_gpu, hot_tier_rows=0, max_batch=8, max_len=32)
+        out = {}
+        for name, inner in (("cpu", rt.executor), ("gpu", gpu)):
+            ex = StudentExecutor(LevelExecutor(inner, rt.store, rt.encoder))
+            assert (ex.device is not None) == (name == "gpu")
+            for k in (1, 2):
+                items = [Item(s, None, "root", StudentTag(group, 2, k, k)) for s in ids]
+                out[(name, k)] = ex.compute(ex.prepare(snap, items))
+        for k in (1, 2):
+            for a, b in zip(out[("cpu", k)], out[("gpu", k)]):
+                np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4)

@@ -42,6 +42,12 @@ class _Split:
 class StudentExecutor:
     def __init__(self, inner):
         self.inner = inner
+        self.device = None  # runtime.student.device_stack.DeviceStudents under the GPU executor
+        base = getattr(inner, "inner", inner)  # (through runtime.level's LevelExecutor)
+        if hasattr(base, "cp"):
+            from runtime.student.device_stack import DeviceStudents
+
+            self.device = DeviceStudents(base)
 
     def __getattr__(self, name):  # load_pet, plan, stats, lower, profile, ...
         return getattr(self.inner, name)
@@ -83,6 +89,13 @@ class StudentExecutor:
         if split.inner is not None:
             for b, logits in zip(split.rest, self.inner.compute(split.inner)):
                 out[b] = logits
+        if self.device is not None:  # on the device: one batched computation per tenant's k students
+            for group, k, _, idx, x, mask in split.inputs:
+                logits = self.device.logits(group, k, x.numpy(), mask.numpy())
+                for j, b in enumerate(idx):
+                    out[b] = logits[j] if group.meta["task"] == "classification" else \
+                        logits[j, :int(mask[j].sum())]
+            return out
         by_depth: dict = {}  # stack.ensembles stacks groups of one depth
         for part in split.inputs:
             by_depth.setdefault(part[0].meta["layers"], []).append(part)
