@@ -5,6 +5,9 @@ launch (aggregate for the causal last slot, BGMV / SGMV, the segmented adapter, 
 sparse add, fused LayerNorm). GPT-2, OPT and Llama layouts (transformers-built tiny models),
 every decoder PET kind, mixed tenants in one step, sequences joining and leaving."""
 
+import os
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -22,6 +25,8 @@ from runtime.model.tiny_decoder import make_tokenizer
 from runtime.plot.causal import KeyValuer
 
 transformers = pytest.importorskip("transformers")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # sibling test modules, any import mode
+from test_decoder_reference import _hf_model  # transformers-built tiny GPT-2 / OPT / Llama
 
 TEXTS = ["the cat sat on the mat .", "a dog ran in the park and the cat ran too .",
          "storage engines keep tables of vectors , versions and packs ."]
@@ -34,19 +39,6 @@ def _emu_missing():
 
 
 emulated = pytest.mark.skipif(_emu_missing() is not None, reason=f"CUDA emulation unavailable: {_emu_missing()}")
-
-
-def _hf_model(arch: str, vocab: int):
-    t = transformers
-    common = {"vocab_size": vocab, "pad_token_id": 0, "bos_token_id": 2, "eos_token_id": 3}
-    if arch == "gpt2":
-        return t.GPT2LMHeadModel(t.GPT2Config(n_embd=32, n_layer=4, n_head=4, n_positions=64, **common))
-    if arch == "opt":
-        return t.OPTForCausalLM(t.OPTConfig(hidden_size=32, num_hidden_layers=4, ffn_dim=64, num_attention_heads=4,
-                                            max_position_embeddings=64, word_embed_proj_dim=32, **common))
-    return t.LlamaForCausalLM(t.LlamaConfig(hidden_size=32, num_hidden_layers=4, intermediate_size=48,
-                                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                            **common))
 
 
 @pytest.fixture(scope="module", params=["gpt2", "opt", "llama"])

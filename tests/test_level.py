@@ -444,7 +444,7 @@ def test_tenant_create_fits_level_temperatures_on_held_out_examples(tiny, store_
     from click.testing import CliRunner
 
     from hkstore.cli import main
-    from runtime.build.calibration import MIN_HELD, _samples, holdout, level_logits
+    from runtime.build.calibration import MIN_HELD, holdout, level_logits
 
     root = pathlib.Path(tiny[0]).parent
     train = root / ("cls.jsonl" if task == "classification" else "tags.conll")
@@ -468,7 +468,7 @@ def test_tenant_create_fits_level_temperatures_on_held_out_examples(tiny, store_
         _, held = holdout(len(ids), 0.25, 0)
         logits = level_logits(st_, base, "strings", pet, [ids[i] for i in held])
     for level, z in zip(("1", "2"), logits):
-        zz, y = _samples(z, [targets[i] for i in held])
+        zz, y = calibrate.samples(z, [targets[i] for i in held])
         T = rec["temperature"][level]
         assert T > 0 and calibrate.nll(zz, y, T) <= calibrate.nll(zz, y, 1.0) + 1e-9
     with runtime.open(store_copy, device="cpu", max_len=48) as rt:

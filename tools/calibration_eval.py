@@ -19,12 +19,6 @@ import os
 import time
 
 
-def _samples(logits, targets):
-    from runtime.build.calibration import _samples
-
-    return _samples(logits, targets)
-
-
 def evaluate(store_path, tenant, version, test_path, task):
     """Per level: metric, ECE at T = 1 and at the tenant's fitted temperature, on test text."""
     import hkstore
@@ -42,7 +36,7 @@ def evaluate(store_path, tenant, version, test_path, task):
     temps = (meta.get("calibration") or {}).get("temperature") or {}
     out = {}
     for level, z in zip(("1", "2"), logits):
-        zz, y = _samples(z, targets)
+        zz, y = cal.samples(z, targets)
         keep = y >= 0
         zz, y = zz[keep], y[keep]
         T = float(temps.get(level, 1.0))

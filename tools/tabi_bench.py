@@ -136,8 +136,8 @@ def run_task(task, args):
     import torch
 
     import runtime
-    from runtime.model import calibrate as cal
     from runtime.level import profile
+    from runtime.model import calibrate as cal
 
     kind = TASKS[task][0]
     tenant = f"{task}-hplm"
@@ -193,8 +193,8 @@ def run_task(task, args):
         for row in pruning:
             row["speedup"] = base_s / row["level2_seconds"] if row["level2_seconds"] else None
             row["metric_loss"] = pruning[0]["metric"] - row["metric"]
-        z1, y1 = profile._samples(saved_t.logits1, qt.targets)
-        z2, y2 = profile._samples(saved_t.logits2[0.0], qt.targets)
+        z1, y1 = cal.samples(saved_t.logits1, qt.targets)
+        z2, y2 = cal.samples(saved_t.logits2[0.0], qt.targets)
         reliability = {f"level{lv}": {"before": cal.reliability(cal.softmax(z), y), "after":
                                       cal.reliability(cal.softmax(z, temps[str(lv)]), y)}
                        for lv, z, y in ((1, z1, y1), (2, z2, y2))}

@@ -58,22 +58,13 @@ def level_logits(store, encoder, version, pet, ids, batch: int = 32) -> tuple[li
     return one, two
 
 
-def _samples(logits, targets):
-    """(z (N, labels), y (N,)): examples, or tagged tokens without the ignored sub-tokens."""
-    if np.ndim(targets[0]) == 0:
-        return np.stack(logits), np.asarray(targets)
-    z = np.concatenate(logits)
-    y = np.concatenate([np.asarray(t) for t in targets])
-    return z[y >= 0], y[y >= 0]
-
-
 def calibrate_pet(store, encoder, version, pet, ids, targets, share: float | None = None) -> dict:
     """The calibration record of a trained PET from its held-out examples (see the module doc)."""
     from runtime.model import calibrate as cal
 
     record = {"temperature": {}, "ece": {}, "examples": len(ids), "share": share}
     for level, logits in zip(("1", "2"), level_logits(store, encoder, version, pet, ids)):
-        z, y = _samples(logits, targets)
+        z, y = cal.samples(logits, targets)
         if not len(y):
             raise ValueError("the held-out examples have no scored label to calibrate on")
         T = cal.fit_temperature(z, y)

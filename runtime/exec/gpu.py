@@ -386,14 +386,8 @@ class GpuExecutor:
             # opt-in (runtime.level's word pruning): the attention each token receives, summed
             # over real queries and averaged over heads, accumulated while attention runs
             received = cp.zeros((B, L), dtype=np.float32) if plan.received is not None else None
-            pending = self._issue(plan, self.layers[0], L, keep)
-            for idx, i in enumerate(self.layers):
-                groups, event = pending
-                if idx + 1 < len(self.layers):
-                    pending = self._issue(plan, self.layers[idx + 1], L, keep)
-                if event is not None:
-                    stream.wait_event(event)
-                x = self._layer(i, x, mask, B, L, groups, seg_rows, received)
+            x = self._layers(plan, L, keep, x, lambda i, x, groups: self._layer(i, x, mask, B, L, groups, seg_rows,
+                                                                                 received))
             logits = self._heads(x.reshape(B, L, d), plan, keep)
             host = [cp.asnumpy(a) for a in logits]  # synchronises the compute stream
             if received is not None:
@@ -408,6 +402,19 @@ class GpuExecutor:
         self.last_compute_seconds = time.perf_counter() - t0
         keep.clear()
         return self._unpermute(host, plan, lengths)
+
+    def _layers(self, plan, L, keep, x, layer):
+        """x through every upper layer (layer(i, x, groups) -> x on the compute stream), each
+        layer's stacked PET weights issued one layer ahead (prefetch) or just before it."""
+        pending = self._issue(plan, self.layers[0], L, keep)
+        for idx, i in enumerate(self.layers):
+            groups, event = pending
+            if idx + 1 < len(self.layers):
+                pending = self._issue(plan, self.layers[idx + 1], L, keep)
+            if event is not None:
+                self.compute_stream.wait_event(event)
+            x = layer(i, x, groups)
+        return x
 
     def _issue(self, plan, layer, L, keep):
         """Stack layer `layer`'s PET weights: on the pets stream (prefetch) with an event the
@@ -570,7 +577,8 @@ class GpuExecutor:
             if gelu:
                 out.append(self.ops.bias_gelu(y, w[target + ".b"], out=y))
                 continue
-            y += w[target + ".b"]
+            if w[target + ".b"] is not None:  # (a bias-free projection: the GPU decoder's Llama layers)
+                y += w[target + ".b"]
             if ("adapter", target) in groups:  # on the biased output, as runtime.model.pet.linear
                 _, aw = groups[("adapter", target)]
                 self.ops.segmented_adapter(y, aw["down"], aw["down_bias"], aw["up"], aw["up_bias"], aw["seg_starts"],

@@ -162,14 +162,8 @@ class GpuDecoderExecutor(GpuExecutor):
             x = h.reshape(B * L, d).astype(self.dtype)
             attend = self._attention(B, L, lengths, kv_len, np.asarray(pages, dtype=np.int64), k_pool, v_pool, keep)
             rotary = self._rotary(B, L, kv_len, keep) if self.config.rotary else None
-            pending = self._issue(plan, self.layers[0], L, keep)
-            for idx, i in enumerate(self.layers):
-                groups, event = pending
-                if idx + 1 < len(self.layers):
-                    pending = self._issue(plan, self.layers[idx + 1], L, keep)
-                if event is not None:
-                    stream.wait_event(event)
-                x = self._decoder_layer(i, x, B, L, groups, attend, rotary, keep)
+            x = self._layers(plan, L, keep, x,
+                             lambda i, x, groups: self._decoder_layer(i, x, B, L, groups, attend, rotary, keep))
             last = self.upload(np.arange(B, dtype=np.int64) * L + lengths - 1, stream, keep)
             final = self.weights["final"]
             y = self._plain_norm(final, "ln_final", x[last])
@@ -261,22 +255,6 @@ class GpuDecoderExecutor(GpuExecutor):
         if act == "relu":
             return y * (y > 0)
         return y / (1.0 + cp.exp(-y))  # silu
-
-    def _proj(self, w, targets, x, groups, gelu=False) -> list:
-        """As GpuExecutor._proj, for projections that may have no bias (Llama)."""
-        cp = self.cp
-        ys = {t: cp.matmul(x, w[t]) for t in targets}
-        self._run_edits(ys, x, groups)
-        out = []
-        for target, y in ys.items():
-            if w[target + ".b"] is not None:
-                y += w[target + ".b"]
-            if ("adapter", target) in groups:  # on the biased output, as runtime.model.pet.linear
-                _, aw = groups[("adapter", target)]
-                self.ops.segmented_adapter(y, aw["down"], aw["down_bias"], aw["up"], aw["up_bias"], aw["seg_starts"],
-                                           aw["seg_ids"], out=y)
-            out.append(y)
-        return out
 
     def _plain_norm(self, w, name, x):
         g, b, eps = w[name + ".g"], w[name + ".b"], w[name + ".eps"]

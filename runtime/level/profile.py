@@ -107,20 +107,12 @@ def calibrate(saved: Saved, targets) -> dict:
     (tagging; -1 positions are left out)."""
     out = {"temperature": {}, "ece": {}}
     for level, logits in (("1", saved.logits1), ("2", saved.logits2[0.0])):
-        z, y = _samples(logits, targets)
+        z, y = cal.samples(logits, targets)
         T = cal.fit_temperature(z, y)
         out["temperature"][level] = T
         out["ece"][level] = {"before": cal.reliability(cal.softmax(z), y)["ece"],
                              "after": cal.reliability(cal.softmax(z, T), y)["ece"]}
     return out
-
-
-def _samples(logits, targets):
-    if np.ndim(targets[0]) == 0:
-        return np.stack(logits), np.asarray(targets)
-    z = np.concatenate(logits)
-    y = np.concatenate([np.asarray(t) for t in targets])
-    return z[y >= 0], y[y >= 0]
 
 
 def _probs(saved, temps, alpha, w):

@@ -60,3 +60,14 @@ def reliability(probs: np.ndarray, targets, bins: int = 10) -> dict:
     ece = float((count * np.abs(acc - mean_conf)).sum() / max(len(conf), 1))
     return {"edges": edges.tolist(), "count": count.tolist(), "confidence": mean_conf.tolist(),
             "accuracy": acc.tolist(), "ece": ece}
+
+
+def samples(logits, targets) -> tuple[np.ndarray, np.ndarray]:
+    """(z (N, labels), y (N,)) to fit and score on: one sample per example (classification:
+    targets one label each) or per scored token (tagging: a label list per example; labels
+    below 0, the sub-tokens the loss skips, left out)."""
+    if np.ndim(targets[0]) == 0:
+        return np.stack(logits), np.asarray(targets)
+    z = np.concatenate(logits)
+    y = np.concatenate([np.asarray(t) for t in targets])
+    return z[y >= 0], y[y >= 0]
