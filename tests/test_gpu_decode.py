@@ -26,7 +26,9 @@ from runtime.plot.causal import KeyValuer
 
 transformers = pytest.importorskip("transformers")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # sibling test modules, any import mode
-from test_decoder_reference import _hf_model  # transformers-built tiny GPT-2 / OPT / Llama
+from test_decoder_reference import (
+    _hf_model,  # transformers-built tiny GPT-2 / OPT / Llama
+)
 
 TEXTS = ["the cat sat on the mat .", "a dog ran in the park and the cat ran too .",
          "storage engines keep tables of vectors , versions and packs ."]
