@@ -85,6 +85,17 @@ def _cuda_available() -> bool:
     return cuda_available()
 
 
+def _resolve_device(device: str) -> str:
+    """"cpu" or "cuda" for a device asked for: auto picks the GPU when CuPy sees one."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
+    if device == "auto":
+        return "cuda" if _cuda_available() else "cpu"
+    if device == "cuda" and not _cuda_available():
+        raise StoreError("device='cuda' needs CuPy and a CUDA GPU (pip install 'hkstore[gpu]')")
+    return device
+
+
 class Runtime:
     """A store opened for serving; see the package doc. Use ``runtime.open``."""
 
@@ -95,12 +106,7 @@ class Runtime:
                  students_target_s: float = 0.5):
         import hkstore
 
-        if device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
-        if device == "auto":
-            device = "cuda" if _cuda_available() else "cpu"
-        elif device == "cuda" and not _cuda_available():
-            raise StoreError("device='cuda' needs CuPy and a CUDA GPU (pip install 'hkstore[gpu]')")
+        device = _resolve_device(device)
         if max_len < 1 or max_batch < 1:
             raise ValueError(f"max_len and max_batch must be positive, got {max_len} and {max_batch}")
         self.device, self.max_len, self.max_batch = device, int(max_len), int(max_batch)
@@ -411,12 +417,7 @@ def open(store_path, device: str = "auto", **options) -> Runtime:  # noqa: A001 
     from runtime.gen.api import DecoderRuntime, is_decoder_store_path
 
     if is_decoder_store_path(store_path):
-        if device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
-        if device == "cuda" and not _cuda_available():
-            raise StoreError("device='cuda' needs CuPy and a CUDA GPU (pip install 'hkstore[gpu]')")
-        return DecoderRuntime(store_path, "cuda" if device == "auto" and _cuda_available() else
-                              "cpu" if device == "auto" else device, **options)
+        return DecoderRuntime(store_path, _resolve_device(device), **options)
     return Runtime(store_path, device, **options)
 
 

@@ -2,9 +2,10 @@
 every sequence's PET on one CUDA device, for runtime.gen's continuous batcher.
 
     ex = GpuDecoderExecutor(decoder)                      # upper-layer weights + LM head on the device
-    k, v = ex.kv_arrays(positions)                        # the device KV pool (runtime.gen.kv_pool.DeviceKVPool)
+    k, v = ex.kv_arrays(positions)                        # the device KV pool (runtime.gen.device_decode.DeviceKVPool)
+    plan = ex.plan([ex.serving_pet(p) for p in pets])    # rows go in plan.perm's order
     h, orders = ex.inputs(snapshot, version, wins, lengths, starts)   # PLOT lookups -> (B, L, d) on the device
-    logits = ex.forward(h, lengths, kv_len, pages, pets, k, v)        # (B, vocab) host fp32
+    logits = ex.forward(h, lengths, kv_len, pages, plan, k, v)        # (B, vocab) host fp32
 
 One forward serves a prefill (a prompt per row, L = its padded length, kv_len = 0) and a decode
 step (L = 1, kv_len = what each sequence's pages hold) alike: each row's new keys and values are
@@ -142,18 +143,18 @@ class GpuDecoderExecutor(GpuExecutor):
 
     # -- the upper layers ------------------------------------------------------------------------
 
-    def forward(self, h, lengths, kv_len, pages, pets, k_pool, v_pool) -> np.ndarray:
+    def forward(self, h, lengths, kv_len, pages, plan, k_pool, v_pool) -> np.ndarray:
         """Next-token logits (B, vocab) fp32 (host) after each row's last new token. h (B, L, d)
         device inputs; lengths (B,) new tokens per row; kv_len (B,) positions each row's pages
         already hold; pages (B, S) page indices (S >= max(kv_len + lengths); unused entries may
-        repeat any page); pets: ServingPets in plan order (rows of one tenant contiguous).
+        repeat any page); plan: self.plan of the rows' ServingPets, the rows already in its
+        order (plan.perm applied by the caller: one tenant's rows contiguous).
         Writes each row's new keys and values into k_pool / v_pool at its pages."""
         cp = self.cp
         t0 = time.perf_counter()
         B, L, d = h.shape
-        plan = self.plan(pets)
-        if not (plan.perm == np.arange(B)).all():
-            raise ValueError("rows must come in plan order (one tenant's rows contiguous, first-seen order)")
+        if plan.size != B:
+            raise ValueError(f"a plan for {plan.size} rows, inputs for {B}")
         lengths, kv_len = np.asarray(lengths, dtype=np.int64), np.asarray(kv_len, dtype=np.int64)
         keep = [self.__dict__.pop("_keep_inputs", None)]
         stream = self.compute_stream

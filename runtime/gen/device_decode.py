@@ -57,31 +57,28 @@ class DevicePlotDecoder(PlotDecoder):
     def prefill(self, prompt, pet=None):
         raise TypeError("the device path prefills into its pool: use a Batcher (prefill_many)")
 
-    def _run(self, seqs, wins, lengths, starts, kv_len, pages, pool) -> list[np.ndarray]:
-        """One forward of the executor over seqs (already in plan order); the served orders."""
+    def _run(self, seqs, wins, lengths, starts, kv_len, pages, pool, plan) -> list[np.ndarray]:
+        """One forward of the executor over seqs (in plan order); the served orders."""
         ex = self.executor
         h, orders = ex.inputs(self.snapshot, self.version, wins, lengths, starts)
-        logits = ex.forward(h, lengths, kv_len, pages, [ex.serving_pet(s.pet) for s in seqs], pool.k, pool.v)
+        logits = ex.forward(h, lengths, kv_len, pages, plan, pool.k, pool.v)
         for s, row in zip(seqs, logits):
             s.logits = torch.from_numpy(row)
         return np.split(orders, np.cumsum(lengths)[:-1])
 
-    def _plan_order(self, seqs: list[Sequence]) -> list[Sequence]:
-        perm = self.executor.plan([self.executor.serving_pet(s.pet) for s in seqs]).perm
-        return [seqs[j] for j in perm]
+    def _plan_order(self, seqs: list[Sequence]):
+        """(seqs in the executor's plan order (one tenant's rows contiguous), that plan)."""
+        plan = self.executor.plan([self.executor.serving_pet(s.pet) for s in seqs])
+        return [seqs[j] for j in plan.perm], plan
 
     def prefill_many(self, prompts, pets, slots, pool) -> list[Sequence]:
-        for p in prompts:
-            if not p:
-                raise ValueError("an empty prompt: at least one token (most tokenizers add a BOS)")
-            self._check_room(len(p))
-        seqs = [Sequence(list(p), len(p), pet, cache=None, slots=sl) for p, pet, sl in zip(prompts, pets, slots)]
-        ordered = self._plan_order(seqs)
+        seqs = self._new_sequences(prompts, pets, slots)
+        ordered, plan = self._plan_order(seqs)
         wins, lengths = corpus_windows([s.ids for s in ordered], self.n, self.window, self.pad_id)
         B, L = len(ordered), int(lengths.max())
         pages = np.stack([_row(s.slots, L) for s in ordered])
-        orders = self._run(ordered, wins, lengths, np.zeros(B, dtype=np.int64), np.zeros(B, dtype=np.int64),
-                           pages, pool)
+        zeros = np.zeros(B, dtype=np.int64)
+        orders = self._run(ordered, wins, lengths, zeros, zeros, pages, pool, plan)
         for s, o in zip(ordered, orders):
             s.kv_len, s.orders = s.prompt_len, o.tolist()
         return seqs
@@ -93,13 +90,13 @@ class DevicePlotDecoder(PlotDecoder):
         for s, t in zip(seqs, tokens):
             self._check_room(len(s.ids) + 1)
             s.ids.append(int(t))
-        ordered = self._plan_order(seqs)
+        ordered, plan = self._plan_order(seqs)
         wins = np.stack([causal_windows(np.asarray(s.ids[-self.n:]), self.n, "causal", self.pad_id)[-1]
                          for s in ordered])
         kv_len = np.array([s.kv_len for s in ordered], dtype=np.int64)
         width = int(kv_len.max()) + 1
         pages = np.stack([_row(s.slots, width) for s in ordered])
-        orders = self._run(ordered, wins, np.ones(len(ordered), dtype=np.int64), kv_len, kv_len, pages, pool)
+        orders = self._run(ordered, wins, np.ones(len(ordered), dtype=np.int64), kv_len, kv_len, pages, pool, plan)
         for s, o in zip(ordered, orders):
             s.kv_len += 1
             s.orders.append(int(o[0]))

@@ -82,11 +82,7 @@ class PlotDecoder:
         shared by its prompts (runtime.gen.batched_prefill); keys and values in their pages of pool."""
         from runtime.gen.batched_prefill import prefill_batch
 
-        for p in prompts:
-            if not p:
-                raise ValueError("an empty prompt: at least one token (most tokenizers add a BOS)")
-            self._check_room(len(p))
-        seqs = [Sequence(list(p), len(p), pet, cache=None, slots=sl) for p, pet, sl in zip(prompts, pets, slots)]
+        seqs = self._new_sequences(prompts, pets, slots)
         h, mask, served = retrieve(self.snapshot, self.version, [s.ids for s in seqs])
         groups: dict = {}  # None: the per-row LoRA pass; id(pet): the rows sharing that PET
         for b, s in enumerate(seqs):
@@ -100,6 +96,14 @@ class PlotDecoder:
         for b, s in enumerate(seqs):
             s.orders = served.order[b, :s.prompt_len].tolist()
         return seqs
+
+    def _new_sequences(self, prompts, pets, slots) -> list[Sequence]:
+        """Pooled sequences for prompts (each checked: not empty, within the context)."""
+        for p in prompts:
+            if not p:
+                raise ValueError("an empty prompt: at least one token (most tokenizers add a BOS)")
+            self._check_room(len(p))
+        return [Sequence(list(p), len(p), pet, cache=None, slots=sl) for p, pet, sl in zip(prompts, pets, slots)]
 
     def _step_inputs(self, seqs: list[Sequence]) -> torch.Tensor:
         """Upper-layer inputs (B, d) of each sequence's newest token: one lookup for all."""

@@ -103,6 +103,13 @@ class _Handle:
         self.request, self.sink, self.key, self.cancelled, self.released = request, sink, None, False, False
 
 
+def _stale(batcher, snap) -> bool:
+    """An idle batcher over an older snapshot than snap: replaced by one on snap. One over the
+    newest stays, with its KV pool (allocating and zeroing a pool per request cost tens of
+    milliseconds of time to first token)."""
+    return not batcher.busy and batcher.gen.snapshot.manifest.get("generation") != snap.manifest.get("generation")
+
+
 class GenEngine:
     """One thread, one continuous batcher per PLOT version, for every generation request.
 
@@ -170,8 +177,7 @@ class GenEngine:
                                if not c.rotary else CHAT_DEFAULT_MAX_TOKENS)
             version, prompt, params, pet = rt.parse(snap, request)
             batcher = self.batchers.get(version)
-            if batcher is None or (not batcher.busy and batcher.gen.snapshot.manifest.get("generation") !=
-                                   snap.manifest.get("generation")):  # idle over an older snapshot: a new one
+            if batcher is None or _stale(batcher, snap):
                 batcher = self.batchers[version] = rt.batcher(snap, version)
             try:
                 rid = batcher.submit(prompt, params, pet)
@@ -204,14 +210,11 @@ class GenEngine:
                     if b is not None:
                         b.cancel(rid)
                         b.done.pop(rid, None)  # a waiting one is done at once; a running one at its next step
-            newest = self.rt.store.snapshot().manifest.get("generation")
+            newest = self.rt.store.snapshot()
             for version, b in list(self.batchers.items()):
                 if b.busy:
                     self._step(version, b)
-                # An idle batcher over an older snapshot goes: the next request makes one on the
-                # newest. One over the newest stays, with its KV pool (allocating and zeroing a
-                # pool per request cost tens of milliseconds of time to first token).
-                if not b.busy and b.gen.snapshot.manifest.get("generation") != newest:
+                if _stale(b, newest):
                     del self.batchers[version]
             self._gauges()
         for key, h in list(self.handles.items()):
