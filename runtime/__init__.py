@@ -20,8 +20,8 @@ and ``.pruned`` say how it was answered. A tenant with students (runtime.student
 Parallelism) may be answered by the first k of them instead of its teacher: per batch, the
 scheduler's pruning policy picks the teacher or k students under the measured load (latency
 target ``students_target_s``, 0.5 s); a request's ``students`` pins it (0 the teacher, k the
-first k students; only at policy fast); ``Result.students`` says how many answered (0: the
-teacher).
+first k students; at policy fast or auto, not exact); ``Result.students`` says how many answered
+(0: the teacher). Under auto the teacher is Tabi's dispatcher; an answer by students is not re-routed.
 
 Errors a caller can fix are raised by ``infer`` before anything runs: ``UnknownTenant``,
 ``EmptyText``, ``TextTooLong`` (more than ``max_len`` tokens), ``BadRequest`` (a malformed

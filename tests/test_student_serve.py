@@ -99,10 +99,41 @@ def test_bad_students_requests_are_refused_with_the_reason(env):
                                 ({"tenant": "cls", "students": 3}, "has 2 students, 3"),
                                 ({"tenant": "cls", "students": -1}, "whole number"),
                                 ({"tenant": "cls", "students": "2"}, "whole number"),
-                                ({"tenant": "cls", "students": 1, "policy": "exact"}, "policy fast")):
+                                ({"tenant": "cls", "students": 1, "policy": "exact"}, "not at policy exact")):
             with pytest.raises(runtime.BadRequest, match=reason):
                 rt.infer([dict(request, text=text)])
         assert rt.infer([{"tenant": "plain", "text": text, "students": 0}])[0].students == 0
+
+
+def test_under_policy_auto_students_answer_a_burst_and_tabi_the_rest(env, tmp_path):
+    """A tenant profiled for Tabi (auto by default) keeps its students: pinned or under load
+    they answer (never re-routed); otherwise the teacher answers as the dispatcher says."""
+    import shutil
+
+    from runtime.level import profile
+
+    store = str(tmp_path / "store")
+    shutil.copytree(env["store"], store)
+    profile.save(store, "cls", {"levels": [1, 2], "temperature": {"1": 1.0, "2": 1.0},  # re-route every answer
+                                "policy": {"c": 1.01, "k": 100.0, "alpha": 0.0, "w": 0.0, "gate": 0.0}})
+    texts = short_texts(env)[:4]
+    with runtime.open(store, device="cpu", max_len=32) as rt:
+        pinned = rt.infer([{"tenant": "cls", "text": x, "students": 1} for x in texts])
+        idle = rt.infer([{"tenant": "cls", "text": x} for x in texts])  # no cost measured yet: the teacher
+        exact = rt.infer([{"tenant": "cls", "text": x, "policy": "exact"} for x in texts])
+        rt.students.policy.target_s = 0.0  # no level holds the target: the cheapest answers
+        rt.students.policy.cost.update({level: 1e-3 for level in rt.students.policy.levels})
+        burst = rt.infer([{"tenant": "cls", "text": x} for x in texts])
+        ids = [rt.encoder.tokenizer.encode(x).ids for x in texts]
+    for p, i in zip(pinned, ids):
+        assert (p.students, p.level, p.pruned) == (1, 1, 0)
+        np.testing.assert_allclose(p.logits, reference_logits(store, "cls", i, 1), rtol=1e-4, atol=1e-4)
+    for a, e in zip(idle, exact):  # the teacher under auto: Tabi re-routed it to level 2
+        assert (a.students, a.level) == (0, 2)
+        np.testing.assert_allclose(a.probabilities, e.probabilities, atol=1e-5)
+    for b, p in zip(burst, pinned):
+        assert (b.students, b.level) == (1, 1)
+        np.testing.assert_allclose(b.logits, p.logits, rtol=1e-5, atol=1e-5)
 
 
 # -- the policy under a simulated queue (unit) ----------------------------------------------------

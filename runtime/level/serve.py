@@ -86,12 +86,15 @@ def policy_of(pet, asked):
 def answer(scheduler, requests, tags=None) -> list:
     """Answers of requests: (tenant, ids, positions, pet, version, asked policy) each;
     positions: the token positions a tagging request reports (None: classification).
-    tags: per request, the tag of its item when it is served at policy fast (e.g. a
-    runtime.student StudentTag: students may answer it; its ``students`` says how many did)."""
+    tags: per request, the tag of its item when it is served at policy fast or auto (e.g. a
+    runtime.student StudentTag: students may answer it, its ``students`` says how many did; under
+    auto its ``teacher`` is set to the level tag the dispatcher gives the request, and an answer
+    by students is returned as it is, never re-routed)."""
     items, plans = [], []
     for i, (tenant, ids, positions, pet, version, asked) in enumerate(requests):
         name, chosen = policy_of(pet, asked)
-        tag = tags[i] if tags is not None and name == "fast" else None
+        given = tags[i] if tags is not None and name in ("fast", "auto") else None
+        tag = given if name == "fast" else None
         if name == "exact":
             tag = LevelTag(level=2)
         elif name == "auto":
@@ -99,20 +102,25 @@ def answer(scheduler, requests, tags=None) -> list:
             # a gate above 1 sends every request to level 2: no lookup to measure coverage
             tag = LevelTag(level=2) if gate > 1 else LevelTag(level=1, gate=gate,
                                                                 attention=float(chosen.get("alpha", 0)) > 0)
+            if given is not None:  # students may answer it (under load); the teacher serves it as Tabi's tag says
+                given.teacher, tag = tag, given
         items.append(Item(list(ids), pet, version, tag))
         plans.append((name, chosen))
     outs = scheduler.run(items)
     answers, again, later = [], [], []
     for b, ((tenant, ids, positions, pet, version, _), (name, chosen), item, out) in enumerate(
             zip(requests, plans, items, outs)):
-        level = 2 if isinstance(item.tag, LevelTag) and item.tag.level == 2 else 1
-        a = _single(pet, out, level, positions, getattr(item.tag, "students", None) or 0)
+        students = getattr(item.tag, "students", None) or 0
+        tag = getattr(item.tag, "teacher", None) or item.tag  # the level tag the teacher was served with
+        level = 2 if not students and isinstance(tag, LevelTag) and tag.level == 2 else 1
+        a = _single(pet, out, level, positions, students)
         answers.append(a)
-        if name != "auto" or level == 2:
+        # students answer only under load: re-routing their answers would add the work they save
+        if name != "auto" or level == 2 or students:
             continue
         if dispatch.reroute(tenant, ids, a.confidence, float(chosen["c"]), float(chosen["k"])):
             spans = word_spans(_firsts(positions, len(ids)), len(ids))
-            received = item.tag.received if item.tag.received is not None else np.zeros(len(ids))
+            received = tag.received if tag.received is not None else np.zeros(len(ids))
             kept, dropped = prune(received, spans, float(chosen.get("alpha", 0.0)))
             again.append(Item([ids[j] for j in kept], pet, version, LevelTag(level=2)))
             later.append((b, kept, len(dropped), float(chosen.get("w", 0.0))))

@@ -64,7 +64,7 @@ class InferBody(Strict):
                           "(default once the tenant is profiled, else fast)")
     students: Optional[Annotated[int, Field(ge=0, le=1024)]] = Field(
         None, description="A tenant with students (hkstore students create): 0 the teacher answers, k the first k "
-                          "students (policy fast only; 422 for a tenant without them or more than it has); "
+                          "students (policy fast or auto, not exact; 422 for a tenant without them or more than it has); "
                           "default: the server's pruning policy chooses per batch under the load")
 
     @model_validator(mode="after")

@@ -7,13 +7,14 @@ inputs of each tenant's items (runtime.plot.retrieve, as the teacher reads them)
 such tenant's students in ONE virtually stacked step (runtime.student.stack.ensembles; one
 step per student depth when groups of 1- and 2-layer students meet) and the pruning head. The
 batch's other items, and student-capable items the decider gave to the teacher, go to the
-wrapped executor unchanged, so a batch may mix both; the logits come back in item order.
+wrapped executor (the latter with their ``teacher`` tag: under policy auto, Tabi's level-1 tag),
+so a batch may mix both; the logits come back in item order.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -29,6 +30,15 @@ class StudentTag:
     best: int  # the most students the policy gives this tenant (best_k, chosen on dev)
     asked: int | None = None  # the client's pin: 0 the teacher, k the first k students; None: the policy's
     students: int | None = None  # how many students answer (decided per batch); None: the teacher
+    teacher: object = None  # the item's tag when the teacher answers it (policy auto: a runtime.level LevelTag)
+
+
+def _as_teacher(item):
+    """The item as the wrapped executor serves it: with its teacher's tag (the same object, so
+    what the wrapped executor records on it, e.g. a level-1 item's attention, reaches the caller)."""
+    if isinstance(item.tag, StudentTag) and item.tag.teacher is not None:
+        return replace(item, tag=item.tag.teacher)
+    return item
 
 
 @dataclass
@@ -58,10 +68,10 @@ class StudentExecutor:
     def prepare(self, snapshot, items) -> Prepared:
         rows = [b for b, it in enumerate(items) if isinstance(it.tag, StudentTag) and it.tag.students]
         if not rows:
-            return self.inner.prepare(snapshot, items)
+            return self.inner.prepare(snapshot, [_as_teacher(it) for it in items])
         taken = set(rows)
         rest = [b for b in range(len(items)) if b not in taken]
-        inner = self.inner.prepare(snapshot, [items[b] for b in rest]) if rest else None
+        inner = self.inner.prepare(snapshot, [_as_teacher(items[b]) for b in rest]) if rest else None
         t0 = time.perf_counter()
         by_tenant: dict = {}
         for b in rows:

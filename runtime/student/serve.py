@@ -1,7 +1,8 @@
 """Students in runtime.Runtime: which requests may be answered by students, and per batch how.
 
 A request of a tenant with a servable group (complete and fresh, runtime.student.record) that
-is served at the PLOT level (policy fast) gets a StudentTag; its `students` field (the
+is served at the PLOT level (policy fast, or auto: Tabi's dispatcher when the teacher answers,
+runtime.level.serve) gets a StudentTag; its `students` field (the
 request's) pins the answer: 0 the teacher, k the first k students (1 <= k <= M); None (the
 default) leaves it to the pruning policy. The scheduler calls ``decide`` as each batch is
 about to run, with the load it measured (runtime.sched.load): the policy
@@ -11,7 +12,7 @@ tagged item of the batch; ``observe`` then learns what the level cost per padded
 scheduler decides, runtime.student.executor computes.
 
 A request that asks for students (k >= 1) of a tenant without a servable group, more than its
-group holds, or at another policy than fast is a BadRequest with the reason.
+group holds, or at policy exact is a BadRequest with the reason.
 """
 
 from __future__ import annotations
@@ -67,9 +68,9 @@ class StudentServing:
                 raise BadRequest(f"tenant {tenant!r} {why}: it cannot be answered by {asked} students")
             if asked > group.size:
                 raise BadRequest(f"tenant {tenant!r} has {group.size} students, {asked} were asked for")
-            if policy != "fast":
-                raise BadRequest(f"students answer at the PLOT level (policy fast), not at policy {policy}")
-        if group is None or policy != "fast":
+            if policy == "exact":
+                raise BadRequest("students answer at the PLOT level (policy fast or auto), not at policy exact")
+        if group is None or policy == "exact":
             return None
         best = int(group.meta.get("best_k") or group.size)
         return StudentTag(group, best, asked, asked)
