@@ -76,7 +76,7 @@ def upper_step(decoder, seqs, h: torch.Tensor, pool=None) -> torch.Tensor:
         def _lin(i, target, x, lin_):
             y = F.linear(x, lin_.weight, lin_.bias)
             d = lb.delta(i, target, x)
-            return y if d is None else y + d
+            return y if d is None else y.add_(d)
     else:
         groups = _groups(seqs)
         _lin = None

@@ -5,8 +5,8 @@ from the tenants' A and B stacked for the step.
     lb = LoraBatch([pet_of_row0, None, pet_of_row2, ...])     # None: the base model
     y = F.linear(x, W, b) + lb.delta(i, "q", x)                # == petlib.linear(pet_r, i, "q", x[r], lin)
 
-- BGMV (every row its own adapter): A (B, r, d_in) and B (B, d_out, r) gathered per row once
-  a step, the delta is two batched matrix-vector products, one call each for all rows;
+- BGMV (every row its own adapter): A^T (B, d_in, r) and B^T (B, r, d_out) gathered per row
+  once a batch composition, the delta is two batched matrix-vector products, one call each for all rows;
 - SGMV (rows share few adapters): one GEMM pair per adapter on its rows (segments), for steps
   with at least SGMV_ROWS rows per adapter on average (a GEMM pays off over a gather there).
 
@@ -18,6 +18,7 @@ deltas, nothing else) take this path; runtime.gen.batched_step groups any other 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 SGMV_ROWS = 4
 
@@ -52,7 +53,7 @@ class LoraBatch:
         return not self.adapters
 
     def _stack(self, i: int, target: str):
-        """(A (B, r, d_in), B (B, d_out, r) scaled), zeros for rows without this projection's LoRA."""
+        """(A^T (B, d_in, r), scaled B^T (B, r, d_out)), zeros for rows without this projection's LoRA."""
         key = (i, target)
         if key not in self._stacks:
             a_name, b_name = f"layers.{i}.lora.{target}.A", f"layers.{i}.lora.{target}.B"
@@ -70,7 +71,8 @@ class LoraBatch:
                     A[g, :k] = p.tensors[a_name]
                     Bm[g, :, :k] = p.tensors[b_name] * p.meta["scale"]
             rows = torch.where(self.row_adapter < 0, len(self.adapters), self.row_adapter)
-            self._stacks[key] = (A[rows], Bm[rows])
+            # stored as the bmm reads them, (B, d_in, r) and (B, r, d_out), contiguous
+            self._stacks[key] = (A[rows].transpose(1, 2).contiguous(), Bm[rows].transpose(1, 2).contiguous())
         return self._stacks[key]
 
     def delta(self, i: int, target: str, x: torch.Tensor) -> torch.Tensor | None:
@@ -85,19 +87,19 @@ class LoraBatch:
             for p, rows in zip(self.adapters, self.segments):
                 if a_name not in p.tensors:
                     continue
+                whole = len(rows) == self.B
+                # (the scale on the rank-r middle: r numbers a row instead of d_out)
+                d = F.linear(F.linear(x if whole else x[rows], p.tensors[a_name]) * p.meta["scale"], p.tensors[b_name])
+                if whole:  # one adapter on every row: its delta is the answer, nothing to scatter
+                    return d
                 if out is None:
-                    out = x.new_zeros(*x.shape[:-1], p.tensors[b_name].shape[0])
-                xs = x if len(rows) == self.B else x[rows]
-                d = (xs @ p.tensors[a_name].T) @ p.tensors[b_name].T * p.meta["scale"]
-                if len(rows) == self.B:
-                    out += d
-                else:
-                    out[rows] += d
+                    out = x.new_zeros(*x.shape[:-1], d.shape[-1])
+                out[rows] += d
             return out
         stack = self._stack(i, target)
         if stack is None:
             return None
-        A, Bm = stack
+        At, Bt = stack
         x3 = x[:, None] if x.dim() == 2 else x
-        out = torch.bmm(torch.bmm(x3, A.transpose(1, 2)), Bm.transpose(1, 2))
+        out = torch.bmm(torch.bmm(x3, At), Bt)
         return out[:, 0] if x.dim() == 2 else out
