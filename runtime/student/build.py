@@ -46,7 +46,7 @@ from runtime.student.train import StudentConfig, boost, teacher_logits, teacher_
 def students_create(store_path, tenant, *, dev_path, students: int = 4, layers: int = 1, lam: float = 0.5,
                     epochs: int = 3, lr: float = 2e-4, batch_size: int = 16, max_examples: int | None = None,
                     min_gain: float = 0.01, head_epochs: int = 20, corpus_paths=(), max_corpus: int = 2000,
-                    kd: float = 0.0, resume: bool = True, seed: int = 0, progress: bool = True) -> dict:
+                    resume: bool = True, seed: int = 0, progress: bool = True) -> dict:
     """Train and store `tenant`'s students; returns a JSON-able summary (module doc).
     corpus_paths: unlabeled in-domain text (at most max_corpus pieces) that the students and
     the pruning head also learn from: both only need the teacher's outputs."""
@@ -54,7 +54,7 @@ def students_create(store_path, tenant, *, dev_path, students: int = 4, layers: 
     if students < 1 or layers < 1:
         raise ValueError(f"students and layers must be at least 1, got {students} and {layers}")
     cfg = StudentConfig(max_students=students, layers=layers, lam=lam, epochs=epochs, lr=lr, batch_size=batch_size,
-                        min_gain=min_gain, kd=kd, seed=seed, progress=progress)
+                        min_gain=min_gain, seed=seed, progress=progress)
     with hkstore.open(store_path) as store:
         snap = store.snapshot()
         if tenant not in snap.pets:
@@ -83,7 +83,7 @@ def students_create(store_path, tenant, *, dev_path, students: int = 4, layers: 
             "layers": layers, "heads": encoder.config.heads, "eps": encoder.config.eps, "ffn": encoder.config.ffn,
             "teacher_created": meta.get("created"),
             "train": {"path": os.path.abspath(train["path"]), "dev": os.path.abspath(dev_path), "examples": len(ids),
-                      "epochs": epochs, "lr": lr, "lam": lam, "min_gain": min_gain, "max_students": students, "kd": kd,
+                      "epochs": epochs, "lr": lr, "lam": lam, "min_gain": min_gain, "max_students": students,
                       "corpus": [os.path.abspath(p) for p in corpus_paths]}}
     head_w, head_b = pet.tensors["head.weight"], pet.tensors["head.bias"]
 
@@ -94,7 +94,7 @@ def students_create(store_path, tenant, *, dev_path, students: int = 4, layers: 
         return record
 
     trained, history = boost(encoder, h_train, h_dev, x_train, x_dev, task, cfg, start=start,
-                             on_student=lambda s, h: save(s, h, complete=False), head=(head_w, head_b))
+                             on_student=lambda s, h: save(s, h, complete=False))
     score = _scorer(task, labels, dev_targets, dev)
     heads, eps = encoder.config.heads, encoder.config.eps
     cums_train = cumulative(trained, x_train, heads, eps, task)
@@ -125,7 +125,7 @@ def recorded_settings(store_path, tenant) -> dict:
     train = meta.get("train") or {}
     out = {"dev_path": train.get("dev"), "students": train.get("max_students"), "layers": meta.get("layers"),
            "lam": train.get("lam"), "epochs": train.get("epochs"), "lr": train.get("lr"),
-           "min_gain": train.get("min_gain"), "kd": train.get("kd"), "corpus_paths": tuple(train.get("corpus") or ())}
+           "min_gain": train.get("min_gain"), "corpus_paths": tuple(train.get("corpus") or ())}
     return {k: v for k, v in out.items() if v is not None}
 
 

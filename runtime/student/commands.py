@@ -33,8 +33,6 @@ def students():
 @click.option("--lam", type=float, help="Stacking distillation weight (students of 2+ layers).  [default: 0.5]")
 @click.option("--epochs", type=int, help="[default: 3]")
 @click.option("--lr", type=float, help="[default: 2e-4]")
-@click.option("--kd", type=float, help="Weight of the prediction-layer term: the teacher's head on the boosted sum "
-                                       "must give the teacher's soft labels.  [default: 0]")
 @click.option("--corpus", "corpus_paths", multiple=True, type=click.Path(dir_okay=False),
               help="Unlabeled in-domain text the students also learn from (repeatable).")
 @click.option("--max-corpus", default=2000, show_default=True, help="At most this many corpus pieces.")
@@ -42,7 +40,7 @@ def students():
 @click.option("--fresh", is_flag=True, help="Start over instead of resuming an unfinished group.")
 @_quiet_option
 @_json_option
-def create(store, tenant, dev_path, max_students, layers, lam, epochs, lr, kd, corpus_paths, max_corpus, max_examples,
+def create(store, tenant, dev_path, max_students, layers, lam, epochs, lr, corpus_paths, max_corpus, max_examples,
            fresh, quiet, as_json):
     """Distill TENANT's PET into students (resumes an unfinished run unless --fresh). Run again
     after `tenant update` (the students are then stale): options not given are the stored
@@ -51,7 +49,7 @@ def create(store, tenant, dev_path, max_students, layers, lam, epochs, lr, kd, c
 
     def run(path, name):
         given = {"dev_path": dev_path, "students": max_students, "layers": layers, "lam": lam, "epochs": epochs,
-                 "lr": lr, "kd": kd, "corpus_paths": corpus_paths or None}
+                 "lr": lr, "corpus_paths": corpus_paths or None}
         settings = {**recorded_settings(path, name), **{k: v for k, v in given.items() if v is not None}}
         if not settings.get("dev_path"):
             raise ValueError(f"--dev is needed: tenant {name!r} has no students whose settings to reuse")

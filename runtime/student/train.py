@@ -15,12 +15,6 @@ state is free extra supervision. Texts need no labels: unlabeled domain text hel
 For classification the first token's error is added once more with the weight of all the
 others together (tried without: the students matched ordinary tokens, distance 0.33 -> 0.10,
 but not [CLS], 0.36 -> 0.30, and the pruning head then predicted the majority class only).
-
-The squared error weighs every direction of the representation alike, while the task reads it
-through the head, and for tagging nearly every row is an O token. With kd > 0 each student also
-minimizes the prediction-layer term (TinyBERT's, Hinton's soft labels): the teacher's head on the
-boosted sum so far plus the new student must give the teacher's labels (temperature
-kd_temperature). The multiplier is still Eq. 2's line search.
 """
 
 from __future__ import annotations
@@ -45,8 +39,6 @@ class StudentConfig:
     lr: float = 2e-4
     batch_size: int = 16
     min_gain: float = 0.01  # stop once a student improves the validation distance by less than 1%
-    kd: float = 0.0  # weight of the prediction-layer term (module doc); 0: the representation alone
-    kd_temperature: float = 2.0
     seed: int = 0
     progress: bool = True
 
@@ -90,22 +82,9 @@ def distance(a: list[torch.Tensor], b: list[torch.Tensor], task: str) -> float:
     return d + float(torch.stack([x[0] - y[0] for x, y in zip(a, b)]).pow(2).mean()) if task == "classification" else d
 
 
-def kd_loss(sums: torch.Tensor, mask: torch.Tensor, head: tuple, teacher: torch.Tensor, task: str,
-            T: float) -> torch.Tensor:
-    """The prediction-layer term: KL from the teacher's softened labels to those of the teacher's
-    head on the boosted sum, over the rows the head reads (scaled by T^2, Hinton et al.)."""
-    if task == "classification":
-        sums, teacher = sums[:, 0], teacher[:, 0]
-    else:
-        sums, teacher = sums[mask], teacher[mask]
-    logp = F.log_softmax(F.linear(sums, *head) / T, -1)
-    return F.kl_div(logp, F.log_softmax(teacher / T, -1), log_target=True, reduction="batchmean") * T * T
-
-
-def fit_student(encoder, inputs, targets, previous, task: str, cfg: StudentConfig, j: int, kd=None):
+def fit_student(encoder, inputs, targets, previous, task: str, cfg: StudentConfig, j: int):
     """Train student j (a fresh copy of the first upper layers) on residual targets; returns
-    (its weights, eta, losses). previous: F_{j-1} per example (None for the first student).
-    kd: (head (weight, bias), teacher logits per example, F_{j-1} per example) when cfg.kd."""
+    (its weights, eta, losses). previous: F_{j-1} per example (None for the first student)."""
     heads, eps = encoder.config.heads, encoder.config.eps
     w = {k: v.requires_grad_(True) for k, v in init_student(encoder, cfg.layers).items()}
     # The output is post-LayerNorm (size ~ sqrt(d)) while later residuals are small: a trainable
@@ -122,11 +101,6 @@ def fit_student(encoder, inputs, targets, previous, task: str, cfg: StudentConfi
         x, mask = _pad_inputs([inputs[i] for i in batch])
         outs = student_forward(w, x, mask, heads, eps)
         loss = fit_loss(scale * outs[-1], _pad_inputs([targets[i] for i in batch])[0], mask, task)
-        if kd is not None and cfg.kd:
-            head, logits, sums = kd
-            before = _pad_inputs([sums[i] for i in batch])[0]
-            loss = loss + cfg.kd * kd_loss(before + scale * outs[-1], mask, head,
-                                           _pad_inputs([logits[i] for i in batch])[0], task, cfg.kd_temperature)
         if previous is not None and len(outs) > 1 and cfg.lam:
             loss = loss + cfg.lam * fit_loss(outs[0], _pad_inputs([previous[i] for i in batch])[0], mask, task)
         return loss
@@ -144,14 +118,10 @@ def fit_student(encoder, inputs, targets, previous, task: str, cfg: StudentConfi
 
 
 def boost(encoder, teacher_train, teacher_val, train_inputs, val_inputs, task: str, cfg: StudentConfig,
-          start: list | None = None, on_student=None, head: tuple | None = None):
+          start: list | None = None, on_student=None):
     """Students by boosting (module doc). start: [(weights, eta), ...] trained earlier (resume);
-    on_student(students, history) is called after each accepted student (to store progress);
-    head: the teacher's (weight, bias), needed when cfg.kd.
+    on_student(students, history) is called after each accepted student (to store progress).
     Returns (students [(weights, eta)], history: one dict per trained student)."""
-    if cfg.kd and head is None:
-        raise ValueError("cfg.kd needs the teacher's head")
-    logits = [F.linear(h, *head) for h in teacher_train] if cfg.kd else None
     heads, eps = encoder.config.heads, encoder.config.eps
     students, history = list(start or []), []
     F_train = [torch.zeros_like(h) for h in teacher_train]
@@ -163,8 +133,7 @@ def boost(encoder, teacher_train, teacher_val, train_inputs, val_inputs, task: s
     while len(students) < cfg.max_students:
         j = len(students)
         residual = [t - f for t, f in zip(teacher_train, F_train)]
-        w, eta, log, train_out = fit_student(encoder, train_inputs, residual, F_train if j else None, task, cfg, j,
-                                             kd=(head, logits, F_train) if cfg.kd else None)
+        w, eta, log, train_out = fit_student(encoder, train_inputs, residual, F_train if j else None, task, cfg, j)
         val_out = student_outputs(w, val_inputs, heads, eps)
         new_val = [f + eta * o for f, o in zip(F_val, val_out)]
         dist = distance(new_val, teacher_val, task)
