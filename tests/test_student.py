@@ -67,12 +67,13 @@ def test_virtual_stacking_equals_the_loop_over_students(m, k, layers, b, length,
 
 
 @settings(max_examples=15, deadline=None)
-@given(ks=st.lists(st.integers(1, 3), min_size=1, max_size=3), seed=st.integers(0, 1000))
+@given(ks=st.lists(st.tuples(st.integers(1, 3), st.integers(1, 2)), min_size=1, max_size=4), seed=st.integers(0, 1000))
 def test_many_tenants_in_one_stacked_step(ks, seed):
-    """Tenants with different batches, lengths and k: one forward, each answer its own loop's."""
+    """Tenants with different batches, lengths, k and student depths (one forward per depth):
+    each answer its own loop's."""
     parts = []
-    for t, k in enumerate(ks):
-        group = random_group(3, 1, d=8, heads=2, ffn=12, seed=seed + t)
+    for t, (k, layers) in enumerate(ks):
+        group = random_group(3, layers, d=8, heads=2, ffn=12, seed=seed + t)
         x, mask = random_batch(1 + t, 2 + 2 * t, 8, seed + t)
         parts.append((group, k, x, mask))
     for (group, k, x, mask), got in zip(parts, stack.ensembles(parts)):

@@ -106,14 +106,10 @@ class StudentExecutor:
                     out[b] = logits[j] if group.meta["task"] == "classification" else \
                         logits[j, :int(mask[j].sum())]
             return out
-        by_depth: dict = {}  # stack.ensembles stacks groups of one depth
-        for part in split.inputs:
-            by_depth.setdefault(part[0].meta["layers"], []).append(part)
-        for parts in by_depth.values():
-            sums = stack.ensembles([(g, k, x, mask) for g, k, _, _, x, mask in parts])
-            for (group, _, _, idx, _, mask), h in zip(parts, sums):
-                logits = model.head(group, h)
-                for j, b in enumerate(idx):
-                    row = logits[j] if group.meta["task"] == "classification" else logits[j, :int(mask[j].sum())]
-                    out[b] = row.numpy()
+        sums = stack.ensembles([(g, k, x, mask) for g, k, _, _, x, mask in split.inputs])
+        for (group, _, _, idx, _, mask), h in zip(split.inputs, sums):
+            logits = model.head(group, h)
+            for j, b in enumerate(idx):
+                row = logits[j] if group.meta["task"] == "classification" else logits[j, :int(mask[j].sum())]
+                out[b] = row.numpy()
         return out

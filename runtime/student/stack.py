@@ -59,9 +59,22 @@ def ensemble(group: Group, x: torch.Tensor, mask: torch.Tensor, k: int | None = 
 
 
 def ensembles(parts: list[tuple[Group, int, torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
-    """F_k of many tenants in ONE stacked forward: parts are (group, k, x (B_t, L_t, d), mask).
-    Groups must share width and layer count (every tenant of a store does); the inputs are
-    zero-padded to the largest B and L (padded keys are masked out, padded rows dropped)."""
+    """F_k of many tenants, in ONE stacked forward per student depth (1- and 2-layer groups
+    cannot share one): parts are (group, k, x (B_t, L_t, d), mask), results in their order.
+    Groups share the width (every tenant of a store does)."""
+    by_depth: dict = {}
+    for j, part in enumerate(parts):
+        by_depth.setdefault(part[0].meta["layers"], []).append(j)
+    results = [None] * len(parts)
+    for idx in by_depth.values():
+        for j, h in zip(idx, _stacked([parts[j] for j in idx])):
+            results[j] = h
+    return results
+
+
+def _stacked(parts) -> list[torch.Tensor]:
+    """ensembles for groups of one depth: the inputs zero-padded to the largest B and L (padded
+    keys are masked out, padded rows dropped)."""
     B = max(x.shape[0] for _, _, x, _ in parts)
     L = max(x.shape[1] for _, _, x, _ in parts)
     d = parts[0][2].shape[2]
