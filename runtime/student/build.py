@@ -44,7 +44,7 @@ from runtime.student.train import StudentConfig, boost, teacher_logits, teacher_
 
 
 def students_create(store_path, tenant, *, dev_path, students: int = 4, layers: int = 1, lam: float = 0.5,
-                    epochs: int = 3, lr: float = 2e-4, batch_size: int = 16, max_examples: int | None = None,
+                    epochs: int = 8, lr: float = 2e-3, batch_size: int = 16, max_examples: int | None = None,
                     min_gain: float = 0.01, head_epochs: int = 20, corpus_paths=(), max_corpus: int = 2000,
                     resume: bool = True, seed: int = 0, progress: bool = True) -> dict:
     """Train and store `tenant`'s students; returns a JSON-able summary (module doc).

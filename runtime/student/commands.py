@@ -31,8 +31,8 @@ def students():
 @click.option("--students", "max_students", type=int, help="At most this many students.  [default: 4]")
 @click.option("--layers", type=int, help="Transformer layers per student.  [default: 1]")
 @click.option("--lam", type=float, help="Stacking distillation weight (students of 2+ layers).  [default: 0.5]")
-@click.option("--epochs", type=int, help="[default: 3]")
-@click.option("--lr", type=float, help="[default: 2e-4]")
+@click.option("--epochs", type=int, help="[default: 8]")
+@click.option("--lr", type=float, help="[default: 2e-3]")
 @click.option("--corpus", "corpus_paths", multiple=True, type=click.Path(dir_okay=False),
               help="Unlabeled in-domain text the students also learn from (repeatable).")
 @click.option("--max-corpus", default=2000, show_default=True, help="At most this many corpus pieces.")
