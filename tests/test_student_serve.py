@@ -144,6 +144,27 @@ def _tagged(group, n, length, asked=None):
     return [Item(list(range(length)), None, "root", StudentTag(group, best, asked, asked)) for _ in range(n)]
 
 
+def test_the_policy_prices_a_batch_as_a_fixed_part_plus_its_tokens():
+    """Small batches are mostly fixed cost: at low load the teacher must not look dearer per
+    token than it is at the margin (the average of 1-3 request batches priced it at 2-5x)."""
+    from runtime.student.policy import PruningPolicy
+
+    policy = PruningPolicy(["teacher", 1], target_s=1.0)
+    for n in (10, 40, 20, 30, 10, 40):  # the teacher: 10 ms a batch + 0.2 ms a token
+        policy.observe("teacher", n, 0.010 + 2e-4 * n)
+    policy.observe(1, 20, 0.004)
+    assert policy.cost["teacher"] == pytest.approx(2e-4, rel=1e-6)
+    assert policy.fixed["teacher"] == pytest.approx(0.010, rel=1e-6)
+    # 1,500 tokens/s: at the average cost of a 10-token batch (1.2 ms/token) it could not keep up,
+    # in full 40-token batches (0.45 ms/token) it can; at 2,000 tokens/s not even those can
+    assert policy.choose(queued_tokens=10, oldest_wait_s=0.0, rate=1500.0) == "teacher"
+    assert policy.choose(queued_tokens=10, oldest_wait_s=0.0, rate=2000.0) == 1
+    assert policy.choose(queued_tokens=10, oldest_wait_s=0.995, rate=1500.0) == 1  # its fixed part misses the target
+    for _ in range(20):  # then only full batches, twice as slow: what it predicts for one follows
+        policy.observe("teacher", 40, 2 * (0.010 + 2e-4 * 40))
+    assert policy.fixed["teacher"] + 40 * policy.cost["teacher"] == pytest.approx(0.036, rel=1e-3)
+
+
 def test_the_policy_gives_fewer_students_as_the_queue_grows_and_the_full_group_when_it_drains(env):
     with hkstore.open(env["store"]) as store:
         snap = store.snapshot()

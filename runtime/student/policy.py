@@ -1,10 +1,17 @@
 """Online adaptive student pruning: how a batch is served under the current load.
 
 Levels run from most to least accurate: the teacher (when the policy may use it), then the
-group with k = M, M-1, ..., 1 students. For each level the policy keeps the cost of a padded
-token (an EWMA of what batches actually took). A level is feasible when it can keep up with the
-arrivals (utilization = arrival rate of tokens x cost per token below `headroom`) and would
-drain what is queued before the oldest waiting request exceeds the latency target. The most
+group with k = M, M-1, ..., 1 students. For each level the policy keeps what a batch costs as a
+fixed part plus a part per padded token, fitted to what batches actually took (a least-squares
+line through EWMAs of their sizes and times; while the sizes have not varied enough to tell the
+parts apart, the last fixed part is kept). The split matters at low load: batches of 1-3
+requests are mostly fixed cost, and pricing their tokens at the batch's average made the teacher
+look twice as dear as it is at the margin, so it was refused at 0.3x its capacity (BENCHMARKS.md,
+issue 18, session 11). A level is feasible when it can keep up with the arrivals (arrival rate of
+tokens x the cost of a token in a full batch, its share of the fixed part included, below
+`headroom`; a full batch is the largest the level has served) and would drain what is queued
+(a fixed part per full batch of it plus its tokens) before the oldest waiting request exceeds
+the latency target. The most
 accurate feasible level serves the batch, else the cheapest: under a burst the last-trained
 students are dropped, and as soon as the queue drains and arrivals slow down the full group
 (or the teacher) is feasible again, with no hysteresis to wait out.
@@ -12,6 +19,7 @@ students are dropped, and as soon as the queue drains and arrivals slow down the
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -22,9 +30,12 @@ class PruningPolicy:
     target_s: float  # latency target (seconds) for the oldest waiting request
     headroom: float = 0.8
     alpha: float = 0.3  # EWMA weight of a new observation
-    cost: dict = field(default_factory=dict)  # level -> seconds per padded token
+    cost: dict = field(default_factory=dict)  # level -> seconds per padded token, at the margin
+    fixed: dict = field(default_factory=dict)  # level -> seconds a batch costs whatever its size
     rate_window_s: float = 1.0
     _arrivals: list = field(default_factory=list)  # (time, tokens)
+    _moments: dict = field(default_factory=dict)  # level -> EWMAs of (n, t, n*n, n*t) per batch
+    _largest: dict = field(default_factory=dict)  # level -> the most padded tokens a batch had: a full batch
 
     def arrived(self, tokens: int, now: float | None = None) -> None:
         self._arrivals.append((time.perf_counter() if now is None else now, tokens))
@@ -38,9 +49,19 @@ class PruningPolicy:
         return sum(t for _, t in self._arrivals) / self.rate_window_s
 
     def observe(self, level, padded_tokens: int, seconds: float) -> None:
-        per = seconds / max(padded_tokens, 1)
-        old = self.cost.get(level)
-        self.cost[level] = per if old is None else (1 - self.alpha) * old + self.alpha * per
+        n = max(padded_tokens, 1)
+        self._largest[level] = max(self._largest.get(level, 0), n)
+        new = (n, seconds, n * n, n * seconds)
+        old = self._moments.get(level)
+        mn, mt, mnn, mnt = self._moments[level] = new if old is None else tuple(
+            (1 - self.alpha) * a + self.alpha * b for a, b in zip(old, new))
+        var = mnn - mn * mn
+        if var > (0.1 * mn) ** 2:  # sizes varied by 10% or more: the line's intercept is the fixed part
+            slope = (mnt - mn * mt) / var
+            if 0 < slope < mt / mn:
+                self.fixed[level] = mt - slope * mn
+        fixed = min(self.fixed.get(level, 0.0), mt)
+        self.cost[level] = (mt - fixed) / mn
 
     def choose(self, queued_tokens: int, oldest_wait_s: float, now: float | None = None, rate: float | None = None):
         """The level for the next batch; rate: arrivals in tokens/s when the caller measures
@@ -50,6 +71,9 @@ class PruningPolicy:
             c = self.cost.get(level)
             if c is None:
                 return level  # not measured yet: measure it
-            if rate * c < self.headroom and oldest_wait_s + queued_tokens * c <= self.target_s:
+            f, full = self.fixed.get(level, 0.0), self._largest.get(level, 1)
+            # keeping up: full batches at best, each paying its fixed part; draining: a batch per full batch queued
+            batches = max(1, math.ceil(queued_tokens / full))
+            if rate * (c + f / full) < self.headroom and oldest_wait_s + batches * f + queued_tokens * c <= self.target_s:
                 return level
         return self.levels[-1]
