@@ -93,17 +93,18 @@ def answer(scheduler, requests, tags=None) -> list:
     items, plans = [], []
     for i, (tenant, ids, positions, pet, version, asked) in enumerate(requests):
         name, chosen = policy_of(pet, asked)
-        given = tags[i] if tags is not None and name in ("fast", "auto") else None
-        tag = given if name == "fast" else None
+        tag = tags[i] if tags is not None and name != "exact" else None
         if name == "exact":
             tag = LevelTag(level=2)
         elif name == "auto":
             gate = float(chosen.get("gate", 0.0))
             # a gate above 1 sends every request to level 2: no lookup to measure coverage
-            tag = LevelTag(level=2) if gate > 1 else LevelTag(level=1, gate=gate,
-                                                                attention=float(chosen.get("alpha", 0)) > 0)
-            if given is not None:  # students may answer it (under load); the teacher serves it as Tabi's tag says
-                given.teacher, tag = tag, given
+            level_tag = LevelTag(level=2) if gate > 1 else LevelTag(level=1, gate=gate,
+                                                                      attention=float(chosen.get("alpha", 0)) > 0)
+            if tag is None:
+                tag = level_tag
+            else:  # students may answer it (under load); the teacher serves it as Tabi's tag says
+                tag.teacher = level_tag
         items.append(Item(list(ids), pet, version, tag))
         plans.append((name, chosen))
     outs = scheduler.run(items)

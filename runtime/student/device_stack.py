@@ -15,6 +15,7 @@ within fp32 rounding (tests/test_student.py, on the CUDA-on-CPU emulation).
 from __future__ import annotations
 
 import math
+import weakref
 
 import numpy as np
 
@@ -27,7 +28,8 @@ class DeviceStudents:
     def __init__(self, executor):
         self.ex = executor
         self.cp, self.ops = executor.cp, executor.ops
-        self._weights: dict[int, tuple] = {}  # id(group) -> (group, device tensors): the group held, its id its own
+        # id(group) -> device tensors, dropped when the group is (a reloaded group replaces its old one)
+        self._weights: dict[int, dict] = {}
 
     def _upload(self, group: Group) -> dict:
         entry = self._weights.get(id(group))
@@ -38,8 +40,9 @@ class DeviceStudents:
                 if name.startswith("layers.") and name.endswith(".weight") and name.split(".")[2] in LINEARS:
                     a = np.ascontiguousarray(a.transpose(0, 2, 1))  # (P, d_in, d_out): x @ W^T as one matmul
                 out[name] = cp.asarray(np.ascontiguousarray(a))
-            entry = self._weights[id(group)] = (group, out)
-        return entry[1]
+            entry = self._weights[id(group)] = out
+            weakref.finalize(group, self._weights.pop, id(group), None)
+        return entry
 
     def _linear(self, w, name, x):
         return self.cp.matmul(x, w[name + ".weight"]) + w[name + ".bias"][:, None, :]

@@ -6,12 +6,11 @@ fixed part plus a part per padded token, fitted to what batches actually took (a
 line through EWMAs of their sizes and times; while the sizes have not varied enough to tell the
 parts apart, the last fixed part is kept). The split matters at low load: batches of 1-3
 requests are mostly fixed cost, and pricing their tokens at the batch's average made the teacher
-look twice as dear as it is at the margin, so it was refused at 0.3x its capacity (BENCHMARKS.md,
-issue 18, session 11). A level is feasible when it can keep up with the arrivals (arrival rate of
-tokens x the cost of a token in a full batch, its share of the fixed part included, below
-`headroom`; a full batch is the largest the level has served) and would drain what is queued
-(a fixed part per full batch of it plus its tokens) before the oldest waiting request exceeds
-the latency target. The most
+look 2-5x dearer than in a full batch, so it was refused at 0.3x its capacity (BENCHMARKS.md).
+A level is feasible when it can keep up with the arrivals (arrival rate of tokens x the cost of
+a token in a full batch, the largest the level has served, its share of the fixed part
+included, below `headroom`) and would drain what is queued (a fixed part per full batch of it
+plus its tokens) before the oldest waiting request exceeds the latency target. The most
 accurate feasible level serves the batch, else the cheapest: under a burst the last-trained
 students are dropped, and as soon as the queue drains and arrivals slow down the full group
 (or the teacher) is feasible again, with no hysteresis to wait out.
