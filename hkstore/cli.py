@@ -22,7 +22,7 @@ from hkstore.lookup import find_exact
 MODEL_COMMANDS = {
     "build": ("runtime.build.commands", "build"),
     "domain": ("runtime.build.commands", "domain"),
-    "tenant": ("runtime.build.commands", "tenant"),
+    "tenant": ("runtime.student.commands", "tenant"),  # construction's, with --students
     "demo": ("runtime.demo.run", "demo"),
     "serve": ("runtime.serve.cli", "serve"),
     "report": ("tools.commands", "report"),

@@ -317,3 +317,54 @@ def test_device_students_equal_virtual_stacking(task, layers):
             got = dev.logits(group, k, x.numpy(), mask.numpy())
             real = mask.numpy() if task == "tagging" else np.ones(3, bool)
             np.testing.assert_allclose(got[real], want[real], rtol=1e-4, atol=1e-4)
+
+
+def test_tenant_create_with_students_trains_both_resumes_and_checks_first(env):
+    """`hkstore tenant create/update --students`: construction's command, then the students;
+    a mistake is found before any training, and a run cut off after the PET keeps it."""
+    import json
+
+    from click.testing import CliRunner
+
+    from hkstore.cli import main
+
+    run = CliRunner().invoke
+    create = ["tenant", "create", env["store"], "both", "--version", "root", "--train", env["cls"], "--epochs", "1",
+              "-q", "--json"]
+    for extra, says in ((["--students", "1"], "--students-dev"),
+                        (["--students", "1", "--students-dev", env["cls"] + ".missing"], "no such file"),
+                        (["--students-dev", env["cls"]], "go with --students")):
+        bad = run(main, create + extra)
+        assert bad.exit_code == 1 and len(bad.output.strip().splitlines()) == 1 and says in bad.output, bad.output
+    with hkstore.open(env["store"]) as store:
+        assert "both" not in store.snapshot().pets  # nothing was trained
+    made = run(main, create + ["--students", "1", "--students-dev", env["cls"]])
+    assert made.exit_code == 0, made.output
+    out = json.loads(made.output)
+    assert out["tenant"] == "both" and out["students"]["students"] == 1 and not out["students"]["resumed"]
+    listed = json.loads(run(main, ["students", "ls", env["store"], "--json"]).output)
+    assert {r["tenant"]: r["state"] for r in listed["tenants"]}["both"] == "ready"
+    # Without --students it is construction's command as before: an existing tenant is refused.
+    again = run(main, create)
+    assert again.exit_code == 1 and "already exists" in again.output
+
+    # Cut off after the PET: a tenant without its students. Run again, the PET stays as it was.
+    manager.tenant_create(env["store"], "cut", version="root", train_path=env["cls"], epochs=1, progress=False)
+    with hkstore.open(env["store"]) as store:
+        pet_before = dict(store.snapshot().pets["cut"])
+    resumed = run(main, ["tenant", "create", env["store"], "cut", "--version", "root", "--train", env["cls"], "-q",
+                         "--json", "--students", "1", "--students-dev", env["cls"]])
+    assert resumed.exit_code == 0, resumed.output
+    assert "kept" in json.loads(resumed.output)["pet"]
+    with hkstore.open(env["store"]) as store:
+        assert dict(store.snapshot().pets["cut"]) == pet_before and "cut" in store.snapshot().students
+    other = run(main, ["tenant", "create", env["store"], "cut", "--version", "root", "--train", env["tag"],
+                       "--task", "tagging", "-q", "--students", "1", "--students-dev", env["tag"]])
+    assert other.exit_code == 1 and "already exists" in other.output  # another --train: not a resume
+
+    # update: the new PET makes the students stale; --students distills them again (settings reused).
+    updated = run(main, ["tenant", "update", env["store"], "both", "--epochs", "1", "-q", "--json", "--students", "1"])
+    assert updated.exit_code == 0, updated.output
+    listed = json.loads(run(main, ["students", "ls", env["store"], "--json"]).output)
+    assert {r["tenant"]: r["state"] for r in listed["tenants"]}["both"] == "ready"
+    assert json.loads(updated.output)["students"]["students"] == 1

@@ -5,16 +5,22 @@
     hkstore students ls STORE
     hkstore students eval STORE TENANT --test FILE
     hkstore students rm STORE TENANT
+    hkstore tenant create STORE TENANT ... --students N --students-dev FILE   (the PET, then its students)
 
-A group of its own rather than `tenant create --students`: students are distilled from a
-trained teacher, so they come after it (and construction's room never imports this one).
+Students are distilled from a trained teacher, so they come after it, and construction's room
+never imports this one: `hkstore tenant` is mounted from here, construction's commands with
+`--students` added to `create` and `update` (`tenant` below).
 """
 
 from __future__ import annotations
 
+import os
+
 import click
 
+from runtime.build import manager
 from runtime.build.commands import _json_option, _quiet_option, _run, _store_arg
+from runtime.build.commands import tenant as build_tenant
 
 
 @click.group("students")
@@ -122,3 +128,88 @@ def rm(store, tenant, as_json):
         return {"tenant": name, "students_removed": True}
 
     _run(remove, store, tenant, as_json=as_json)
+
+
+# -- `hkstore tenant create/update --students N`: the PET, then its students -----------------
+
+
+def _student_options():
+    return [
+        click.Option(["--students", "students_n"], type=click.IntRange(min=1), default=None,
+                     help="Then distill the tenant into at most N students (Student Parallelism) with `students "
+                          "create`'s defaults; that command has every setting."),
+        click.Option(["--students-dev", "students_dev"], type=click.Path(dir_okay=False), default=None,
+                     help="With --students: the labeled validation file (when to stop adding students, the best "
+                          "k). Default: the one the tenant's students were made with."),
+        click.Option(["--students-corpus", "students_corpus"], multiple=True, type=click.Path(dir_okay=False),
+                     help="With --students: unlabeled in-domain text the students also learn from (repeatable)."),
+    ]
+
+
+def _resumes(store, tenant, options) -> bool:
+    """Whether a `tenant create --students` that was cut off is being run again: the tenant
+    exists, made from the same --train on the same --version, and its students are missing
+    or unfinished. Then its PET is kept and only the students are (re)made."""
+    import hkstore
+
+    if options.get("replace"):
+        return False
+    with hkstore.open(store) as st:
+        snap = st.snapshot()
+        if tenant not in snap.pets:
+            return False
+        meta = snap.read_pet(tenant).meta
+        done = tenant in snap.students and snap.read_students(tenant).meta.get("complete")
+    same = ((meta.get("train") or {}).get("path") == os.path.abspath(options["train_path"])
+            and meta.get("version") == options["version"])
+    return same and not done
+
+
+def _tenant_then_students(store, tenant, *, job, creating, options, n, dev, corpus, progress):
+    import hkstore
+    from runtime.model.stored import is_decoder_store
+    from runtime.student.build import recorded_settings, students_create
+
+    with hkstore.open(store) as st:
+        if is_decoder_store(st.meta):
+            raise ValueError("--students: students serve encoder tenants, and this is a decoder store")
+    # Every check before the PET's training, so a mistake costs seconds, not a trained PET.
+    settings = {**recorded_settings(store, tenant), "students": n}
+    if dev:
+        settings["dev_path"] = dev
+    if corpus:
+        settings["corpus_paths"] = tuple(corpus)
+    if not settings.get("dev_path"):
+        raise ValueError(f"--students needs --students-dev FILE: tenant {tenant!r} has no students whose "
+                         "validation file to reuse")
+    for path in (settings["dev_path"], *settings.get("corpus_paths", ())):
+        if not os.path.isfile(path):
+            raise ValueError(f"{path}: no such file")
+    if creating and _resumes(store, tenant, options):
+        made = {"tenant": tenant, "pet": "kept (it exists, made from the same --train and --version)"}
+    else:
+        made = job(store, tenant, progress=progress, **options)
+    return {**made, "students": students_create(store, tenant, progress=progress, **settings)}
+
+
+def _with_students(command: click.Command, job, creating: bool) -> click.Command:
+    def callback(students_n, students_dev, students_corpus, **kwargs):
+        if students_n is None:
+            if students_dev or students_corpus:
+                raise click.ClickException("--students-dev and --students-corpus go with --students N")
+            return command.callback(**kwargs)
+        store, tenant, quiet, as_json = (kwargs.pop(k) for k in ("store", "tenant", "quiet", "as_json"))
+        _run(_tenant_then_students, store, tenant, job=job, creating=creating, options=kwargs, n=students_n,
+             dev=students_dev, corpus=students_corpus, progress=not quiet, as_json=as_json)
+
+    again = ("Cut off during the students, run it again: the PET is kept and the students resume."
+             if creating else "Cut off during the students: `hkstore students create STORE TENANT` resumes them.")
+    return click.Command(command.name, params=[*command.params, *_student_options()], callback=callback,
+                         help=f"{command.help}\n\nWith --students N the tenant is then distilled into students. {again}")
+
+
+tenant = click.Group(build_tenant.name, help=build_tenant.help, commands={
+    **build_tenant.commands,
+    "create": _with_students(build_tenant.commands["create"], manager.tenant_create, creating=True),
+    "update": _with_students(build_tenant.commands["update"], manager.tenant_update, creating=False),
+})
