@@ -14,7 +14,8 @@ Students must exist (`hkstore students create`; best k was chosen on dev there).
   latency and throughput per phase, the number of students used over time, and the accuracy
   actually delivered (each answer scored against its label).
 * fig13 (--fig13, instead of the sections above): HMI Fig. 13's burst through the real serving
-  path, runtime.open(STORE).infer (the scheduler measures the load, the pruning policy picks
+  path (--http: `hkstore serve STORE` in its own process, driven by an asyncio client; else
+  client threads calling runtime.open(STORE).infer) (the scheduler measures the load, the pruning policy picks
   teacher or k students per batch, runtime/student/serve.py): --burst-threads clients started
   --burst-stagger s apart, each sending one request every --burst-period s (waiting for the
   answer first, like a thread), --burst-count each (HMI: 250, 0.05 s, 1.2 s, 50); teacher-only
@@ -291,7 +292,72 @@ def run_fig13(store_path, reqs, mode, args, seed) -> dict:
             "latency": [(x[0], x[1], x[2], x[3]["tenant"]) for x in flat]}
 
 
-def fig13_figure(results, path):
+def run_fig13_http(store_path, reqs, mode, args, seed) -> dict:
+    """The same burst against `hkstore serve STORE` (a fresh server process, its runtime's
+    default policy) from an asyncio client in this process: the clients no longer share the
+    server's interpreter, as HMI's do not. Its predictions are not read back; accuracy delivered
+    is the `--scores` score of the level that answered each request."""
+    import asyncio
+    import secrets
+    import tempfile
+
+    from tools import loadgen
+
+    rng = random.Random(seed)
+    plan = [[reqs[rng.randrange(len(reqs))] for _ in range(args.burst_count)] for _ in range(args.burst_threads)]
+    pin = {"students": 0} if mode == "teacher" else {}
+
+    def text(q):
+        return q["words"] if isinstance(q["words"], str) else " ".join(q["words"])
+
+    server_args = argparse.Namespace(out=args.out, store=store_path, device="cpu", max_len=128,
+                                     max_batch=args.max_batch, max_wait_ms=5, queue_limit=4096, request_timeout=120,
+                                     dedicated_resident=1)
+    with tempfile.NamedTemporaryFile("w", dir=args.out, suffix=".token", delete=False) as f:
+        token = secrets.token_urlsafe(24)
+        f.write(token + "\n")
+    server = loadgen.ServerProcess(server_args, "hplm", f.name, lambda m: print(m, flush=True),
+                                   extra=("--torch-threads", str(args.threads)))
+    try:
+        async def drive():
+            client = loadgen.Client(server.url, token, [], timeout=150)
+            for q in reqs[:args.max_batch]:  # not measured: PETs and groups loaded
+                await client.call(q["tenant"], {"text": text(q), "truncate": True})
+            records = []
+            start = time.perf_counter()
+
+            async def worker(i):
+                await asyncio.sleep(i * args.burst_stagger)
+                t0 = time.perf_counter()
+                for j, q in enumerate(plan[i]):
+                    delay = t0 + j * args.burst_period - time.perf_counter()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    status, lat, sent, _, payload = await client.call(q["tenant"], {"text": text(q), "truncate": True, **pin})
+                    if status != 200:
+                        raise RuntimeError(f"the server answered {status}: {payload[:200]!r}")
+                    k = int(json.loads(payload)["results"][0].get("students", 0))
+                    records.append((sent - start, lat, k, q["tenant"]))
+
+            await asyncio.gather(*(worker(i) for i in range(len(plan))))
+            wall = time.perf_counter() - start
+            await client.close()
+            return records, wall
+
+        records, wall = asyncio.run(drive())
+    finally:
+        server.stop()
+        os.unlink(f.name)
+    flat = sorted(records)
+    lat = np.array([x[1] for x in flat])
+    answered = [x[2] for x in flat]
+    return {"mode": mode, "requests": len(flat), "wall_s": wall, "throughput": len(flat) / wall,
+            "p50_ms": float(np.percentile(lat, 50) * 1e3), "p99_ms": float(np.percentile(lat, 99) * 1e3),
+            "teacher_share": float(np.mean([k == 0 for k in answered])),
+            "students_mean": float(np.mean([k for k in answered if k] or [0])), "scored": None, "latency": flat}
+
+
+def fig13_figure(results, path, via="runtime.infer"):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -308,7 +374,7 @@ def fig13_figure(results, path):
     axes[0].set_xlabel("end-to-end latency (ms)")
     axes[0].set_ylabel("share of requests")
     axes[0].legend(fontsize=7)
-    axes[0].set_title("HMI Fig. 13 burst through runtime.infer: latency CDF")
+    axes[0].set_title(f"HMI Fig. 13 burst through {via}: latency CDF")
     axes[1].set_xlabel("seconds since the first client started")
     axes[1].set_ylabel("students that answered (0 = teacher)")
     axes[1].legend(fontsize=7, markerscale=3)
@@ -335,7 +401,7 @@ def main_fig13(args, tenants, earlier, report):
     for rnd in range(args.rounds):
         for mode in (["teacher", "adaptive"] if rnd % 2 == 0 else ["adaptive", "teacher"]):
             before = uptime()
-            r = run_fig13(args.store, reqs, mode, args, seed=200 + rnd)
+            r = (run_fig13_http if args.http else run_fig13)(args.store, reqs, mode, args, seed=200 + rnd)
             r["round"], r["machine_before"], r["machine_after"] = rnd, before, uptime()
             if earlier:
                 r["delivered"] = by_level_score(r["latency"], earlier)
@@ -359,7 +425,7 @@ def main_fig13(args, tenants, earlier, report):
     report["machine_after"] = uptime()
     with open(os.path.join(args.out, "bench_students_fig13.json"), "w") as f:
         json.dump(report, f, indent=1, default=str)
-    fig13_figure(results, args.figure)
+    fig13_figure(results, args.figure, "hkstore serve (HTTP)" if args.http else "runtime.infer")
     print(f"wrote {args.out}/bench_students_fig13.json and {args.figure}; {report['machine_after']}", flush=True)
 
 
@@ -385,6 +451,8 @@ def main(argv=None):
                                                     "with --skip-accuracy")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--fig13", action="store_true", help="HMI Fig. 13's burst through runtime.infer (module doc)")
+    ap.add_argument("--http", action="store_true", help="--fig13 against `hkstore serve` from an asyncio client "
+                                                         "process instead of threads calling runtime.infer")
     ap.add_argument("--burst-threads", type=int, default=40, help="HMI: 250")
     ap.add_argument("--burst-stagger", type=float, default=0.05, help="HMI: 0.05 s")
     ap.add_argument("--burst-period", type=float, default=1.2, help="HMI: 1.2 s")

@@ -152,7 +152,7 @@ def _end_with_parent():
 
 
 class ServerProcess:
-    def __init__(self, args, mode, token_file, log):
+    def __init__(self, args, mode, token_file, log, extra=()):
         import httpx
 
         self.port = free_port()
@@ -164,7 +164,7 @@ class ServerProcess:
                "--device", args.device, "--max-len", str(args.max_len), "--max-batch", str(args.max_batch),
                "--max-wait-ms", str(args.max_wait_ms), "--queue-limit", str(args.queue_limit),
                "--request-timeout", str(args.request_timeout), "--dedicated-resident", str(args.dedicated_resident),
-               "--metrics-public"]  # a loopback benchmark server: its scraper needs no token
+               "--metrics-public", *extra]  # a loopback benchmark server: its scraper needs no token
         with open(self.log_path, "wb") as out:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                                          preexec_fn=_end_with_parent)
@@ -229,13 +229,18 @@ class Client:
     async def one(self, tenant):
         """(status, latency s, sent at, answered at); status 0 for a transport error or timeout."""
         text = self.texts[self.rng.randrange(len(self.texts))]
-        body = json.dumps({"text": text}).encode()
+        return (await self.call(tenant, {"text": text}))[:4]
+
+    async def call(self, tenant, fields: dict):
+        """(status, latency s, sent at, answered at, response body bytes) of an infer request
+        with these body fields."""
+        body = json.dumps(fields).encode()
         request = (f"POST /v1/tenants/{tenant}/infer HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
                    f"Authorization: Bearer {self.token}\r\nContent-Type: application/json\r\n"
                    f"Content-Length: {len(body)}\r\n\r\n").encode() + body
         t0 = time.perf_counter()  # before waiting for a connection slot: client queueing counts too
         async with self.slots:
-            status, fresh = 0, False
+            status, fresh, payload = 0, False, b""
             for attempt in range(2):
                 conn = None if fresh else self._idle_connection()
                 reused = conn is not None
@@ -243,7 +248,7 @@ class Client:
                     if conn is None:
                         conn = await asyncio.wait_for(asyncio.open_connection(self.host, self.port), self.timeout)
                     conn[1].write(request)
-                    status, keep = await asyncio.wait_for(self._response(conn[0]), self.timeout)
+                    status, keep, payload = await asyncio.wait_for(self._response(conn[0]), self.timeout)
                 except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError, IndexError):
                     if conn is not None:
                         conn[1].close()
@@ -257,7 +262,7 @@ class Client:
                     conn[1].close()
                 break
             t1 = time.perf_counter()
-        return status, t1 - t0, t0, t1
+        return status, t1 - t0, t0, t1, payload
 
     def _idle_connection(self):
         """The most recently used idle connection that the server has not timed out (uvicorn
@@ -286,8 +291,7 @@ class Client:
                 length = int(value)
             elif name == b"connection" and value.strip().lower() == b"close":
                 keep = False
-        await reader.readexactly(length)
-        return status, keep
+        return status, keep, await reader.readexactly(length)
 
     async def close(self):
         for _, writer, _ in self.idle:
