@@ -122,7 +122,8 @@ def test_under_policy_auto_students_answer_a_burst_and_tabi_the_rest(env, tmp_pa
         idle = rt.infer([{"tenant": "cls", "text": x} for x in texts])  # no cost measured yet: the teacher
         exact = rt.infer([{"tenant": "cls", "text": x, "policy": "exact"} for x in texts])
         rt.students.policy.target_s = 0.0  # no level holds the target: the cheapest answers
-        rt.students.policy.cost.update({level: 1e-3 for level in rt.students.policy.levels})
+        levels = rt.students.policy.levels  # the teacher, then fewer and fewer students: cheaper each
+        rt.students.policy.cost.update({level: 1e-3 / (j + 1) for j, level in enumerate(levels)})
         burst = rt.infer([{"tenant": "cls", "text": x} for x in texts])
         ids = [rt.encoder.tokenizer.encode(x).ids for x in texts]
     for p, i in zip(pinned, ids):
@@ -377,3 +378,44 @@ def test_students_under_the_emulated_gpu_executor_equal_the_cpu_ones(env, tenant
         for k in (1, 2):
             for a, b in zip(out[("cpu", k)], out[("gpu", k)]):
                 np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4)
+
+
+def test_the_policy_never_picks_a_level_dearer_than_a_more_accurate_one():
+    """Two 2-layer students cost more than a 3-layer teacher (BENCHMARKS, session 12): when the
+    teacher cannot hold the target, the answer is one student, never the dearer pair."""
+    from runtime.student.policy import PruningPolicy
+
+    policy = PruningPolicy(["teacher", 2, 1], target_s=0.5)
+    for level, fixed, per_token in (("teacher", 0.02, 1.0e-4), (2, 0.0, 1.4e-4), (1, 0.0, 0.65e-4)):
+        for n in (512, 2048):
+            policy.observe(level, n, fixed + per_token * n)
+    assert policy.choose(queued_tokens=100, oldest_wait_s=0.0, rate=1000.0) == "teacher"
+    # the teacher's fixed part misses the target with this queue (0.502 s), the pair would drain
+    # it in time (0.498 s) but is dearer per token in a full batch: one student
+    assert policy.choose(queued_tokens=400, oldest_wait_s=0.442, rate=1000.0) == 1
+    policy.levels = [2, 1]  # without the teacher above it, the pair is chosen for the same load
+    assert policy.choose(queued_tokens=400, oldest_wait_s=0.442, rate=1000.0) == 2
+    # nothing keeps up: the cheapest level answers, not the last in the list
+    policy.levels = ["teacher", 2, 1]
+    for _ in range(10):
+        policy.observe(1, 2048, 0.5)
+    assert policy.cost[1] + policy.fixed.get(1, 0.0) / 2048 > 1.1e-4
+    assert policy.choose(queued_tokens=100, oldest_wait_s=0.0, rate=1e6) == "teacher"
+
+
+def test_the_policy_prices_arrivals_with_the_padding_batches_have_had():
+    """Arrivals are counted in their requests' tokens, costs per padded token: at 1.6x padding
+    the teacher keeps up with 1/1.6 of the tokens it would without padding."""
+    from runtime.student.policy import PruningPolicy
+
+    policy = PruningPolicy(["teacher", 1], target_s=1.0)
+    for n in (1000, 2000):
+        policy.observe("teacher", n, 1e-4 * n, tokens=n)  # no padding yet
+        policy.observe(1, n, 0.3e-4 * n, tokens=n)
+    assert policy.padding == pytest.approx(1.0)
+    assert policy.choose(queued_tokens=10, oldest_wait_s=0.0, rate=7000.0) == "teacher"  # 0.7 of its time
+    for _ in range(30):
+        policy.observe("teacher", 1600, 1e-4 * 1600, tokens=1000)
+    assert policy.padding == pytest.approx(1.6, rel=1e-3)
+    assert policy.choose(queued_tokens=10, oldest_wait_s=0.0, rate=7000.0) == 1  # 1.12 of its time
+    assert policy.choose(queued_tokens=10, oldest_wait_s=0.0, rate=4000.0) == "teacher"

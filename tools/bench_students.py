@@ -255,7 +255,7 @@ def run_fig13(store_path, reqs, mode, args, seed) -> dict:
             rt.infer([{"tenant": q["tenant"], "ids": q["ids"], "students": 0 if level == "teacher" else level}
                       for q in warm])
             padded = len(warm) * max(len(q["ids"]) for q in warm)
-            rt.students.policy.observe(level, padded, time.perf_counter() - t0)
+            rt.students.policy.observe(level, padded, time.perf_counter() - t0, tokens=sum(len(q["ids"]) for q in warm))
         records = [[] for _ in plan]
         t_start = time.perf_counter()
 

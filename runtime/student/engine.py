@@ -125,7 +125,7 @@ class StudentEngine:
                 continue
             done = time.perf_counter()
             lengths = [len(w.ids) for w in batch]
-            self.policy.observe(level, len(batch) * max(lengths), done - t0)
+            self.policy.observe(level, len(batch) * max(lengths), done - t0, tokens=sum(lengths))
             self.padding[0] += len(batch) * max(lengths)
             self.padding[1] += sum(lengths)
             self.timeline.append((done, level, queued, len(batch)))

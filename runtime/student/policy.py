@@ -7,11 +7,15 @@ line through EWMAs of their sizes and times; while the sizes have not varied eno
 parts apart, the last fixed part is kept). The split matters at low load: batches of 1-3
 requests are mostly fixed cost, and pricing their tokens at the batch's average made the teacher
 look 2-5x dearer than in a full batch, so it was refused at 0.3x its capacity (BENCHMARKS.md).
+Arrivals and the queue are counted in their requests' tokens and converted to padded tokens by
+the padding the batches have had (about 1.4-1.7x under a mixed burst: leaving it out made the
+teacher look able to keep up with 1.5x what it could, BENCHMARKS session 12).
 A level is feasible when it can keep up with the arrivals (arrival rate of tokens x the cost of
 a token in a full batch, the largest the level has served, its share of the fixed part
 included, below `headroom`) and would drain what is queued (a fixed part per full batch of it
 plus its tokens) before the oldest waiting request exceeds the latency target. The most
-accurate feasible level serves the batch, else the cheapest: under a burst the last-trained
+accurate feasible level serves the batch, else the cheapest; a level that is less accurate and
+no cheaper in a full batch than one above it is never chosen. Under a burst the last-trained
 students are dropped, and as soon as the queue drains and arrivals slow down the full group
 (or the teacher) is feasible again, with no hysteresis to wait out.
 """
@@ -35,6 +39,7 @@ class PruningPolicy:
     _arrivals: list = field(default_factory=list)  # (time, tokens)
     _moments: dict = field(default_factory=dict)  # level -> EWMAs of (n, t, n*n, n*t) per batch
     _largest: dict = field(default_factory=dict)  # level -> the most padded tokens a batch had: a full batch
+    padding: float = 1.0  # padded tokens a batch computes per token its requests hold (EWMA)
 
     def arrived(self, tokens: int, now: float | None = None) -> None:
         self._arrivals.append((time.perf_counter() if now is None else now, tokens))
@@ -47,8 +52,11 @@ class PruningPolicy:
             self._arrivals.pop(0)
         return sum(t for _, t in self._arrivals) / self.rate_window_s
 
-    def observe(self, level, padded_tokens: int, seconds: float) -> None:
+    def observe(self, level, padded_tokens: int, seconds: float, tokens: int | None = None) -> None:
+        """A batch of `level` computed padded_tokens (its requests held `tokens`) in seconds."""
         n = max(padded_tokens, 1)
+        if tokens:
+            self.padding = (1 - self.alpha) * self.padding + self.alpha * n / tokens
         self._largest[level] = max(self._largest.get(level, 0), n)
         new = (n, seconds, n * n, n * seconds)
         old = self._moments.get(level)
@@ -65,14 +73,23 @@ class PruningPolicy:
     def choose(self, queued_tokens: int, oldest_wait_s: float, now: float | None = None, rate: float | None = None):
         """The level for the next batch; rate: arrivals in tokens/s when the caller measures
         them (runtime.sched.load), else those recorded by `arrived`."""
-        rate = self.arrival_rate(now) if rate is None else rate
+        # arrivals and the queue count their requests' tokens, the costs are per padded token
+        rate = (self.arrival_rate(now) if rate is None else rate) * self.padding
+        queued_tokens *= self.padding
+        cheapest, cheapest_cost = self.levels[-1], math.inf
         for level in self.levels:
             c = self.cost.get(level)
             if c is None:
                 return level  # not measured yet: measure it
             f, full = self.fixed.get(level, 0.0), self._largest.get(level, 1)
+            per_token = c + f / full
+            if per_token >= cheapest_cost:
+                # less accurate and no cheaper in a full batch than a level above it (e.g. two 2-layer
+                # students against a 3-layer teacher): under load it only adds to the queue
+                continue
+            cheapest, cheapest_cost = level, per_token
             # keeping up: full batches at best, each paying its fixed part; draining: a batch per full batch queued
             batches = max(1, math.ceil(queued_tokens / full))
-            if rate * (c + f / full) < self.headroom and oldest_wait_s + batches * f + queued_tokens * c <= self.target_s:
+            if rate * per_token < self.headroom and oldest_wait_s + batches * f + queued_tokens * c <= self.target_s:
                 return level
-        return self.levels[-1]
+        return cheapest

@@ -88,4 +88,5 @@ class StudentServing:
 
     def observe(self, level, items, seconds: float) -> None:
         if level is not None:
-            self.policy.observe(level, len(items) * max(len(it.ids) for it in items), seconds)
+            self.policy.observe(level, len(items) * max(len(it.ids) for it in items), seconds,
+                                tokens=sum(len(it.ids) for it in items))
