@@ -103,7 +103,7 @@ class Runtime:
                  pet_cache_bytes: int = DEFAULT_PET_CACHE_BYTES, pipeline: bool = True, prefetch: bool = True,
                  hot_tier_rows: int = DEFAULT_HOT_TIER_ROWS, host_cache_bytes: int = DEFAULT_HOST_CACHE_BYTES,
                  dtype: str = "fp32", lora_kernel: str = "auto", encoder=None, truncate: bool = False,
-                 students_target_s: float = 0.5):
+                 students_target_s: float = 0.5, length_buffer: bool = True):
         import hkstore
 
         device = _resolve_device(device)
@@ -114,13 +114,13 @@ class Runtime:
         self.store = hkstore.open(store_path)
         try:
             self._setup(device, encoder, pet_cache_bytes, pipeline, prefetch, hot_tier_rows, host_cache_bytes,
-                        dtype, lora_kernel, students_target_s)
+                        dtype, lora_kernel, students_target_s, length_buffer)
         except BaseException:
             self.store.close()
             raise
 
     def _setup(self, device, encoder, pet_cache_bytes, pipeline, prefetch, hot_tier_rows, host_cache_bytes, dtype,
-               lora_kernel, students_target_s):
+               lora_kernel, students_target_s, length_buffer):
         from runtime.model import stored
         from runtime.model.stored import check_encoder
         from runtime.sched.pet_cache import PetCache
@@ -156,8 +156,16 @@ class Runtime:
 
         # tenants with students: the scheduler decides per batch (teacher or k), the executor computes
         self.students = StudentServing(encoder.config.d, students_target_s)
+        # SP's length-aware buffer cuts what waits into batches of similar lengths (FIFO: 39% of a
+        # mixed burst's token slots are padding, the buffer 14%; BENCHMARKS, issue 18)
+        batcher = None
+        if length_buffer:
+            from runtime.student.buffer import length_batches
+
+            def batcher(items):
+                return length_batches([len(item.ids) for item in items], self.max_batch)
         self.scheduler = Scheduler(StudentExecutor(executor), self.store.snapshot, max_batch=self.max_batch,
-                                   pipeline=pipeline, decider=self.students)
+                                   pipeline=pipeline, decider=self.students, batcher=batcher)
         tok = encoder.tokenizer
         self._cls, self._sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
 
@@ -412,7 +420,8 @@ def _words(text, encoding) -> list:
 def open(store_path, device: str = "auto", **options) -> Runtime:  # noqa: A001 - the package's verb
     """A Runtime serving the store at store_path; options as Runtime's (max_len, max_batch,
     pet_cache_bytes, pipeline, prefetch, hot_tier_rows, host_cache_bytes, dtype, lora_kernel,
-    students_target_s: the students' pruning policy's latency target).
+    students_target_s: the students' pruning policy's latency target, length_buffer: batches of
+    similar lengths from what waits, False for first come first served).
     A decoder store opens as a runtime.gen.api.DecoderRuntime (generate / stream)."""
     from runtime.gen.api import DecoderRuntime, is_decoder_store_path
 

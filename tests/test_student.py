@@ -228,6 +228,23 @@ def test_length_buffer_serves_everyone_once_oldest_first(lengths, max_batch, fif
     assert sorted(served) == list(range(len(lengths)))
 
 
+@settings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.integers(1, 60), min_size=1, max_size=50), max_batch=st.integers(1, 8))
+def test_the_runtimes_batcher_pads_no_more_than_first_come_first_served(lengths, max_batch):
+    """runtime.Runtime cuts what waits with the buffer: every request once, the oldest first, as
+    many batches as FIFO chunks (the padding it saves is a benchmark's, BENCHMARKS issue 18: a
+    greedy cut can pad more on some queues)."""
+    from runtime.student.buffer import length_batches, padded_tokens
+
+    cuts = length_batches(lengths, max_batch)
+    assert 0 in cuts[0] and sorted(i for c in cuts for i in c) == list(range(len(lengths)))
+    assert all(1 <= len(c) <= max_batch for c in cuts)
+    fifo = [lengths[i:i + max_batch] for i in range(0, len(lengths), max_batch)]
+    assert len(cuts) == len(fifo)
+    if len(set(lengths)) == 1 or max_batch == 1:
+        assert padded_tokens([[lengths[i] for i in c] for c in cuts]) == padded_tokens(fifo)
+
+
 @settings(max_examples=60, deadline=None)
 @given(queued=st.integers(0, 5000), more=st.integers(0, 5000), wait=st.floats(0, 1), rate=st.integers(0, 20000))
 def test_policy_serves_more_load_with_fewer_students_and_restores_the_group(queued, more, wait, rate):

@@ -245,8 +245,9 @@ def run_fig13(store_path, reqs, mode, args, seed) -> dict:
 
     rng = random.Random(seed)
     plan = [[reqs[rng.randrange(len(reqs))] for _ in range(args.burst_count)] for _ in range(args.burst_threads)]
-    pin = {"students": 0} if mode == "teacher" else {}
-    with runtime.open(store_path, device="cpu", max_batch=args.max_batch, students_target_s=args.target_ms / 1e3) as rt:
+    pin = {"students": 0} if mode.startswith("teacher") else {}
+    with runtime.open(store_path, device="cpu", max_batch=args.max_batch, students_target_s=args.target_ms / 1e3,
+                      length_buffer=not mode.endswith("fifo")) as rt:
         warm = reqs[:args.max_batch]
         rt.infer([{"tenant": q["tenant"], "ids": q["ids"]} for q in warm])  # loads PETs and groups
         # the policy starts with measured costs: one timed batch at every level
@@ -276,6 +277,7 @@ def run_fig13(store_path, reqs, mode, args, seed) -> dict:
         for t in threads:
             t.join()
         wall = time.perf_counter() - t_start
+        padding = 1 - rt.scheduler.tokens / max(rt.scheduler.padded_tokens, 1)
     flat = sorted(x for rs in records for x in rs)
     lat = np.array([x[1] for x in flat])
 
@@ -288,7 +290,7 @@ def run_fig13(store_path, reqs, mode, args, seed) -> dict:
             "p50_ms": float(np.percentile(lat, 50) * 1e3), "p99_ms": float(np.percentile(lat, 99) * 1e3),
             "teacher_share": float(np.mean([k == 0 for k in answered])),
             "students_mean": float(np.mean([k for k in answered if k] or [0])),
-            "scored": delivered_score([x[3] for x in flat], [_A(x[4]) for x in flat]),
+            "scored": delivered_score([x[3] for x in flat], [_A(x[4]) for x in flat]), "padding_share": padding,
             "latency": [(x[0], x[1], x[2], x[3]["tenant"]) for x in flat]}
 
 
@@ -367,7 +369,7 @@ def fig13_figure(results, path, via="runtime.infer"):
     for r in results:
         lat = np.sort([x[1] * 1e3 for x in r["latency"]])
         axes[0].plot(lat, np.arange(1, len(lat) + 1) / len(lat), label=f"{r['mode']} (round {r['round']})")
-        if r["mode"] == "adaptive":
+        if r["mode"].startswith("adaptive"):
             pts = np.array([(x[0], x[2]) for x in r["latency"]], dtype=float)
             axes[1].scatter(pts[:, 0], pts[:, 1] + 0.08 * r["round"], s=5, alpha=0.4, label=f"round {r['round']}")
     axes[0].set_xscale("log")
@@ -399,7 +401,8 @@ def main_fig13(args, tenants, earlier, report):
     reqs = load_requests(args.store, tenants, args.load_requests)
     results = []
     for rnd in range(args.rounds):
-        for mode in (["teacher", "adaptive"] if rnd % 2 == 0 else ["adaptive", "teacher"]):
+        modes = ["teacher", "adaptive"] + (["teacher-fifo", "adaptive-fifo"] if args.fifo else [])
+        for mode in (modes if rnd % 2 == 0 else modes[::-1]):
             before = uptime()
             r = (run_fig13_http if args.http else run_fig13)(args.store, reqs, mode, args, seed=200 + rnd)
             r["round"], r["machine_before"], r["machine_after"] = rnd, before, uptime()
@@ -408,10 +411,11 @@ def main_fig13(args, tenants, earlier, report):
             results.append(r)
             print(f"round {rnd} {mode}: {r['requests']} requests in {r['wall_s']:.1f} s ({r['throughput']:.2f} req/s), "
                   f"p50 {r['p50_ms']:.0f} ms p99 {r['p99_ms']:.0f} ms, teacher {r['teacher_share']:.2f}, "
-                  f"students {r['students_mean']:.2f}, scored {json.dumps(r['scored'])}, "
+                  f"students {r['students_mean']:.2f}, padding {r.get('padding_share', float('nan')):.3f}, "
+                  f"scored {json.dumps(r['scored'])}, "
                   f"delivered {json.dumps(r.get('delivered'))}; {r['machine_after']}", flush=True)
     pooled_rows = []
-    for mode in ("teacher", "adaptive"):
+    for mode in dict.fromkeys(r["mode"] for r in results):
         rs = [r for r in results if r["mode"] == mode]
         lat = np.array([x[1] for r in rs for x in r["latency"]])
         row = {"mode": mode, "requests": len(lat), "p50_ms": float(np.percentile(lat, 50) * 1e3),
@@ -451,6 +455,8 @@ def main(argv=None):
                                                     "with --skip-accuracy")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--fig13", action="store_true", help="HMI Fig. 13's burst through runtime.infer (module doc)")
+    ap.add_argument("--fifo", action="store_true", help="--fig13 in-process: also both systems with first come "
+                                                         "first served batches instead of the length-aware buffer")
     ap.add_argument("--http", action="store_true", help="--fig13 against `hkstore serve` from an asyncio client "
                                                          "process instead of threads calling runtime.infer")
     ap.add_argument("--burst-threads", type=int, default=40, help="HMI: 250")

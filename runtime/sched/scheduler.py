@@ -87,6 +87,8 @@ class Scheduler:
         self._lock = threading.Lock()
         self.batches = 0
         self.items = 0
+        self.tokens = 0  # the requests' tokens, and the token slots their batches computed
+        self.padded_tokens = 0
         self._threads = [threading.Thread(target=self._prepare_loop, name=f"{name}-prepare", daemon=True)]
         if self.pipeline:
             self._threads.append(threading.Thread(target=self._compute_loop, name=f"{name}-compute", daemon=True))
@@ -195,6 +197,9 @@ class Scheduler:
         end = time.perf_counter()
         self.batches += 1
         self.items += len(batch)
+        lengths = [_tokens(item) for item, _, _ in batch]
+        self.tokens += sum(lengths)
+        self.padded_tokens += len(lengths) * max(lengths)
         for j, (_, f, submitted) in enumerate(batch):
             served = prepared.served[j] if prepared.served else None
             out = Output(logits[j], dict(timings, total=end - submitted), served, len(batch))

@@ -38,6 +38,18 @@ class LengthBuffer:
         return [item for _, item in batch]
 
 
+def length_batches(lengths: list[int], max_batch: int, bin_width: int = 8) -> list[list[int]]:
+    """A queue (its requests' lengths, oldest first) cut into batches as the buffer pops them:
+    lists of queue indices, the scheduler's batcher (runtime.sched.scheduler)."""
+    buffer = LengthBuffer(bin_width)
+    for i, n in enumerate(lengths):
+        buffer.add(n, i)
+    out = []
+    while len(buffer):
+        out.append(buffer.pop(max_batch))
+    return out
+
+
 def padded_tokens(batches: list[list[int]]) -> tuple[int, int]:
     """(tokens the batches compute, padding included; real tokens) for lists of lengths."""
     return sum(len(b) * max(b) for b in batches), sum(sum(b) for b in batches)
