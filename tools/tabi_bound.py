@@ -1,0 +1,165 @@
+"""How far any dispatcher can go between Tabi's two levels (issue 16): the oracle bound.
+
+    python -m tools.tabi_bound --store STORE --tasks chemprot,citation_intent,sci-cite,bc5cdr,NCBI-disease,sciie \\
+        --limit 400 --out /tmp/tabi-bound.json
+
+For each task's tenant ``<task>-hplm``: level 1 (policy fast, the PLOT) and level 2 (policy
+exact, full-context lower layers) answer the first --limit test queries (batched: accuracy
+only); then --timed queries are sent one at a time to each level in turn, and the ratio of their
+mean latencies is level 1's cost relative to level 2.
+
+An oracle dispatcher knows which queries level 2 answers better and sends exactly those to level
+2 without running level 1 first (a perfect coverage gate). A query it re-routes costs 1 (level
+2's latency), one it keeps r (level 1's). The bound is the smallest share of queries it must
+re-route for the task's metric to come within --target points of level 2's, and the mean cost
+that share implies, r + share x (1 - r). No dispatcher that returns one level's answer per query
+does better. Accuracy is additive over queries. Entity F1 = 2H / (G + P) (H: spans found, G:
+gold spans, P: predicted spans) reaches F* exactly when 2H - F* P >= F* G, which is additive in
+the queries' span counts, so for both metrics the fewest queries are the ones that add the most
+to it, taken first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+from runtime.build.data import entity_spans, word_tags
+from tools.bench_students import load_requests, uptime
+from tools.tabi_bench import SCIBERT, TASKS
+
+
+def _predictions(rt, reqs, policy, batch=32):
+    out = []
+    for i in range(0, len(reqs), batch):
+        chunk = reqs[i:i + batch]
+        res = rt.infer([{"tenant": q["tenant"], "ids": q["ids"], "policy": policy, "students": 0} for q in chunk])
+        for q, r in zip(chunk, res):
+            pred = np.asarray(r.logits).argmax(-1)
+            out.append(int(pred) if q["task"] == "classification" else
+                       word_tags(pred.tolist(), q["target"], q["labels"], len(q["words"])))
+    return out
+
+
+def counts(reqs, preds):
+    """Per query: (hits, predicted spans, gold spans) for tagging; (correct, 1, 1) otherwise."""
+    out = []
+    for q, p in zip(reqs, preds):
+        if q["task"] == "classification":
+            out.append((int(p == q["target"]), 1, 1))
+        else:
+            gold = entity_spans([t if t in q["labels"] else "O" for t in q["gold"]])
+            spans = entity_spans(p)
+            out.append((len(gold & spans), len(spans), len(gold)))
+    return np.array(out, dtype=np.float64)
+
+
+def metric(task, c):
+    """Accuracy, or entity F1 from summed (hits, predicted, gold)."""
+    h, p, g = c.sum(0)
+    return h / len(c) if task == "classification" else (2 * h / (g + p) if h else 0.0)
+
+
+def oracle_share(task, c1, c2, target):
+    """The fewest queries to take from level 2 for the metric to reach `target` (module doc);
+    None when even every query from level 2 does not."""
+    n = len(c1)
+    if task == "classification":
+        value, need = c2[:, 0] - c1[:, 0], target * n - c1[:, 0].sum()
+    else:  # 2H - F* P >= F* G, with G fixed
+        value = 2 * (c2[:, 0] - c1[:, 0]) - target * (c2[:, 1] - c1[:, 1])
+        need = target * c1[:, 2].sum() - (2 * c1[:, 0].sum() - target * c1[:, 1].sum())
+    if need <= 1e-9:
+        return 0
+    gains = np.sort(value[value > 0])[::-1]
+    reached = np.nonzero(np.cumsum(gains) >= need - 1e-9)[0]
+    return int(reached[0]) + 1 if len(reached) else None
+
+
+def latency_ratio(rt, reqs, timed):
+    """Level 1's mean latency over level 2's, one query at a time, the levels alternating."""
+    times = {"fast": [], "exact": []}
+    for j, q in enumerate(reqs[:timed]):
+        for policy in (("fast", "exact") if j % 2 == 0 else ("exact", "fast")):
+            t0 = time.perf_counter()
+            rt.infer([{"tenant": q["tenant"], "ids": q["ids"], "policy": policy, "students": 0}])
+            times[policy].append(time.perf_counter() - t0)
+    return float(np.mean(times["fast"]) / np.mean(times["exact"])), {k: float(np.mean(v)) for k, v in times.items()}
+
+
+def bound(rt, store, task, args) -> dict:
+    kind, folder = TASKS[task]
+    tenant = f"{task}-hplm"
+    reqs = load_requests(store, {tenant: f"{args.data}/{folder}/test.txt"}, args.limit)
+    c1, c2 = (counts(reqs, _predictions(rt, reqs, p)) for p in ("fast", "exact"))
+    m1, m2 = metric(kind, c1), metric(kind, c2)
+    target = m2 - args.target / 100
+    share = oracle_share(kind, c1, c2, target)
+    rt.infer([{"tenant": tenant, "ids": q["ids"], "policy": p, "students": 0} for q in reqs[:4] for p in ("fast", "exact")])
+    r, means = latency_ratio(rt, reqs, args.timed)
+    frac = None if share is None else share / len(reqs)
+    if kind == "classification":
+        gain = (c2[:, 0] - c1[:, 0]) / len(reqs)
+    else:  # F1's change, linearized around level 2's (for the average over tasks)
+        gain = (2 * (c2[:, 0] - c1[:, 0]) - m2 * (c2[:, 1] - c1[:, 1])) / (c1[:, 2].sum() + (c1[:, 1].sum() + c2[:, 1].sum()) / 2)
+    return {"task": task, "queries": len(reqs), "level1": m1, "level2": m2, "level1_cost": r, "mean_s": means,
+            "oracle_rerouted": share, "oracle_share": frac,
+            "oracle_cost": None if frac is None else r + frac * (1 - r), "gains": gain.tolist()}
+
+
+def average_bound(rows, target) -> dict:
+    """The oracle for the goal on the average over tasks (each task's metric and mean cost
+    weighted alike): queries taken from level 2 in order of metric gained per cost, any task,
+    until the mean metric is within target of level 2's mean (F1 gains linearized)."""
+    T = len(rows)
+    metric_now = np.mean([r["level1"] for r in rows])
+    cost = np.mean([r["level1_cost"] for r in rows])
+    goal = np.mean([r["level2"] for r in rows]) - target
+    offers = sorted(((g / T) / ((1 - r["level1_cost"]) / (r["queries"] * T)), g / T, (1 - r["level1_cost"]) / (r["queries"] * T))
+                    for r in rows for g in r["gains"] if g > 0)[::-1]
+    taken = 0
+    for _, g, c in offers:
+        if metric_now >= goal:
+            break
+        metric_now, cost, taken = metric_now + g, cost + c, taken + 1
+    return {"reached": bool(metric_now >= goal), "rerouted": taken, "oracle_cost": float(cost),
+            "metric": float(metric_now), "goal": float(goal)}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--store", required=True)
+    ap.add_argument("--tasks", default="citation_intent,NCBI-disease")
+    ap.add_argument("--data", default=SCIBERT)
+    ap.add_argument("--limit", type=int, default=400, help="test queries per task")
+    ap.add_argument("--timed", type=int, default=60, help="queries timed one at a time at each level")
+    ap.add_argument("--target", type=float, default=0.5, help="points below level 2")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    import torch
+
+    import runtime
+
+    torch.set_num_threads(1)
+    report = {"machine": uptime(), "args": vars(args), "tasks": []}
+    with runtime.open(args.store, device="cpu", max_batch=32) as rt:
+        for task in args.tasks.split(","):
+            row = bound(rt, args.store, task, args)
+            report["tasks"].append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "gains"}), flush=True)
+    rows = report["tasks"]
+    report["average"] = {"level1": float(np.mean([r["level1"] for r in rows])),
+                         "level2": float(np.mean([r["level2"] for r in rows])),
+                         "level1_cost": float(np.mean([r["level1_cost"] for r in rows])),
+                         "oracle": average_bound(rows, args.target / 100)}
+    report["machine_after"] = uptime()
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(json.dumps(report["average"]), flush=True)
+
+
+if __name__ == "__main__":
+    main()
