@@ -245,6 +245,29 @@ def test_tenant_job_then_infer_with_its_token(server, tenants, env):
     assert all(r.json()["results"][0]["task"] == ("tagging" if n == "beta" else "classification") for n, r in out)
 
 
+def test_the_load_generators_client_reads_the_servers_answers(server, tenants, env):
+    """tools.loadgen.Client (the benchmarks' lean HTTP/1.1 client) against the real server:
+    keep-alive requests with body fields, the answer's body handed back, a 4xx reported."""
+    import asyncio
+
+    from tools.loadgen import Client
+
+    async def go():
+        client = Client(server.url, tenants["alpha"], env["texts"][:3], timeout=30)
+        try:
+            first = await client.call("alpha", {"text": env["texts"][0], "truncate": True})
+            again = await client.one("alpha")  # the same connection, a text of the client's own
+            bad = await client.call("alpha", {"text": env["texts"][0], "students": 1})  # alpha has none
+            return first, again, bad
+        finally:
+            await client.close()
+
+    first, again, bad = asyncio.run(go())
+    assert first[0] == 200 and json.loads(first[4])["results"][0]["students"] == 0
+    assert again[0] == 200 and len(again) == 4
+    assert bad[0] == 422 and b"students" in bad[4]
+
+
 def test_tenant_isolation(server, tenants):
     text = {"text": "Return the sum of a list."}
     a, b = tenants["alpha"], tenants["beta"]
