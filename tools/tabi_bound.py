@@ -33,15 +33,37 @@ from tools.tabi_bench import SCIBERT, TASKS
 
 
 def _predictions(rt, reqs, policy, batch=32):
-    out = []
+    """(predictions, per query its uncertainty under each signal of `signals`)."""
+    out, uncertain = [], []
     for i in range(0, len(reqs), batch):
         chunk = reqs[i:i + batch]
         res = rt.infer([{"tenant": q["tenant"], "ids": q["ids"], "policy": policy, "students": 0} for q in chunk])
         for q, r in zip(chunk, res):
-            pred = np.asarray(r.logits).argmax(-1)
+            logits = np.asarray(r.logits, dtype=np.float64)
+            pred = logits.argmax(-1)
             out.append(int(pred) if q["task"] == "classification" else
                        word_tags(pred.tolist(), q["target"], q["labels"], len(q["words"])))
-    return out
+            uncertain.append(signals(q, logits))
+    return out, uncertain
+
+
+def signals(q, logits) -> dict:
+    """How unsure level 1 is of a query, by several sequence-level rules (higher: re-route first).
+    Tagging reads the words' first sub-tokens, as the answer does."""
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    if q["task"] == "classification":
+        top = np.sort(p)[::-1]
+        return {"1 - max prob": 1 - top[0], "1 - margin": 1 - (top[0] - top[1]),
+                "entropy": float(-(p * np.log(p + 1e-12)).sum())}
+    words = p[np.asarray(q["target"]) >= 0]
+    best = words.max(-1)
+    outside = [j for j, name in enumerate(q["labels"]) if name == "O"]
+    entity = best[words.argmax(-1) != outside[0]] if outside else best
+    return {"1 - min over words (the runtime's)": 1 - best.min(), "1 - mean over words": 1 - best.mean(),
+            "words below 0.9": float((best < 0.9).sum()),
+            "1 - min over predicted entity words": 1 - (entity.min() if len(entity) else best.min()),
+            "words": float(len(best))}
 
 
 def counts(reqs, preds):
@@ -79,6 +101,20 @@ def oracle_share(task, c1, c2, target):
     return int(reached[0]) + 1 if len(reached) else None
 
 
+def share_in_order(task, c1, c2, target, order):
+    """How many queries, taken from level 2 in this order, bring the metric to `target`."""
+    n = len(c1)
+    if task == "classification":
+        value, need = c2[:, 0] - c1[:, 0], target * n - c1[:, 0].sum()
+    else:
+        value = 2 * (c2[:, 0] - c1[:, 0]) - target * (c2[:, 1] - c1[:, 1])
+        need = target * c1[:, 2].sum() - (2 * c1[:, 0].sum() - target * c1[:, 1].sum())
+    if need <= 1e-9:
+        return 0
+    reached = np.nonzero(np.cumsum(value[order]) >= need - 1e-9)[0]
+    return int(reached[0]) + 1 if len(reached) else None
+
+
 def latency_ratio(rt, reqs, timed):
     """Level 1's mean latency over level 2's, one query at a time, the levels alternating."""
     times = {"fast": [], "exact": []}
@@ -93,11 +129,22 @@ def latency_ratio(rt, reqs, timed):
 def bound(rt, store, task, args) -> dict:
     kind, folder = TASKS[task]
     tenant = f"{task}-hplm"
-    reqs = load_requests(store, {tenant: f"{args.data}/{folder}/test.txt"}, args.limit)
-    c1, c2 = (counts(reqs, _predictions(rt, reqs, p)) for p in ("fast", "exact"))
-    m1, m2 = metric(kind, c1), metric(kind, c2)
-    target = m2 - args.target / 100
-    share = oracle_share(kind, c1, c2, target)
+    by_signal = {}
+    for split in ("dev", "test"):
+        reqs = load_requests(store, {tenant: f"{args.data}/{folder}/{split}.txt"}, args.limit)
+        (p1, unsure), (p2, _) = (_predictions(rt, reqs, p) for p in ("fast", "exact"))
+        c1, c2 = counts(reqs, p1), counts(reqs, p2)
+        m1, m2 = metric(kind, c1), metric(kind, c2)
+        target = m2 - args.target / 100
+        share = oracle_share(kind, c1, c2, target)
+        rng = np.random.default_rng(0)
+        for name in unsure[0]:
+            order = np.argsort(-np.array([u[name] for u in unsure]), kind="stable")
+            k = share_in_order(kind, c1, c2, target, order)
+            by_signal.setdefault(name, {})[split] = None if k is None else k / len(reqs)
+        k = share_in_order(kind, c1, c2, target, rng.permutation(len(reqs)))
+        by_signal.setdefault("random order", {})[split] = None if k is None else k / len(reqs)
+        by_signal.setdefault("oracle", {})[split] = None if share is None else share / len(reqs)
     rt.infer([{"tenant": tenant, "ids": q["ids"], "policy": p, "students": 0} for q in reqs[:4] for p in ("fast", "exact")])
     r, means = latency_ratio(rt, reqs, args.timed)
     frac = None if share is None else share / len(reqs)
@@ -107,7 +154,8 @@ def bound(rt, store, task, args) -> dict:
         gain = (2 * (c2[:, 0] - c1[:, 0]) - m2 * (c2[:, 1] - c1[:, 1])) / (c1[:, 2].sum() + (c1[:, 1].sum() + c2[:, 1].sum()) / 2)
     return {"task": task, "queries": len(reqs), "level1": m1, "level2": m2, "level1_cost": r, "mean_s": means,
             "oracle_rerouted": share, "oracle_share": frac,
-            "oracle_cost": None if frac is None else r + frac * (1 - r), "gains": gain.tolist()}
+            "oracle_cost": None if frac is None else r + frac * (1 - r), "gains": gain.tolist(),
+            "signals": by_signal}
 
 
 def average_bound(rows, target) -> dict:
