@@ -65,3 +65,19 @@ def test_no_order_of_re_routes_needs_fewer_than_the_oracle(case, rnd):
         c = c1.copy()
         c[order[:got]] = c2[order[:got]]
         assert metric(task, c) >= target - 1e-9  # the prefix it counted does reach the target
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 10_000))
+def test_the_learned_gate_ranks_a_separable_signal_first(seed):
+    """fit_gate finds the one informative signal among noise: every query it should re-route
+    scores above every one it should not."""
+    from tools.tabi_bound import fit_gate
+
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(200, 4))
+    y = x[:, 2] > 0.5
+    if y.all() or not y.any():
+        return
+    score = fit_gate(x, y)(x)
+    assert score[y].min() > score[~y].max() - 1e-6 or np.mean(score[y][:, None] > score[~y][None, :]) > 0.99

@@ -28,6 +28,7 @@ import time
 import numpy as np
 
 from runtime.build.data import entity_spans, word_tags
+from runtime.plot.retrieve import retrieve
 from tools.bench_students import load_requests, uptime
 from tools.tabi_bench import SCIBERT, TASKS
 
@@ -101,6 +102,36 @@ def oracle_share(task, c1, c2, target):
     return int(reached[0]) + 1 if len(reached) else None
 
 
+def coverage(snap, version, q) -> dict:
+    """How the PLOT served the query's (first sub-token) windows: the shares at full order and
+    at a uni-gram, the coverage-aware gate's kind of signal."""
+    _, _, served = retrieve(snap, version, [q["ids"]])
+    order = served.order[0, :served.lengths[0]]
+    if q["task"] == "tagging":
+        order = order[np.asarray(q["target"]) >= 0]
+    return {"share of windows served by a uni-gram": float((order == 1).mean()),
+            "1 - share served at full order": float(1 - (order == order.max()).mean())}
+
+
+def helps(task, c1, c2, target):
+    """Per query: whether level 2's answer adds to the metric (the oracle's choice)."""
+    if task == "classification":
+        return c2[:, 0] > c1[:, 0]
+    return 2 * (c2[:, 0] - c1[:, 0]) - target * (c2[:, 1] - c1[:, 1]) > 0
+
+
+def fit_gate(x, y, l2=1e-2, steps=3000):
+    """A logistic regression of y on the standardized signals (gradient descent): a scorer."""
+    y = np.asarray(y, dtype=np.float64)
+    mu, sd = x.mean(0), x.std(0) + 1e-9
+    z, w, b = (x - mu) / sd, np.zeros(x.shape[1]), 0.0
+    for _ in range(steps):
+        p = 1 / (1 + np.exp(-(z @ w + b)))
+        w -= 0.5 * (z.T @ (p - y) / len(y) + l2 * w)
+        b -= 0.5 * float((p - y).mean())
+    return lambda x: ((x - mu) / sd) @ w + b
+
+
 def share_in_order(task, c1, c2, target, order):
     """How many queries, taken from level 2 in this order, bring the metric to `target`."""
     n = len(c1)
@@ -129,21 +160,27 @@ def latency_ratio(rt, reqs, timed):
 def bound(rt, store, task, args) -> dict:
     kind, folder = TASKS[task]
     tenant = f"{task}-hplm"
-    by_signal = {}
-    for split in ("dev", "test"):
+    by_signal, gate = {}, None
+    snap, version = rt.store.snapshot(), rt.pet(tenant).version
+    for split in ("dev", "test"):  # dev first: the learned gate is fitted there
         reqs = load_requests(store, {tenant: f"{args.data}/{folder}/{split}.txt"}, args.limit)
         (p1, unsure), (p2, _) = (_predictions(rt, reqs, p) for p in ("fast", "exact"))
+        for q, u in zip(reqs, unsure):
+            u.update(coverage(snap, version, q))
         c1, c2 = counts(reqs, p1), counts(reqs, p2)
         m1, m2 = metric(kind, c1), metric(kind, c2)
         target = m2 - args.target / 100
         share = oracle_share(kind, c1, c2, target)
         rng = np.random.default_rng(0)
-        for name in unsure[0]:
-            order = np.argsort(-np.array([u[name] for u in unsure]), kind="stable")
+        features = np.array([list(u.values()) for u in unsure])
+        if gate is None:
+            gate = fit_gate(features, helps(kind, c1, c2, target))
+        orders = {name: np.argsort(-features[:, j], kind="stable") for j, name in enumerate(unsure[0])}
+        orders["learned on dev (all of the above)"] = np.argsort(-gate(features), kind="stable")
+        orders["random order"] = rng.permutation(len(reqs))
+        for name, order in orders.items():
             k = share_in_order(kind, c1, c2, target, order)
             by_signal.setdefault(name, {})[split] = None if k is None else k / len(reqs)
-        k = share_in_order(kind, c1, c2, target, rng.permutation(len(reqs)))
-        by_signal.setdefault("random order", {})[split] = None if k is None else k / len(reqs)
         by_signal.setdefault("oracle", {})[split] = None if share is None else share / len(reqs)
     rt.infer([{"tenant": tenant, "ids": q["ids"], "policy": p, "students": 0} for q in reqs[:4] for p in ("fast", "exact")])
     r, means = latency_ratio(rt, reqs, args.timed)
