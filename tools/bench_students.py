@@ -279,19 +279,23 @@ def run_fig13(store_path, reqs, mode, args, seed) -> dict:
         wall = time.perf_counter() - t_start
         padding = 1 - rt.scheduler.tokens / max(rt.scheduler.padded_tokens, 1)
     flat = sorted(x for rs in records for x in rs)
-    lat = np.array([x[1] for x in flat])
 
     class _A:
         def __init__(self, p):
             self.prediction = p
 
-    answered = [x[2] for x in flat]
-    return {"mode": mode, "requests": len(flat), "wall_s": wall, "throughput": len(flat) / wall,
+    return {**fig13_summary(mode, [(x[0], x[1], x[2], x[3]["tenant"]) for x in flat], wall),
+            "scored": delivered_score([x[3] for x in flat], [_A(x[4]) for x in flat]), "padding_share": padding}
+
+
+def fig13_summary(mode, latency, wall) -> dict:
+    """One Fig. 13 run's figures from its (sent at, latency s, students that answered, tenant) rows."""
+    lat = np.array([x[1] for x in latency])
+    answered = [x[2] for x in latency]
+    return {"mode": mode, "requests": len(latency), "wall_s": wall, "throughput": len(latency) / wall,
             "p50_ms": float(np.percentile(lat, 50) * 1e3), "p99_ms": float(np.percentile(lat, 99) * 1e3),
             "teacher_share": float(np.mean([k == 0 for k in answered])),
-            "students_mean": float(np.mean([k for k in answered if k] or [0])),
-            "scored": delivered_score([x[3] for x in flat], [_A(x[4]) for x in flat]), "padding_share": padding,
-            "latency": [(x[0], x[1], x[2], x[3]["tenant"]) for x in flat]}
+            "students_mean": float(np.mean([k for k in answered if k] or [0])), "latency": latency}
 
 
 def run_fig13_http(store_path, reqs, mode, args, seed) -> dict:
@@ -350,13 +354,7 @@ def run_fig13_http(store_path, reqs, mode, args, seed) -> dict:
     finally:
         server.stop()
         os.unlink(f.name)
-    flat = sorted(records)
-    lat = np.array([x[1] for x in flat])
-    answered = [x[2] for x in flat]
-    return {"mode": mode, "requests": len(flat), "wall_s": wall, "throughput": len(flat) / wall,
-            "p50_ms": float(np.percentile(lat, 50) * 1e3), "p99_ms": float(np.percentile(lat, 99) * 1e3),
-            "teacher_share": float(np.mean([k == 0 for k in answered])),
-            "students_mean": float(np.mean([k for k in answered if k] or [0])), "scored": None, "latency": flat}
+    return {**fig13_summary(mode, sorted(records), wall), "scored": None}
 
 
 def fig13_figure(results, path, via="runtime.infer"):
@@ -464,6 +462,8 @@ def main(argv=None):
     ap.add_argument("--burst-period", type=float, default=1.2, help="HMI: 1.2 s")
     ap.add_argument("--burst-count", type=int, default=10, help="HMI: 50")
     args = ap.parse_args(argv)
+    if args.fifo and args.http:
+        ap.error("--fifo compares batchings in-process; the server behind --http always uses the length-aware buffer")
     torch.set_num_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)
     tenants = dict(t.split("=", 1) for t in args.tenant)

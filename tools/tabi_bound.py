@@ -86,20 +86,28 @@ def metric(task, c):
     return h / len(c) if task == "classification" else (2 * h / (g + p) if h else 0.0)
 
 
+def contributions(task, c1, c2, target):
+    """(per query: what taking its answer from level 2 adds, the total those must reach) for the
+    metric to reach `target` (module doc): accuracy counts, or 2H - F* P >= F* G with G fixed."""
+    if task == "classification":
+        return c2[:, 0] - c1[:, 0], target * len(c1) - c1[:, 0].sum()
+    value = 2 * (c2[:, 0] - c1[:, 0]) - target * (c2[:, 1] - c1[:, 1])
+    return value, target * c1[:, 2].sum() - (2 * c1[:, 0].sum() - target * c1[:, 1].sum())
+
+
+def _first_reaching(values, need):
+    """How many of values, in their order, sum to need; None when none do."""
+    if need <= 1e-9:
+        return 0
+    reached = np.nonzero(np.cumsum(values) >= need - 1e-9)[0]
+    return int(reached[0]) + 1 if len(reached) else None
+
+
 def oracle_share(task, c1, c2, target):
     """The fewest queries to take from level 2 for the metric to reach `target` (module doc);
     None when even every query from level 2 does not."""
-    n = len(c1)
-    if task == "classification":
-        value, need = c2[:, 0] - c1[:, 0], target * n - c1[:, 0].sum()
-    else:  # 2H - F* P >= F* G, with G fixed
-        value = 2 * (c2[:, 0] - c1[:, 0]) - target * (c2[:, 1] - c1[:, 1])
-        need = target * c1[:, 2].sum() - (2 * c1[:, 0].sum() - target * c1[:, 1].sum())
-    if need <= 1e-9:
-        return 0
-    gains = np.sort(value[value > 0])[::-1]
-    reached = np.nonzero(np.cumsum(gains) >= need - 1e-9)[0]
-    return int(reached[0]) + 1 if len(reached) else None
+    value, need = contributions(task, c1, c2, target)
+    return _first_reaching(np.sort(value[value > 0])[::-1], need)
 
 
 def coverage(snap, version, q) -> dict:
@@ -115,9 +123,7 @@ def coverage(snap, version, q) -> dict:
 
 def helps(task, c1, c2, target):
     """Per query: whether level 2's answer adds to the metric (the oracle's choice)."""
-    if task == "classification":
-        return c2[:, 0] > c1[:, 0]
-    return 2 * (c2[:, 0] - c1[:, 0]) - target * (c2[:, 1] - c1[:, 1]) > 0
+    return contributions(task, c1, c2, target)[0] > 0
 
 
 def fit_gate(x, y, l2=1e-2, steps=3000):
@@ -134,16 +140,8 @@ def fit_gate(x, y, l2=1e-2, steps=3000):
 
 def share_in_order(task, c1, c2, target, order):
     """How many queries, taken from level 2 in this order, bring the metric to `target`."""
-    n = len(c1)
-    if task == "classification":
-        value, need = c2[:, 0] - c1[:, 0], target * n - c1[:, 0].sum()
-    else:
-        value = 2 * (c2[:, 0] - c1[:, 0]) - target * (c2[:, 1] - c1[:, 1])
-        need = target * c1[:, 2].sum() - (2 * c1[:, 0].sum() - target * c1[:, 1].sum())
-    if need <= 1e-9:
-        return 0
-    reached = np.nonzero(np.cumsum(value[order]) >= need - 1e-9)[0]
-    return int(reached[0]) + 1 if len(reached) else None
+    value, need = contributions(task, c1, c2, target)
+    return _first_reaching(value[order], need)
 
 
 def latency_ratio(rt, reqs, timed):
@@ -185,10 +183,9 @@ def bound(rt, store, task, args) -> dict:
     rt.infer([{"tenant": tenant, "ids": q["ids"], "policy": p, "students": 0} for q in reqs[:4] for p in ("fast", "exact")])
     r, means = latency_ratio(rt, reqs, args.timed)
     frac = None if share is None else share / len(reqs)
-    if kind == "classification":
-        gain = (c2[:, 0] - c1[:, 0]) / len(reqs)
-    else:  # F1's change, linearized around level 2's (for the average over tasks)
-        gain = (2 * (c2[:, 0] - c1[:, 0]) - m2 * (c2[:, 1] - c1[:, 1])) / (c1[:, 2].sum() + (c1[:, 1].sum() + c2[:, 1].sum()) / 2)
+    # each query's change to the metric (for the average over tasks; F1's linearized around level 2's)
+    scale = len(reqs) if kind == "classification" else c1[:, 2].sum() + (c1[:, 1].sum() + c2[:, 1].sum()) / 2
+    gain = contributions(kind, c1, c2, m2)[0] / scale
     return {"task": task, "queries": len(reqs), "level1": m1, "level2": m2, "level1_cost": r, "mean_s": means,
             "oracle_rerouted": share, "oracle_share": frac,
             "oracle_cost": None if frac is None else r + frac * (1 - r), "gains": gain.tolist(),

@@ -146,20 +146,14 @@ def _student_options():
     ]
 
 
-def _resumes(store, tenant, options) -> bool:
+def _resumes(snap, tenant, options) -> bool:
     """Whether a `tenant create --students` that was cut off is being run again: the tenant
     exists, made from the same --train on the same --version, and its students are missing
     or unfinished. Then its PET is kept and only the students are (re)made."""
-    import hkstore
-
-    if options.get("replace"):
+    if options.get("replace") or tenant not in snap.pets:
         return False
-    with hkstore.open(store) as st:
-        snap = st.snapshot()
-        if tenant not in snap.pets:
-            return False
-        meta = snap.read_pet(tenant).meta
-        done = tenant in snap.students and snap.read_students(tenant).meta.get("complete")
+    meta = snap.read_pet(tenant).meta
+    done = tenant in snap.students and snap.read_students(tenant).meta.get("complete")
     same = ((meta.get("train") or {}).get("path") == os.path.abspath(options["train_path"])
             and meta.get("version") == options["version"])
     return same and not done
@@ -173,6 +167,7 @@ def _tenant_then_students(store, tenant, *, job, creating, options, n, dev, corp
     with hkstore.open(store) as st:
         if is_decoder_store(st.meta):
             raise ValueError("--students: students serve encoder tenants, and this is a decoder store")
+        resume = creating and _resumes(st.snapshot(), tenant, options)
     # Every check before the PET's training, so a mistake costs seconds, not a trained PET.
     settings = {**recorded_settings(store, tenant), "students": n}
     if dev:
@@ -185,7 +180,7 @@ def _tenant_then_students(store, tenant, *, job, creating, options, n, dev, corp
     for path in (settings["dev_path"], *settings.get("corpus_paths", ())):
         if not os.path.isfile(path):
             raise ValueError(f"{path}: no such file")
-    if creating and _resumes(store, tenant, options):
+    if resume:
         made = {"tenant": tenant, "pet": "kept (it exists, made from the same --train and --version)"}
     else:
         made = job(store, tenant, progress=progress, **options)
