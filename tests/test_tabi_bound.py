@@ -81,3 +81,94 @@ def test_the_learned_gate_ranks_a_separable_signal_first(seed):
         return
     score = fit_gate(x, y)(x)
     assert score[y].min() > score[~y].max() - 1e-6 or np.mean(score[y][:, None] > score[~y][None, :]) > 0.99
+
+
+@settings(max_examples=200, deadline=None)
+@given(levels())
+def test_knowing_where_the_levels_differ_is_between_the_oracle_and_all_that_differ(case):
+    """A dispatcher that knows where the answers differ, not which is right, takes the
+    differing queries in random orders: never fewer than the oracle, never more than differ,
+    and always there when level 2 on every query reaches the target (taking all that differ
+    is that)."""
+    from tools.tabi_bound import disagreement_share
+
+    task, c1, c2, target = case
+    differ = (c1 != c2).any(1)
+    best, got = oracle_share(task, c1, c2, target), disagreement_share(task, c1, c2, target, differ, rounds=5)
+    if metric(task, c2) >= target - 1e-9:
+        assert got is not None
+    if got is not None:
+        assert best - 1e-9 <= got <= differ.sum() + 1e-9
+
+
+def test_the_differing_queries_are_the_ones_whose_spans_or_labels_differ():
+    from tools.tabi_bound import differs
+
+    reqs = [{"task": "classification"}, {"task": "classification"}, {"task": "tagging"}, {"task": "tagging"}]
+    p1 = [1, 0, ["B-X", "I-X", "O"], ["B-X", "O", "O"]]
+    p2 = [1, 2, ["B-X", "I-X", "O"], ["B-X", "I-X", "O"]]
+    assert differs(reqs, p1, p2).tolist() == [False, True, False, True]
+
+
+def test_not_knowing_which_level_is_right_costs_the_expected_extra_queries():
+    """Two queries level 2 gets right, one it gets wrong, one it agrees on; level 1 needs one
+    more right answer. The oracle takes 1; a random order of the three that differ takes 1 when
+    a right one comes first (2/3) and all 3 otherwise: 5/3 expected."""
+    from tools.tabi_bound import disagreement_share
+
+    c1 = np.array([[0, 1, 1], [0, 1, 1], [1, 1, 1], [1, 1, 1]], dtype=float)
+    c2 = np.array([[1, 1, 1], [1, 1, 1], [0, 1, 1], [1, 1, 1]], dtype=float)
+    differ = np.array([True, True, True, False])
+    assert oracle_share("classification", c1, c2, 0.75) == 1
+    got = disagreement_share("classification", c1, c2, 0.75, differ, rounds=3000)
+    assert abs(got - 5 / 3) < 0.06
+
+
+def test_costs_charge_level_1_to_a_signal_and_not_to_an_oracle(tmp_path):
+    from tools.tabi_bound import DIFFER, costs, figure
+
+    signals = {"oracle": {"dev": 0.1, "test": 0.2}, DIFFER: {"dev": 0.3, "test": 0.5},
+               "queries whose answers differ": {"dev": 0.4, "test": 0.6}, "random order": {"dev": 0.0, "test": 0.1},
+               "level 2 better / worse (queries)": {"dev": [3, 1], "test": [4, 2]},
+               "a": {"dev": 0.5, "test": 0.7}, "b": {"dev": 0.4, "test": 0.9}, "c": {"dev": None, "test": 0.1}}
+    row = {"task": "t", "level1_cost": 0.6, "signals": signals}
+    got = costs(row)
+    assert got["level 1 alone"] is None  # level 1 alone does not reach the target: the oracle re-routes
+    assert abs(got["oracle"] - (0.6 + 0.2 * 0.4)) < 1e-12
+    assert abs(got[DIFFER] - (0.6 + 0.5 * 0.4)) < 1e-12
+    assert got == {**got, "best signal on dev: b": 0.6 + 0.9}  # chosen on dev (0.4 < 0.5), charged on test
+    figure({"tasks": [row, {**row, "task": "u"}]}, tmp_path / "f.png")
+    assert (tmp_path / "f.png").stat().st_size > 1000
+
+
+def test_mixed_training_views_are_level_2s_inputs_then_the_plots():
+    """tools.tabi_mixed: the first K views are the full-context lower layers of each sequence
+    as level 2 computes them alone (batching pads, and must not leak), the rest the PLOT's."""
+    import torch
+    from test_runtime import shared_tiny_store
+
+    import hkstore
+    from runtime.build import manager
+    from runtime.model.stored import base_encoder, context_encoder
+    from runtime.plot.retrieve import retrieve_list
+    from tools.tabi_mixed import views
+
+    store_path, info = shared_tiny_store()
+    with hkstore.open(store_path) as store:
+        encoder = base_encoder(store)
+        ids = [encoder.tokenizer.encode(t).ids[:20] for t in info["texts"][:5]]
+        got = views(store, "strings", encoder, ids, 2, 0.0, 0)
+        assert len(got) == manager.UNSEEN_VIEWS * len(ids)
+        ctx = context_encoder(store, "strings", encoder)
+        plot = retrieve_list(store.snapshot(), "strings", ids)
+        for v in range(manager.UNSEEN_VIEWS):
+            for j, seq in enumerate(ids):
+                x = got[v * len(ids) + j]
+                if v < 2:
+                    t, m = ctx.pad([seq])
+                    with torch.no_grad():
+                        alone = ctx.lower(t, m)[0]
+                    torch.testing.assert_close(x, alone, atol=1e-5, rtol=1e-5)
+                else:
+                    torch.testing.assert_close(x, plot[j])
+        assert not torch.allclose(got[0], got[2 * len(ids)], atol=1e-3)  # the levels' inputs differ

@@ -1,9 +1,9 @@
 """How far any dispatcher can go between Tabi's two levels (issue 16): the oracle bound.
 
     python -m tools.tabi_bound --store STORE --tasks chemprot,citation_intent,sci-cite,bc5cdr,NCBI-disease,sciie \\
-        --limit 400 --out /tmp/tabi-bound.json
+        --limit 400 --out /tmp/tabi-bound.json --figure figures/tabi_bound.png
 
-For each task's tenant ``<task>-hplm``: level 1 (policy fast, the PLOT) and level 2 (policy
+For each task's tenant (--tenant, ``<task>-hplm``): level 1 (policy fast, the PLOT) and level 2 (policy
 exact, full-context lower layers) answer the first --limit test queries (batched: accuracy
 only); then --timed queries are sent one at a time to each level in turn, and the ratio of their
 mean latencies is level 1's cost relative to level 2.
@@ -17,6 +17,11 @@ does better. Accuracy is additive over queries. Entity F1 = 2H / (G + P) (H: spa
 gold spans, P: predicted spans) reaches F* exactly when 2H - F* P >= F* G, which is additive in
 the queries' span counts, so for both metrics the fewest queries are the ones that add the most
 to it, taken first.
+
+Between the oracle and real dispatchers: one that knows exactly where the levels' answers differ,
+but not which level is right (what a perfect, free probe of level 2 could tell), re-routes the
+differing queries in a random order (disagreement_share). Real dispatchers re-route in the
+order of a signal (level 1's confidence, the PLOT's coverage, a gate learned on dev).
 """
 
 from __future__ import annotations
@@ -110,6 +115,26 @@ def oracle_share(task, c1, c2, target):
     return _first_reaching(np.sort(value[value > 0])[::-1], need)
 
 
+def differs(reqs, p1, p2):
+    """Per query: whether the levels' answers differ (the label; for tagging the entity spans,
+    the units F1 counts)."""
+    return np.array([a != b if q["task"] == "classification" else entity_spans(a) != entity_spans(b)
+                     for q, a, b in zip(reqs, p1, p2)])
+
+
+def disagreement_share(task, c1, c2, target, differ, rounds=50, seed=0):
+    """The mean number of queries a dispatcher re-routes when it knows exactly where the levels'
+    answers differ but not which is right: the differing queries in a random order, the rest
+    never (they add nothing). None when an order does not reach `target` (never when level 2
+    on every query does: taking all that differ is that). Any cheap
+    probe of level 2 (a part of its lower layers computed exactly, say) can at best tell a
+    dispatcher this much, unless it also tells which level is right."""
+    rows = np.nonzero(differ)[0]
+    rng = np.random.default_rng(seed)
+    taken = [share_in_order(task, c1, c2, target, rng.permutation(rows)) for _ in range(rounds)]
+    return None if None in taken else float(np.mean(taken))
+
+
 def coverage(snap, version, q) -> dict:
     """How the PLOT served the query's (first sub-token) windows: the shares at full order and
     at a uni-gram, the coverage-aware gate's kind of signal."""
@@ -157,7 +182,7 @@ def latency_ratio(rt, reqs, timed):
 
 def bound(rt, store, task, args) -> dict:
     kind, folder = TASKS[task]
-    tenant = f"{task}-hplm"
+    tenant = args.tenant.format(task=task)
     by_signal, gate = {}, None
     snap, version = rt.store.snapshot(), rt.pet(tenant).version
     for split in ("dev", "test"):  # dev first: the learned gate is fitted there
@@ -180,6 +205,14 @@ def bound(rt, store, task, args) -> dict:
             k = share_in_order(kind, c1, c2, target, order)
             by_signal.setdefault(name, {})[split] = None if k is None else k / len(reqs)
         by_signal.setdefault("oracle", {})[split] = None if share is None else share / len(reqs)
+        differ = differs(reqs, p1, p2)
+        k = disagreement_share(kind, c1, c2, target, differ)
+        by_signal.setdefault(DIFFER, {})[split] = \
+            None if k is None else k / len(reqs)
+        by_signal.setdefault("queries whose answers differ", {})[split] = float(differ.mean())
+        better = contributions(kind, c1, c2, m2)[0]
+        by_signal.setdefault("level 2 better / worse (queries)", {})[split] = [int((better > 0).sum()),
+                                                                              int((better < 0).sum())]
     rt.infer([{"tenant": tenant, "ids": q["ids"], "policy": p, "students": 0} for q in reqs[:4] for p in ("fast", "exact")])
     r, means = latency_ratio(rt, reqs, args.timed)
     frac = None if share is None else share / len(reqs)
@@ -211,15 +244,62 @@ def average_bound(rows, target) -> dict:
             "metric": float(metric_now), "goal": float(goal)}
 
 
+DIFFER = "knows where the levels differ, not which is right"
+NOT_SIGNALS = ("oracle", DIFFER, "queries whose answers differ", "level 2 better / worse (queries)", "random order")
+
+
+def costs(row) -> dict:
+    """Mean cost relative to level 2 (test) that brings a task within the target of level 2, by
+    dispatcher: the oracle and the one that knows where the levels differ skip level 1 for what
+    they re-route, r + share x (1 - r); a signal's dispatcher runs level 1 on every query, r +
+    share, with the signal chosen on dev (the smallest share there). None: never reached."""
+    r, s = row["level1_cost"], row["signals"]
+    free = {name: s[name]["test"] for name in ("oracle", DIFFER)}
+    out = {"level 1 alone": r if s["oracle"]["test"] == 0 else None}
+    out.update({name: None if v is None else r + v * (1 - r) for name, v in free.items()})
+    usable = [n for n in s if n not in NOT_SIGNALS and s[n]["dev"] is not None and s[n]["test"] is not None]
+    best = min(usable, key=lambda n: s[n]["dev"])
+    out["best signal on dev: " + best] = r + s[best]["test"]
+    return out
+
+
+def figure(report, path, goal=0.6):
+    """Per task, each dispatcher's cost (costs) against the goal's line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["tasks"]
+    kinds = ["level 1 alone", "oracle", DIFFER, "best signal on dev"]
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    for j, kind in enumerate(kinds):
+        values = []
+        for row in rows:
+            c = costs(row)
+            key = next(k for k in c if k.startswith(kind))
+            values.append(np.nan if c[key] is None else c[key])
+        ax.bar(np.arange(len(rows)) + (j - 1.5) * 0.2, values, 0.2, label=kind)
+    ax.axhline(goal, color="black", linestyle="--", label=f"goal: {goal:.0%} of level 2")
+    ax.set_xticks(np.arange(len(rows)), [r["task"] for r in rows])
+    ax.set_ylabel("mean cost / level 2's, within the target of level 2 (test)")
+    ax.set_title("Tabi between the PLOT and the exact level: what each dispatcher would need (3 + 3, test)")
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--store", required=True)
     ap.add_argument("--tasks", default="citation_intent,NCBI-disease")
     ap.add_argument("--data", default=SCIBERT)
+    ap.add_argument("--tenant", default="{task}-hplm", help="each task's tenant ({task} is replaced)")
     ap.add_argument("--limit", type=int, default=400, help="test queries per task")
     ap.add_argument("--timed", type=int, default=60, help="queries timed one at a time at each level")
     ap.add_argument("--target", type=float, default=0.5, help="points below level 2")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--figure", help="a PNG of each dispatcher's cost per task (figure)")
     args = ap.parse_args(argv)
     import torch
 
@@ -240,6 +320,8 @@ def main(argv=None):
     report["machine_after"] = uptime()
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
+    if args.figure:
+        figure(report, args.figure)
     print(json.dumps(report["average"]), flush=True)
 
 
