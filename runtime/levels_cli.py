@@ -27,15 +27,19 @@ def levels():
               help="Labelled text the tenant did not train on, for the temperatures (default: --dev).")
 @click.option("--target", type=click.FloatRange(0, 100), default=0.5, show_default=True,
               help="Points of accuracy / F1 the tenant may lose against level 2.")
+@click.option("--assurance", type=click.FloatRange(0, 1, max_open=True), default=None,
+              help="Share of bootstrap resamples of --dev in which the policy must stay within --target "
+                   "[default: runtime.level.profile.ASSURANCE]; 0: the cheapest within it on --dev as it is.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the stored record as JSON.")
-def profile(store, tenant, dev_path, calibration_path, target, device, as_json):
+def profile(store, tenant, dev_path, calibration_path, target, assurance, device, as_json):
     """Fit TENANT's level temperatures and choose its dispatch policy; store both with its PET."""
     import runtime
-    from runtime.level.profile import profile_tenant
+    from runtime.level.profile import ASSURANCE, profile_tenant
 
     with runtime.open(store, device=device) as rt:
-        rec = profile_tenant(rt, store, tenant, dev_path, calibration_path, target=target / 100)
+        rec = profile_tenant(rt, store, tenant, dev_path, calibration_path, target=target / 100,
+                             assurance=ASSURANCE if assurance is None else assurance)
     if as_json:
         click.echo(json.dumps(rec, indent=1, sort_keys=True))
         return

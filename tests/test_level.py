@@ -404,15 +404,19 @@ def test_levels_profile_command_stores_a_policy_that_serving_follows(tiny, store
     rec = json.loads(r.output)
     assert set(rec["temperature"]) == {"1", "2"} and all(t > 0 for t in rec["temperature"].values())
     assert set(rec["policy"]) == {"c", "k", "alpha", "w", "gate"} and rec["profile"]["examples"] == len(tiny[1]["texts"])
+    assert rec["profile"]["assurance"] == profile.ASSURANCE > 0
     assert hkstore.verify(str(store_copy))["ok"]
     with runtime.open(store_copy, device="cpu", max_len=48) as rt:
         assert rt.pet("adapter-cls").meta["levels"]["policy"] == rec["policy"]
         out = rt.infer([{"tenant": "adapter-cls", "text": tiny[1]["texts"][0]}])[0]
         assert out.level in (1, 2) and out.confidence is not None
     human = CliRunner().invoke(main, ["levels", "profile", str(store_copy), "adapter-cls", "--dev", str(dev),
-                                      "--device", "cpu"])
+                                      "--device", "cpu", "--assurance", "0"])
     assert human.exit_code == 0 and "temperature level 1" in human.output
+    with runtime.open(store_copy, device="cpu", max_len=48) as rt:
+        assert rt.pet("adapter-cls").meta["levels"]["profile"]["assurance"] == 0.0
     for args, says in ((["nobody", "--dev", str(dev)], "nobody"),
+                       (["adapter-cls", "--dev", str(dev), "--assurance", "1"], "assurance"),
                        (["adapter-cls", "--dev", str(tmp_path / "none.jsonl")], "does not exist")):
         bad = CliRunner().invoke(main, ["levels", "profile", str(store_copy), *args, "--device", "cpu"])
         assert bad.exit_code != 0 and says in bad.output and "Traceback" not in bad.output
@@ -557,3 +561,80 @@ def test_levels_on_the_emulated_gpu_executor_equal_the_cpu_ones(tiny):
             else:
                 np.testing.assert_allclose(r2, r1, rtol=1e-4, atol=1e-5)
         assert any(r is not None for _, _, r in out["gpu"][1]) and {lv for lv, _, _ in out["gpu"][1]} == {1, 2}
+
+
+# -- choosing with assurance ------------------------------------------------------------------------
+
+
+def _saved_classification(right1, right2):
+    """Saved outputs of len(right1) two-class queries whose answer is class 0: level 1 / 2 right
+    (a confident 0) or wrong (a confident 1) as given; every query 10 tokens, fully covered."""
+    n = len(right1)
+
+    def logits(right):
+        return [np.array([4.0, 0.0] if r else [0.0, 4.0], dtype=np.float32) for r in right]
+
+    return profile.Saved("classification", np.full(n, 10), np.ones(n), logits(right1), {0.0: logits(right2)},
+                         {0.0: [None] * n}, {0.0: np.full(n, 10)},
+                         {"level1": 1.0, "retrieval": 0.1, "level2": 1.6, "level2@0.0": 1.6})
+
+
+def _accuracy(n):
+    return (lambda p, q: np.array([float(np.argmax(p) == 0)])), (lambda s: s[0] / n)
+
+
+GRID_SMALL = {"c": [0.0, 0.5, 1.01], "k": [1000.0], "alpha": [0.0], "w": [0.0], "gate": [0.0, 1.01]}
+
+
+def test_assurance_refuses_a_level_1_that_ties_level_2_by_luck():
+    """Level 1 and level 2 are each right on half of 40 queries, wrong where the other is right:
+    the plain rule keeps level 1 (it ties); across resamples it is behind by more than the target
+    about half the time, so with assurance the profile sends every query to level 2."""
+    right1 = [True] * 10 + [False] * 10 + [True] * 10 + [False] * 10
+    right2 = [True] * 10 + [True] * 10 + [False] * 10 + [False] * 10
+    saved = _saved_classification(right1, right2)
+    stats, metric = _accuracy(len(right1))
+    temps = {"1": 1.0, "2": 1.0}
+    plain = profile.choose(saved, temps, stats, metric, 0.005, GRID_SMALL)
+    assured = profile.choose(saved, temps, stats, metric, 0.005, GRID_SMALL, assurance=0.9)
+    assert plain["chosen"]["reroute"] == 0.0 and plain["chosen"]["gate"] == 0.0  # level 1 alone
+    assert assured["chosen"]["gate"] == 1.01 and assured["chosen"]["cost"] == pytest.approx(1.0)
+    assert assured["chosen"]["metric"] == pytest.approx(assured["level2"]["metric"])
+
+
+def test_assurance_keeps_level_1_where_it_is_clearly_no_worse():
+    right2 = [True] * 30 + [False] * 10
+    saved = _saved_classification(right2, right2)  # the levels agree everywhere
+    stats, metric = _accuracy(len(right2))
+    assured = profile.choose(saved, {"1": 1.0, "2": 1.0}, stats, metric, 0.005, GRID_SMALL, assurance=0.95)
+    assert assured["chosen"]["reroute"] == 0.0 and assured["chosen"]["gate"] == 0.0
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.booleans()), min_size=4, max_size=40), st.sampled_from([0.0, 0.02, 0.1]),
+       st.sampled_from([0.5, 0.9]))
+def test_assurance_never_chooses_cheaper_than_the_plain_rule_and_holds(rows, target, assurance):
+    right1, right2 = [a for a, _ in rows], [b for _, b in rows]
+    saved = _saved_classification(right1, right2)
+    stats, metric = _accuracy(len(rows))
+    temps = {"1": 1.0, "2": 1.0}
+    plain = profile.choose(saved, temps, stats, metric, target, GRID_SMALL)
+    assured = profile.choose(saved, temps, stats, metric, target, GRID_SMALL, assurance=assurance, seed=3)
+    assert assured["chosen"]["cost"] >= plain["chosen"]["cost"] - 1e-12
+    assert assured["chosen"]["metric"] >= assured["level2"]["metric"] - target - 1e-12  # still meets it on all
+    assert assured["candidates"] == plain["candidates"]  # the same evaluation, a stricter choice
+
+
+def test_held_counts_resamples_within_target():
+    draws = np.array([[2, 0, 0], [0, 1, 1], [1, 1, 1]], dtype=np.float64)  # 3 resamples of 3 queries
+    rows = np.array([[1.0], [0.0], [1.0]])  # the candidate: right on queries 0 and 2
+    rows2 = np.array([[1.0], [1.0], [0.0]])  # level 2: right on 0 and 1
+
+    def metric(s):
+        return s[0] / 3
+
+    # resample 1: 2 / 3 vs 2 / 3; 2: 1 / 3 vs 1 / 3; 3: 2 / 3 vs 2 / 3: all tie
+    assert profile.held(draws, rows, rows2, metric, 0.0) == 1.0
+    draws = np.array([[0, 3, 0], [0, 0, 3]], dtype=np.float64)  # all query 1, all query 2
+    assert profile.held(draws, rows, rows2, metric, 0.0) == 0.5
+    assert profile.held(draws, rows, rows2, metric, 1.0) == 1.0

@@ -163,15 +163,20 @@ def run_task(task, args):
         t = time.perf_counter()
         saved_d = profile.collect(rt.scheduler, pet, qd.pairs(), alphas=args.alphas, n=n, batch=args.batch)
         grid = dict(profile.GRID, alpha=args.alphas)
-        chosen = profile.choose(saved_d, temps, qd.stats, qd.metric, args.target, grid)
-        conf_only = profile.choose(saved_d, temps, qd.stats, qd.metric, args.target, dict(grid, gate=[0.0]))
+        # as `hkstore levels profile` chooses (its default assurance)
+        chosen = profile.choose(saved_d, temps, qd.stats, qd.metric, args.target, grid, assurance=profile.ASSURANCE)
+        conf_only = profile.choose(saved_d, temps, qd.stats, qd.metric, args.target, dict(grid, gate=[0.0]),
+                                   assurance=profile.ASSURANCE)
         print(f"  profiled on dev in {time.perf_counter() - t:.0f} s: level 1 {chosen['level1']['metric']:.4f}, "
               f"level 2 {chosen['level2']['metric']:.4f}; chosen {chosen['chosen']}; confidence only "
               f"{conf_only['chosen']}", flush=True)
-        loose = profile.choose(saved_d, temps, qd.stats, qd.metric, args.serve_target, grid)
-        variants = {"coverage + confidence": grid, "confidence only": dict(grid, gate=[0.0]),
-                    "coverage only": dict(grid, c=[0.0], k=[1000.0])}
-        record = profile.record(temps, calib_out["ece"], chosen["chosen"], chosen, args.target, len(qd))
+        loose = profile.choose(saved_d, temps, qd.stats, qd.metric, args.serve_target, grid,
+                               assurance=profile.ASSURANCE)
+        variants = {"coverage + confidence": (grid, 0.0), "confidence only": (dict(grid, gate=[0.0]), 0.0),
+                    "coverage only": (dict(grid, c=[0.0], k=[1000.0]), 0.0),
+                    **{f"coverage + confidence, held in {a:.0%} of dev resamples": (grid, a) for a in args.assurance}}
+        record = profile.record(temps, calib_out["ece"], chosen["chosen"], chosen, args.target, len(qd),
+                                profile.ASSURANCE)
         profile.save(args.store, tenant, record)
         rt.refresh()
         pet = rt.pet(tenant)
@@ -202,8 +207,8 @@ def run_task(task, args):
                     for name, c in (("coverage-aware", chosen), ("confidence-only", conf_only))}
         sweep = []  # per accuracy target and dispatcher: chosen on dev, expected on test
         for target in args.sweep:
-            for name, g in variants.items():
-                c = profile.choose(saved_d, temps, qd.stats, qd.metric, target, g)
+            for name, (g, assurance) in variants.items():
+                c = profile.choose(saved_d, temps, qd.stats, qd.metric, target, g, assurance=assurance)
                 e = expected(saved_t, temps, qt, c["chosen"], target)["chosen"]
                 sweep.append({"target": target, "dispatcher": name, "met_on_dev": c["met"],
                               "policy": {k: c["chosen"][k] for k in ("c", "k", "alpha", "w", "gate")},
@@ -429,6 +434,9 @@ def main(argv=None):
     ap.add_argument("--serve-target", type=float, default=0.02, help="a looser target also served on test")
     ap.add_argument("--sweep", type=lambda s: [float(x) for x in s.split(",")], default=[0.005, 0.01, 0.02, 0.05, 0.1],
                     help="targets whose dev-chosen candidates are scored (expected) on test")
+    ap.add_argument("--assurance", type=lambda s: [float(x) for x in s.split(",") if x], default=[0.8, 0.9],
+                    help="the sweep's plain rule against these assurances (runtime.level.profile.choose); "
+                         "the served candidates use profile.ASSURANCE")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--max-len", type=int, default=128)

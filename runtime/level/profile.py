@@ -15,7 +15,8 @@ its kept tokens); a query below the coverage gate costs the lookup plus level 2 
 above 1, every query to level 2, needs no lookup).
 
 The chosen candidate is the cheapest whose expected metric is within ``target`` of level 2's
-(else the most accurate); ``save`` writes the tenant's levels record into its PET meta
+(else the most accurate), and, with an ``assurance``, that also stays within it in that share
+of bootstrap resamples of the queries (a few hundred queries are a noisy sample); ``save`` writes the tenant's levels record into its PET meta
 (FORMAT.md §5, key ``levels``).
 """
 
@@ -33,6 +34,11 @@ from runtime.level.prune import prune, word_spans
 from runtime.model import calibrate as cal
 from runtime.sched.scheduler import Item
 
+# profile_tenant's default share of dev resamples the chosen policy must hold its target in
+# (choose): the usual one-sided 90%. On the six tasks' test splits it cut the (task, target)
+# cases that missed their target from 7 to 3 of 18, at +0.03 of level 2's cost (BENCHMARKS,
+# issue 16, session 13)
+ASSURANCE = 0.9
 GRID = {"c": [0.0, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.99, 1.01], "k": [10.0, 30.0, 100.0, 1000.0],
         "alpha": [0.0, 0.25, 0.5, 0.75], "w": [0.0, 0.25, 0.5], "gate": [0.0, 0.1, 0.2, 0.3, 0.4, 1.01]}
 
@@ -128,11 +134,14 @@ def _probs(saved, temps, alpha, w):
     return out
 
 
-def choose(saved: Saved, temps: dict, stats, metric, target: float, grid: dict = GRID) -> dict:
+def choose(saved: Saved, temps: dict, stats, metric, target: float, grid: dict = GRID, assurance: float = 0.0,
+           resamples: int = 200, seed: int = 0) -> dict:
     """Evaluate every candidate of grid on saved outputs; stats(probs, q) -> counts vector of
     query q, metric(summed counts) -> score. Returns {"chosen", "candidates", "level1",
     "level2"} (candidates: dicts with c, k, alpha, w, gate, metric, cost (relative to level 2
-    alone), reroute (expected share))."""
+    alone), reroute (expected share)). assurance > 0: the chosen candidate must also be within
+    target of level 2 in that share of `resamples` bootstrap resamples of the queries (held,
+    below); 0 takes the cheapest within target on the queries as they are."""
     N = len(saved.logits1)
     p1 = [cal.softmax(z, temps["1"]) for z in saved.logits1]
     st1 = np.array([stats(p, q) for q, p in enumerate(p1)], dtype=np.float64)
@@ -151,25 +160,42 @@ def choose(saved: Saved, temps: dict, stats, metric, target: float, grid: dict =
     for g, c, k in itertools.product(grid["gate"], grid["c"], grid["k"]):
         gated = saved.coverage < g
         p = np.where(gated, 0.0, dispatch.reroute_probability(conf, c, k))
-        base_stats = st2[gated].sum(0)
         probe = lookup[gated].sum() if g <= 1 else 0.0  # a gate above 1 needs no lookup (serve.answer)
         base_cost = probe + full2[gated].sum() + c1[~gated].sum()
         for (a, w), ste in ens.items():
-            s = base_stats + ((1 - p[~gated, None]) * st1[~gated] + p[~gated, None] * ste[~gated]).sum(0)
+            rows = np.where(gated[:, None], st2, (1 - p[:, None]) * st1 + p[:, None] * ste)
             cost = base_cost + (p[~gated] * per_tok["level2"] * saved.kept_tokens[a][~gated]).sum()
-            cands.append({"c": c, "k": k, "alpha": a, "w": w, "gate": g, "metric": float(metric(s)),
-                          "cost": float(cost / ref_cost), "reroute": float((p.sum() + gated.sum()) / N)})
-    ok = [x for x in cands if x["metric"] >= m2 - target]
-    chosen = min(ok, key=lambda x: (x["cost"], -x["metric"])) if ok else max(cands, key=lambda x: x["metric"])
+            cands.append({"c": c, "k": k, "alpha": a, "w": w, "gate": g, "metric": float(metric(rows.sum(0))),
+                          "cost": float(cost / ref_cost), "reroute": float((p.sum() + gated.sum()) / N),
+                          "_rows": rows if assurance else None})
+    ok = sorted((x for x in cands if x["metric"] >= m2 - target), key=lambda x: (x["cost"], -x["metric"]))
+    if assurance and ok:
+        draws = np.random.default_rng(seed).multinomial(N, np.full(N, 1 / N), size=resamples).astype(np.float64)
+        # the cheapest that holds; level 2 itself (a gate above 1) always does
+        ok = [next((x for x in ok if held(draws, x["_rows"], st2, metric, target) >= assurance), ok[-1])]
+    chosen = ok[0] if ok else max(cands, key=lambda x: x["metric"])
+    for x in cands:
+        x.pop("_rows")
     return {"chosen": chosen, "candidates": cands, "level1": {"metric": m1, "cost": float(c1.sum() / ref_cost)},
             "level2": {"metric": m2, "cost": 1.0}, "met": bool(ok)}
 
 
-def record(temps: dict, ece: dict, chosen: dict, result: dict, target: float, examples: int) -> dict:
+def held(draws, rows, rows2, metric, target) -> float:
+    """The share of resamples (draws: (B, N) counts of each query) in which the candidate with
+    per-query counts rows stays within target of level 2 (rows2) on the same resample: the plain
+    rule takes whichever candidate the held-out sample happens to favour, and missed its target
+    on new queries in 7 of 18 (task, target) cases (BENCHMARKS, issue 16, session 13)."""
+    a, b = draws @ rows, draws @ rows2
+    return float(np.mean([metric(x) >= metric(y) - target for x, y in zip(a, b)]))
+
+
+def record(temps: dict, ece: dict, chosen: dict, result: dict, target: float, examples: int,
+           assurance: float = 0.0) -> dict:
     """The levels record a tenant's PET meta keeps (FORMAT.md §5)."""
     return {"levels": [1, 2], "temperature": temps, "ece": ece,
             "policy": {k: chosen[k] for k in ("c", "k", "alpha", "w", "gate")},
-            "profile": {"target": target, "expected_metric": chosen["metric"], "expected_cost": chosen["cost"],
+            "profile": {"target": target, "assurance": assurance, "expected_metric": chosen["metric"],
+                        "expected_cost": chosen["cost"],
                         "expected_reroute": chosen["reroute"], "level1_metric": result["level1"]["metric"],
                         "level2_metric": result["level2"]["metric"], "level1_cost": result["level1"]["cost"],
                         "met": result["met"], "examples": examples, "profiled": time.time()}}
@@ -187,11 +213,13 @@ def save(store_path, tenant: str, levels: dict) -> None:
 
 
 def profile_tenant(rt, store_path, tenant: str, dev_path, calibration_path=None, target: float = 0.005,
-                   alphas=GRID["alpha"], batch: int = 32) -> dict:
+                   alphas=GRID["alpha"], batch: int = 32, assurance: float = ASSURANCE) -> dict:
     """Tabi §4.1 and §5 for one tenant of an open runtime (runtime.open(store_path)): the levels'
     temperatures fitted on calibration_path (labelled text the PET did not train on; default:
-    the ones fitted at tenant create / update when the PET has them, else dev_path), the policy chosen on dev_path for `target` (the metric as a fraction: 0.005 is
-    half a point below level 2), the record saved in the tenant's PET meta. Returns the record."""
+    the ones fitted at tenant create / update when the PET has them, else dev_path), the policy
+    chosen on dev_path for `target` (the metric as a fraction: 0.005 is half a point below level
+    2) and held in `assurance` of dev's resamples (choose), the record saved in the tenant's PET
+    meta. Returns the record."""
     from runtime.level.queries import read_queries
 
     pet = rt.pet(tenant)
@@ -212,8 +240,9 @@ def profile_tenant(rt, store_path, tenant: str, dev_path, calibration_path=None,
         saved_c = collect(rt.scheduler, pet, calib.pairs(), alphas=[0.0], n=n, batch=batch)
         temps = calibrate(saved_c, calib.targets)
     saved_d = collect(rt.scheduler, pet, dev.pairs(), alphas=list(alphas), n=n, batch=batch)
-    result = choose(saved_d, temps["temperature"], dev.stats, dev.metric, target, dict(GRID, alpha=list(alphas)))
-    levels = record(temps["temperature"], temps["ece"], result["chosen"], result, target, len(dev))
+    result = choose(saved_d, temps["temperature"], dev.stats, dev.metric, target, dict(GRID, alpha=list(alphas)),
+                    assurance=assurance)
+    levels = record(temps["temperature"], temps["ece"], result["chosen"], result, target, len(dev), assurance)
     save(store_path, tenant, levels)
     rt.refresh()
     return levels
