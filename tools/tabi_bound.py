@@ -126,9 +126,9 @@ def disagreement_share(task, c1, c2, target, differ, rounds=50, seed=0):
     """The mean number of queries a dispatcher re-routes when it knows exactly where the levels'
     answers differ but not which is right: the differing queries in a random order, the rest
     never (they add nothing). None when an order does not reach `target` (never when level 2
-    on every query does: taking all that differ is that). Any cheap
-    probe of level 2 (a part of its lower layers computed exactly, say) can at best tell a
-    dispatcher this much, unless it also tells which level is right."""
+    on every query does: taking all that differ is that). Any cheap probe of level 2 (a part
+    of its lower layers computed exactly, say) can at best tell a dispatcher this much, unless
+    it also tells which level is right."""
     rows = np.nonzero(differ)[0]
     rng = np.random.default_rng(seed)
     taken = [share_in_order(task, c1, c2, target, rng.permutation(rows)) for _ in range(rounds)]
@@ -207,8 +207,7 @@ def bound(rt, store, task, args) -> dict:
         by_signal.setdefault("oracle", {})[split] = None if share is None else share / len(reqs)
         differ = differs(reqs, p1, p2)
         k = disagreement_share(kind, c1, c2, target, differ)
-        by_signal.setdefault(DIFFER, {})[split] = \
-            None if k is None else k / len(reqs)
+        by_signal.setdefault(DIFFER, {})[split] = None if k is None else k / len(reqs)
         by_signal.setdefault("queries whose answers differ", {})[split] = float(differ.mean())
         better = contributions(kind, c1, c2, m2)[0]
         by_signal.setdefault("level 2 better / worse (queries)", {})[split] = [int((better > 0).sum()),

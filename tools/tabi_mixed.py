@@ -15,7 +15,6 @@ hmi_accuracy run's data folder: the examples the hPLM tenant was trained on).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import time
 
@@ -24,7 +23,7 @@ import torch
 
 import hkstore
 from runtime.build import manager
-from runtime.build.train import train_pet
+from runtime.build.train import TrainConfig, train_pet
 from runtime.model import pet as petlib
 from runtime.model.stored import base_encoder, context_encoder
 from runtime.plot.retrieve import retrieve_list
@@ -65,9 +64,10 @@ def train(store_path, task, data, exact_views, args) -> dict:
         rows, labels = manager.read_task(path, kind)
         ids, targets = manager.encode_task(encoder, rows, kind, labels, args.max_len)
         pet = petlib.create_pet(encoder, "adapter", kind, labels, bottleneck=64, seed=args.seed)
-        cfg = manager._train_cfg("adapter", args.lr, args.epochs, args.batch_size, args.seed, False)
+        # tenant create's schedule: as many steps as epochs over the examples, spread over the views
+        cfg = TrainConfig(lr=args.lr, epochs=max(1, round(args.epochs / manager.UNSEEN_VIEWS)),
+                          batch_size=args.batch_size, seed=args.seed, progress=False)
         inputs = views(store, version, encoder, ids, exact_views, args.unseen, args.seed)
-        cfg = dataclasses.replace(cfg, epochs=max(1, round(cfg.epochs / manager.UNSEEN_VIEWS)))
         exported, log = train_pet(encoder, pet, inputs, list(targets) * manager.UNSEEN_VIEWS, cfg)
         tenant = f"{task}-hplm-mix{exact_views}"
         record = manager._record(tenant, store, version, exported,
