@@ -48,4 +48,5 @@ def profile(store, tenant, dev_path, calibration_path, target, assurance, device
     click.echo(f"  policy c={p['c']:g} k={p['k']:g} alpha={p['alpha']:g} w={p['w']:g} gate={p['gate']:g}")
     click.echo(f"  expected on dev: metric {100 * pr['expected_metric']:.1f} (level 1 {100 * pr['level1_metric']:.1f}, "
                f"level 2 {100 * pr['level2_metric']:.1f}), cost {pr['expected_cost']:.2f} of level 2, "
-               f"re-routed {100 * pr['expected_reroute']:.0f}%" + ("" if pr["met"] else "; target not met"))
+               f"re-routed {100 * pr['expected_reroute']:.0f}%" + ("" if pr["met"] else "; target not met")
+               + (f"; held in {100 * pr['assurance']:.0f}% of resamples" if pr["met"] and pr["assurance"] else ""))
