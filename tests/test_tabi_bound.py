@@ -172,3 +172,15 @@ def test_mixed_training_views_are_level_2s_inputs_then_the_plots():
                 else:
                     torch.testing.assert_close(x, plot[j])
         assert not torch.allclose(got[0], got[2 * len(ids)], atol=1e-3)  # the levels' inputs differ
+
+
+def test_a_part_of_the_queries_is_scored_over_that_part():
+    """tools.tabi_bench's returned / re-routed split: accuracy over the part, not over all."""
+    from runtime.level.queries import Queries
+    from tools.tabi_bench import part_metric
+
+    q = Queries.__new__(Queries)
+    q.kind, q.targets, q.ids = "classification", [0, 1, 1, 0], [[1]] * 4
+    probs = [np.array([0.9, 0.1]), np.array([0.8, 0.2]), np.array([0.3, 0.7]), np.array([0.6, 0.4])]
+    assert part_metric(q, [0, 1], probs) == 0.5 and part_metric(q, [2, 3], probs) == 1.0
+    assert part_metric(q, [0, 1, 2, 3], probs) == q.score(probs) == 0.75

@@ -93,6 +93,13 @@ def expected(saved, temps, queries, cand, target):
     return profile.choose(saved, temps, queries.stats, queries.metric, target, grid)
 
 
+def part_metric(queries, idx, probs) -> float:
+    """The metric of queries idx answered with probs (per query). Queries.metric's accuracy
+    divides by all of its queries; this part has len(idx)."""
+    s = np.sum([queries.stats(probs[q], q) for q in idx], 0)
+    return float(s[0] / len(idx)) if queries.kind == "classification" else queries.metric(s)
+
+
 def serve_one_at_a_time(rt, pet, tenant, queries, systems, limit):
     """Per system: answers and latencies (seconds), each query alone, systems interleaved."""
     from runtime.level.serve import answer
@@ -245,9 +252,8 @@ def run_task(task, args):
             idx = np.flatnonzero(where)
             if not len(idx):
                 continue
-            sub = {lv: qt.metric(np.sum([qt.stats(p[q], q) for q in idx], 0)) for lv, p in (("level1", p1),
-                                                                                             ("level2", p2))}
-            sub["tabi"] = qt.metric(np.sum([qt.stats(served["Tabi (auto)"]["answers"][q].probs, q) for q in idx], 0))
+            auto = [a.probs for a in served["Tabi (auto)"]["answers"]]
+            sub = {name: part_metric(qt, idx, p) for name, p in (("level1", p1), ("level2", p2), ("tabi", auto))}
             split[part] = dict(sub, queries=len(idx))
         goal = rows["Tabi (auto)"]
         result = {
