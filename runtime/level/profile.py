@@ -163,21 +163,31 @@ def choose(saved: Saved, temps: dict, stats, metric, target: float, grid: dict =
         probe = lookup[gated].sum() if g <= 1 else 0.0  # a gate above 1 needs no lookup (serve.answer)
         base_cost = probe + full2[gated].sum() + c1[~gated].sum()
         for (a, w), ste in ens.items():
-            rows = np.where(gated[:, None], st2, (1 - p[:, None]) * st1 + p[:, None] * ste)
+            rows = _expected_rows(gated, p, st1, st2, ste)
             cost = base_cost + (p[~gated] * per_tok["level2"] * saved.kept_tokens[a][~gated]).sum()
             cands.append({"c": c, "k": k, "alpha": a, "w": w, "gate": g, "metric": float(metric(rows.sum(0))),
                           "cost": float(cost / ref_cost), "reroute": float((p.sum() + gated.sum()) / N),
-                          "_rows": rows if assurance else None})
+                          "_how": (gated, p, ste)})  # rows again for `held` without keeping them all
     ok = sorted((x for x in cands if x["metric"] >= m2 - target), key=lambda x: (x["cost"], -x["metric"]))
     if assurance and ok:
         draws = np.random.default_rng(seed).multinomial(N, np.full(N, 1 / N), size=resamples).astype(np.float64)
-        # the cheapest that holds; level 2 itself (a gate above 1) always does
-        ok = [next((x for x in ok if held(draws, x["_rows"], st2, metric, target) >= assurance), ok[-1])]
+
+        def holds(x):
+            gated, p, ste = x["_how"]
+            return held(draws, _expected_rows(gated, p, st1, st2, ste), st2, metric, target) >= assurance
+
+        ok = [next((x for x in ok if holds(x)), ok[-1])]  # level 2 itself (a gate above 1) always holds
     chosen = ok[0] if ok else max(cands, key=lambda x: x["metric"])
     for x in cands:
-        x.pop("_rows")
+        x.pop("_how")
     return {"chosen": chosen, "candidates": cands, "level1": {"metric": m1, "cost": float(c1.sum() / ref_cost)},
             "level2": {"metric": m2, "cost": 1.0}, "met": bool(ok)}
+
+
+def _expected_rows(gated, p, st1, st2, ste):
+    """Per query the expected scoring counts of a candidate: level 2's for gated queries, else
+    level 1's re-routed with probability p to the ensemble's (ste)."""
+    return np.where(gated[:, None], st2, (1 - p[:, None]) * st1 + p[:, None] * ste)
 
 
 def held(draws, rows, rows2, metric, target) -> float:
