@@ -237,15 +237,20 @@ def figure(results, path, phases):
     fig.savefig(path, dpi=110)
 
 
+def burst(reqs, mode, args, seed):
+    """(each client's requests, the fields pinning teacher-only modes to the teacher)."""
+    rng = random.Random(seed)
+    plan = [[reqs[rng.randrange(len(reqs))] for _ in range(args.burst_count)] for _ in range(args.burst_threads)]
+    return plan, {"students": 0} if mode.startswith("teacher") else {}
+
+
 def run_fig13(store_path, reqs, mode, args, seed) -> dict:
     """One Fig. 13 burst against runtime.open(store).infer (module doc); mode teacher | adaptive."""
     import threading
 
     import runtime
 
-    rng = random.Random(seed)
-    plan = [[reqs[rng.randrange(len(reqs))] for _ in range(args.burst_count)] for _ in range(args.burst_threads)]
-    pin = {"students": 0} if mode.startswith("teacher") else {}
+    plan, pin = burst(reqs, mode, args, seed)
     with runtime.open(store_path, device="cpu", max_batch=args.max_batch, students_target_s=args.target_ms / 1e3,
                       length_buffer=not mode.endswith("fifo")) as rt:
         warm = reqs[:args.max_batch]
@@ -309,9 +314,7 @@ def run_fig13_http(store_path, reqs, mode, args, seed) -> dict:
 
     from tools import loadgen
 
-    rng = random.Random(seed)
-    plan = [[reqs[rng.randrange(len(reqs))] for _ in range(args.burst_count)] for _ in range(args.burst_threads)]
-    pin = {"students": 0} if mode == "teacher" else {}
+    plan, pin = burst(reqs, mode, args, seed)
 
     def text(q):
         return q["words"] if isinstance(q["words"], str) else " ".join(q["words"])

@@ -94,10 +94,8 @@ def expected(saved, temps, queries, cand, target):
 
 
 def part_metric(queries, idx, probs) -> float:
-    """The metric of queries idx answered with probs (per query). Queries.metric's accuracy
-    divides by all of its queries; this part has len(idx)."""
-    s = np.sum([queries.stats(probs[q], q) for q in idx], 0)
-    return float(s[0] / len(idx)) if queries.kind == "classification" else queries.metric(s)
+    """The metric of queries idx answered with probs (per query)."""
+    return queries.metric(np.sum([queries.stats(probs[q], q) for q in idx], 0))
 
 
 def serve_one_at_a_time(rt, pet, tenant, queries, systems, limit):
@@ -247,12 +245,12 @@ def run_task(task, args):
             r["metric_vs_level2_points"] = 100 * (r["metric"] - l2["metric"])
         # returned vs re-routed queries under each level (Tabi §7.3.2), by the route auto took
         routed = np.array([a.level == 2 for a in served["Tabi (auto)"]["answers"]])
+        auto = [a.probs for a in served["Tabi (auto)"]["answers"]]
         split = {}
         for part, where in (("returned", ~routed), ("re-routed", routed)):
             idx = np.flatnonzero(where)
             if not len(idx):
                 continue
-            auto = [a.probs for a in served["Tabi (auto)"]["answers"]]
             sub = {name: part_metric(qt, idx, p) for name, p in (("level1", p1), ("level2", p2), ("tabi", auto))}
             split[part] = dict(sub, queries=len(idx))
         goal = rows["Tabi (auto)"]

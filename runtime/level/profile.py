@@ -16,8 +16,8 @@ above 1, every query to level 2, needs no lookup).
 
 The chosen candidate is the cheapest whose expected metric is within ``target`` of level 2's
 (else the most accurate), and, with an ``assurance``, that also stays within it in that share
-of bootstrap resamples of the queries (a few hundred queries are a noisy sample); ``save`` writes the tenant's levels record into its PET meta
-(FORMAT.md §5, key ``levels``).
+of bootstrap resamples of the queries (a few hundred queries are a noisy sample); ``save``
+writes the tenant's levels record into its PET meta (FORMAT.md §5, key ``levels``).
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def choose(saved: Saved, temps: dict, stats, metric, target: float, grid: dict =
     m1, m2 = metric(st1.sum(0)), metric(st2.sum(0))
     ens = {(a, w): np.array([stats(p, q) for q, p in enumerate(_probs(saved, temps, a, w))])
            for a in grid["alpha"] for w in grid["w"] if a in saved.logits2}
-    cands = []
+    cands, how = [], []  # how: each candidate's (gated, p, ste), to rebuild its rows for `held`
     for g, c, k in itertools.product(grid["gate"], grid["c"], grid["k"]):
         gated = saved.coverage < g
         p = np.where(gated, 0.0, dispatch.reroute_probability(conf, c, k))
@@ -166,20 +166,19 @@ def choose(saved: Saved, temps: dict, stats, metric, target: float, grid: dict =
             rows = _expected_rows(gated, p, st1, st2, ste)
             cost = base_cost + (p[~gated] * per_tok["level2"] * saved.kept_tokens[a][~gated]).sum()
             cands.append({"c": c, "k": k, "alpha": a, "w": w, "gate": g, "metric": float(metric(rows.sum(0))),
-                          "cost": float(cost / ref_cost), "reroute": float((p.sum() + gated.sum()) / N),
-                          "_how": (gated, p, ste)})  # rows again for `held` without keeping them all
-    ok = sorted((x for x in cands if x["metric"] >= m2 - target), key=lambda x: (x["cost"], -x["metric"]))
+                          "cost": float(cost / ref_cost), "reroute": float((p.sum() + gated.sum()) / N)})
+            how.append((gated, p, ste))
+    ok = sorted((j for j, x in enumerate(cands) if x["metric"] >= m2 - target),
+                key=lambda j: (cands[j]["cost"], -cands[j]["metric"]))
     if assurance and ok:
         draws = np.random.default_rng(seed).multinomial(N, np.full(N, 1 / N), size=resamples).astype(np.float64)
 
-        def holds(x):
-            gated, p, ste = x["_how"]
+        def holds(j):
+            gated, p, ste = how[j]
             return held(draws, _expected_rows(gated, p, st1, st2, ste), st2, metric, target) >= assurance
 
-        ok = [next((x for x in ok if holds(x)), ok[-1])]  # level 2 itself (a gate above 1) always holds
-    chosen = ok[0] if ok else max(cands, key=lambda x: x["metric"])
-    for x in cands:
-        x.pop("_how")
+        ok = [next((j for j in ok if holds(j)), ok[-1])]  # level 2 itself (a gate above 1) always holds
+    chosen = cands[ok[0]] if ok else max(cands, key=lambda x: x["metric"])
     return {"chosen": chosen, "candidates": cands, "level1": {"metric": m1, "cost": float(c1.sum() / ref_cost)},
             "level2": {"metric": m2, "cost": 1.0}, "met": bool(ok)}
 
@@ -192,9 +191,7 @@ def _expected_rows(gated, p, st1, st2, ste):
 
 def held(draws, rows, rows2, metric, target) -> float:
     """The share of resamples (draws: (B, N) counts of each query) in which the candidate with
-    per-query counts rows stays within target of level 2 (rows2) on the same resample: the plain
-    rule takes whichever candidate the held-out sample happens to favour, and missed its target
-    on new queries in 7 of 18 (task, target) cases (BENCHMARKS, issue 16, session 13)."""
+    per-query counts rows stays within target of level 2 (rows2) on the same resample."""
     a, b = draws @ rows, draws @ rows2
     return float(np.mean([metric(x) >= metric(y) - target for x, y in zip(a, b)]))
 

@@ -1,6 +1,7 @@
 """Labelled held-out queries of one tenant's task, as profiling (runtime.level.profile) uses them:
 token ids, the positions a result reports, targets, and the task's scoring counts (classification:
-correct answers; tagging: entity hits, predicted and gold entities, summed before F1 is taken)."""
+correct answers and queries; tagging: entity hits, predicted and gold entities), summed before
+the metric is taken, so any part of the queries is scored alike."""
 
 from __future__ import annotations
 
@@ -34,11 +35,11 @@ class Queries:
         return list(zip(self.ids, self.positions))
 
     def stats(self, probs, q) -> np.ndarray:
-        """Scoring counts of query q answered with probs: [correct] or [hits, predicted, gold]."""
+        """Scoring counts of query q answered with probs: [correct, 1] or [hits, predicted, gold]."""
         from runtime.build.data import entity_spans
 
         if self.kind == "classification":
-            return np.array([float(int(np.argmax(probs)) == self.targets[q])])
+            return np.array([float(int(np.argmax(probs)) == self.targets[q]), 1.0])
         tags = [self.labels[int(j)] for j in np.asarray(probs).argmax(-1)]
         tags += ["O"] * (len(self.words[q]) - len(tags))  # words lost to max_len
         g, p = entity_spans(self.gold[q]), entity_spans(tags)
@@ -46,7 +47,7 @@ class Queries:
 
     def metric(self, s) -> float:
         if self.kind == "classification":
-            return float(s[0] / len(self))
+            return float(s[0] / s[1])
         return float(2 * s[0] / (s[1] + s[2])) if s[0] else 0.0
 
     def score(self, probs_list) -> float:
