@@ -5,6 +5,7 @@ are imported only when invoked, so the store commands work without torch.
 """
 
 import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -32,8 +33,34 @@ MODEL_COMMANDS = {
     "students": ("runtime.student.commands", "students"),
     "levels": ("runtime.levels_cli", "levels"),
 }
-# The extra each lazily mounted command needs when its import fails.
-EXTRA_OF = {"serve": "serve"}
+# What each extra installs that its commands import (many only inside functions, so an import
+# of the command's module alone would not find a missing one).
+EXTRA_MODULES = {"model": ("torch", "tokenizers", "tqdm", "matplotlib"),
+                 "serve": ("fastapi", "uvicorn", "prometheus_client")}
+EXTRAS_OF = {"serve": ("model", "serve")}  # every other model command: ("model",)
+INSTALL = {"model": "pip install torch==2.13.0 && pip install 'hkstore[model]'",
+           "serve": "pip install torch==2.13.0 && pip install 'hkstore[model,serve]'"}
+
+
+def missing_extra(name: str):
+    """(extra, module) for the first extra command `name` needs whose modules are not
+    installed, else None."""
+    for extra in EXTRAS_OF.get(name, ("model",)):
+        for module in EXTRA_MODULES[extra]:
+            if importlib.util.find_spec(module) is None:
+                return extra, module
+    return None
+
+
+def unavailable(name: str, message: str) -> click.Command:
+    # No --help of its own: asking for it fails like any other use.
+    @click.command(name, help=message, add_help_option=False,
+                   context_settings={"ignore_unknown_options": True})
+    @click.argument("args", nargs=-1, type=click.UNPROCESSED)
+    def command(args):
+        raise click.ClickException(message)
+
+    return command
 
 
 class Group(click.Group):
@@ -42,23 +69,12 @@ class Group(click.Group):
 
     def get_command(self, ctx, name):
         if name in MODEL_COMMANDS:
+            if lack := missing_extra(name):
+                extra, module = lack
+                return unavailable(name, f"'hkstore {name}' needs the {extra} extra ({module} is not installed): "
+                                         f"{INSTALL[extra]}")
             module, attr = MODEL_COMMANDS[name]
-            try:
-                return getattr(importlib.import_module(module), attr)
-            except ImportError as e:
-                extra = EXTRA_OF.get(name, "model")
-                message = (f"'hkstore {name}' needs the {extra} extra: "
-                           + ("pip install 'hkstore[serve]'" if extra == "serve"
-                              else "pip install torch==2.13.0 && pip install 'hkstore[model]'") + f" ({e})")
-
-                # No --help of its own: asking for it fails like any other use.
-                @click.command(name, help=message, add_help_option=False,
-                               context_settings={"ignore_unknown_options": True})
-                @click.argument("args", nargs=-1, type=click.UNPROCESSED)
-                def unavailable(args):
-                    raise click.ClickException(message)
-
-                return unavailable
+            return getattr(importlib.import_module(module), attr)
         return super().get_command(ctx, name)
 
     def invoke(self, ctx):

@@ -249,12 +249,19 @@ def test_compact_with_nothing_to_drop_skips(store):
 
 
 def test_a_command_whose_extra_is_missing_names_that_extra(monkeypatch):
+    """As on a core-only install: the extra's module is not there, so every command of that extra
+    answers one line naming the extra, --help included, and imports nothing of the runtime."""
     import hkstore.cli
 
-    monkeypatch.setitem(hkstore.cli.MODEL_COMMANDS, "serve", ("no_such_module_for_the_test", "serve"))
+    monkeypatch.setitem(hkstore.cli.EXTRA_MODULES, "serve", ("no_such_module_for_the_test",))
     for args in (["serve", "--help"], ["serve", "s"]):
         out = one_line_error(run(*args, code=1))
-        assert "needs the serve extra: pip install 'hkstore[serve]'" in out
+        assert "needs the serve extra (no_such_module_for_the_test is not installed)" in out
+        assert "pip install torch==2.13.0 && pip install 'hkstore[model,serve]'" in out
+    monkeypatch.setitem(hkstore.cli.EXTRA_MODULES, "model", ("no_such_module_for_the_test",))
+    for name in hkstore.cli.MODEL_COMMANDS:
+        assert "needs the model extra" in one_line_error(run(name, "x", code=1))
+    assert "'hkstore[model]'" in one_line_error(run("demo", "x", code=1))
 
 
 def test_token_issue_and_revoke(store):

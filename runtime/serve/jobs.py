@@ -213,7 +213,8 @@ class Jobs:
     def _spawn(self):
         """A worker that imports what jobs need, then runs the job ids it reads on stdin."""
         env = dict(os.environ)
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        # the folder that holds the runtime package: the source tree or site-packages
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         env.setdefault("OMP_NUM_THREADS", str(self.threads))
         with open(os.path.join(self.dir, "worker.log"), "ab") as log_file:  # until it has a job's log.txt
