@@ -55,7 +55,7 @@ def import_everything() -> int:
 
 def every_command():
     """(path of names) of every command and subcommand the installed CLI lists."""
-    from hkstore.cli import main as group
+    from tools.cli import main as group
 
     import click
 
@@ -71,7 +71,7 @@ def every_command():
 
 def core():
     check_installed_not_source()
-    from hkstore.cli import MODEL_COMMANDS
+    from tools.cli import MODEL_COMMANDS
 
     for name in sorted(MODEL_COMMANDS):
         for args in ((name, "--help"), (name, "x")):

@@ -46,7 +46,7 @@ DTYPES = {
     "bool": np.dtype("?"),
 }
 
-# Compression rule, chosen from tools/bench_pack.py: trained float weights barely compress
+# Compression rule, chosen from benchmarks/bench_pack.py: trained float weights barely compress
 # (their mantissas are noise), so zstd only pays for index-heavy or sparse payloads.
 ZSTD_LEVEL = 3
 ZSTD_MAX_RATIO = 0.9

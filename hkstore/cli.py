@@ -1,11 +1,8 @@
-"""The hkstore command line. Each command maps to one library function; --json for scripts.
-
-Commands that need the model (build, domain, tenant, demo, serve, ...) live in runtime/ and
-are imported only when invoked, so the store commands work without torch.
+"""The store's commands of the `hkstore` command line. Each maps to one library function;
+--json for scripts. The commands that need the model (build, tenant, serve, ...) are mounted
+beside these by tools/cli.py, the entry point, so nothing here imports the runtime.
 """
 
-import importlib
-import importlib.util
 import json
 import os
 import sys
@@ -19,64 +16,7 @@ from formats.xxh64 import hash_keys
 from hkstore.compact import own_entries
 from hkstore.lookup import find_exact
 
-# name -> (module, attribute): mounted lazily, so `hkstore verify` never imports torch.
-MODEL_COMMANDS = {
-    "build": ("runtime.build.commands", "build"),
-    "domain": ("runtime.build.commands", "domain"),
-    "tenant": ("runtime.student.commands", "tenant"),  # construction's, with --students
-    "demo": ("runtime.demo.run", "demo"),
-    "serve": ("runtime.serve.cli", "serve"),
-    "report": ("tools.commands", "report"),
-    "explain": ("tools.commands", "explain"),
-    "infer": ("runtime.infer_cli", "infer"),
-    "generate": ("runtime.gen.commands", "generate"),
-    "students": ("runtime.student.commands", "students"),
-    "levels": ("runtime.levels_cli", "levels"),
-}
-# What each extra installs that its commands import (many only inside functions, so an import
-# of the command's module alone would not find a missing one).
-EXTRA_MODULES = {"model": ("torch", "tokenizers", "tqdm", "matplotlib"),
-                 "serve": ("fastapi", "uvicorn", "prometheus_client")}
-EXTRAS_OF = {"serve": ("model", "serve")}  # every other model command: ("model",)
-INSTALL = {"model": "pip install torch==2.13.0 && pip install 'hkstore[model]'",
-           "serve": "pip install torch==2.13.0 && pip install 'hkstore[model,serve]'"}
-
-
-def missing_extra(name: str):
-    """(extra, module) for the first extra command `name` needs whose modules are not
-    installed, else None."""
-    for extra in EXTRAS_OF.get(name, ("model",)):
-        for module in EXTRA_MODULES[extra]:
-            if importlib.util.find_spec(module) is None:
-                return extra, module
-    return None
-
-
-def unavailable(name: str, message: str) -> click.Command:
-    # No --help of its own: asking for it fails like any other use.
-    @click.command(name, help=message, add_help_option=False,
-                   context_settings={"ignore_unknown_options": True})
-    @click.argument("args", nargs=-1, type=click.UNPROCESSED)
-    def command(args):
-        raise click.ClickException(message)
-
-    return command
-
-
 class Group(click.Group):
-    def list_commands(self, ctx):
-        return sorted(set(super().list_commands(ctx)) | set(MODEL_COMMANDS))
-
-    def get_command(self, ctx, name):
-        if name in MODEL_COMMANDS:
-            if lack := missing_extra(name):
-                extra, module = lack
-                return unavailable(name, f"'hkstore {name}' needs the {extra} extra ({module} is not installed): "
-                                         f"{INSTALL[extra]}")
-            module, attr = MODEL_COMMANDS[name]
-            return getattr(importlib.import_module(module), attr)
-        return super().get_command(ctx, name)
-
     def invoke(self, ctx):
         # User errors are one line and a non-zero exit, never a traceback.
         try:
@@ -414,7 +354,7 @@ def token():
 @json_option
 def token_issue(store, tenant, as_json):
     """Make a new API token for TENANT (the old one stops working); prints it, once."""
-    from runtime.serve.tokens import issue
+    from hkstore.tokens import issue
 
     emit(issue(store, tenant), as_json, lambda r: click.echo(r["token"]))
 
@@ -425,7 +365,7 @@ def token_issue(store, tenant, as_json):
 @json_option
 def token_revoke(store, tenant, as_json):
     """Drop TENANT's API token: requests with it get 401."""
-    from runtime.serve.tokens import revoke
+    from hkstore.tokens import revoke
 
     emit(revoke(store, tenant), as_json, lambda r: click.echo(
         f"revoked {tenant}'s token" if r["revoked"] else f"{tenant} had no token"))
@@ -447,7 +387,7 @@ def pack_ls(store, as_json):
         meta = snap.read_pet(tenant).meta
         rows.append({"tenant": tenant, "pet_type": meta.get("pet_type"), "task": meta.get("task"),
                      "version": meta.get("version"), "bytes": loc["length"], "created": meta.get("created")})
-        if tenant in snap.students:  # its students record (issue 18), one row below the PET's
+        if tenant in snap.students:  # its students record, one row below the PET's
             teacher = meta.get("created")
             meta = snap.read_students(tenant).meta
             # FORMAT.md section 5: distilled from another PET than the current one = stale

@@ -157,7 +157,7 @@ class Runtime:
         # tenants with students: the scheduler decides per batch (teacher or k), the executor computes
         self.students = StudentServing(encoder.config.d, students_target_s)
         # SP's length-aware buffer cuts what waits into batches of similar lengths (FIFO: 39% of a
-        # mixed burst's token slots are padding, the buffer 14%; BENCHMARKS, issue 18)
+        # mixed burst's token slots are padding, the buffer 14%; BENCHMARKS, Student Parallelism)
         batcher = None
         if length_buffer:
             from runtime.student.buffer import length_batches

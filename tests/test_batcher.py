@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import hkstore
-from runtime.build.plot import build_root
+from runtime.construct.plot import build_root
 from runtime.gen.batcher import Batcher
 from runtime.gen.plot_decode import PlotDecoder
 from runtime.gen.sampling import SamplingParams
@@ -111,7 +111,7 @@ def test_refusals_and_cancellation(gen):
 
 def _llama(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from runtime.build.decoder_store import build_decoder
+    from runtime.construct.decoder_store import build_decoder
     from runtime.model.tiny_decoder import make_tokenizer
 
     tok = make_tokenizer(TEXTS)

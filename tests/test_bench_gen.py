@@ -1,6 +1,6 @@
 """The generation benchmarks' own parts: the full-decoder baseline behind the batcher
-(tools.bench_tenants_gen.FullGen: GPT-shared / GPT-dedicated) generates what the reference
-decoder's greedy loop does, and tools.bench_gen_latency's Poisson client measures time to first
+(benchmarks.bench_tenants_gen.FullGen: GPT-shared / GPT-dedicated) generates what the reference
+decoder's greedy loop does, and benchmarks.bench_gen_latency's Poisson client measures time to first
 token and inter-token gaps against a real server with LoRA tenants it added."""
 
 import asyncio
@@ -17,7 +17,7 @@ TEXTS = ["the cat sat on the mat .", "a dog ran in the park and the cat ran too 
 
 
 def test_the_full_decoder_behind_the_batcher_is_the_reference_greedy_loop(tmp_path):
-    from tools.bench_tenants_gen import FullGen
+    from benchmarks.bench_tenants_gen import FullGen
 
     path = make_tiny_decoder(tmp_path / "m", TEXTS, d=32, layers=3, max_len=48)
     full = load_decoder(path, lower_layers=0)
@@ -32,8 +32,8 @@ def test_the_full_decoder_behind_the_batcher_is_the_reference_greedy_loop(tmp_pa
 
 def test_the_poisson_client_against_a_real_server(tmp_path):
     pytest.importorskip("httpx")
-    from runtime.build.decoder_store import build_decoder
-    from tools.bench_gen_latency import Server, load_at, make_store
+    from runtime.construct.decoder_store import build_decoder
+    from benchmarks.bench_gen_latency import Server, load_at, make_store
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

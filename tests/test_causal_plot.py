@@ -7,7 +7,7 @@ import torch
 
 import hkstore
 from hkstore.errors import StoreError
-from runtime.build.decoder_store import base_decoder, build_decoder
+from runtime.construct.decoder_store import base_decoder, build_decoder
 from runtime.model.decoder import load_decoder
 from runtime.model.tiny_decoder import make_tiny_decoder
 from runtime.model.stored import is_decoder_store
@@ -124,7 +124,7 @@ def test_hkstore_build_makes_a_decoder_store_from_a_decoder_model(model, tmp_pat
 
     from click.testing import CliRunner
 
-    from hkstore.cli import main
+    from tools.cli import main
 
     corpus = tmp_path / "c.txt"
     corpus.write_text("\n".join(TEXTS))
@@ -180,7 +180,7 @@ def test_a_domain_branch_compaction_and_diff_on_a_decoder_store(model, tmp_path)
     a domain corpus, valued by a decoder with changed lower layers, serves its own windows and
     backs off through the root; compaction keeps every answer; diff sees the changed keys."""
     from hkstore.diff import diff_versions
-    from runtime.build.plot import build_branch
+    from runtime.construct.plot import build_branch
     from runtime.plot.causal import KeyValuer
 
     corpus = tmp_path / "c.txt"

@@ -1,4 +1,4 @@
-"""runtime.build.commands through click's CliRunner: every command, --json, one-line errors."""
+"""runtime.construct.commands through click's CliRunner: every command, --json, one-line errors."""
 
 import json
 import os
@@ -8,8 +8,8 @@ import pytest
 from click.testing import CliRunner
 
 import hkstore
-from runtime.build import manager
-from runtime.build.commands import COMMANDS
+from runtime.construct import manager
+from runtime.construct.commands import COMMANDS
 from runtime.model.tiny import make_tiny_model
 from test_manager import make_data
 
@@ -95,7 +95,7 @@ def test_cli_errors_are_one_line(cli, env, args, message):
 
 
 def test_infer_command_texts_stdin_and_truncate(env):
-    from hkstore.cli import main
+    from tools.cli import main
 
     manager.tenant_create(env["store"], "inf", version="root", train_path=env["cls"], pet_type="lora", epochs=1,
                           max_len=32, progress=False)
@@ -129,7 +129,7 @@ def test_pack_export_to_peft_round_trips_through_peft_itself(env, tmp_path):
     import numpy as np
     import torch
 
-    from hkstore.cli import main
+    from tools.cli import main
     from hkstore.peft import load_peft_lora
     from runtime.model.encoder import load_encoder
     from runtime.model.pet import head, load_pet, pet_meta

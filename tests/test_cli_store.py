@@ -10,7 +10,7 @@ from safetensors.numpy import save_file
 
 import hkstore
 from formats.pack import PetRecord
-from hkstore.cli import main
+from tools.cli import main
 
 D, V = 8, 30
 
@@ -219,7 +219,7 @@ def test_info_names_the_model_and_agrees_with_verify_on_bytes(store):
 def test_every_command_takes_json_and_there_is_a_version(store):
     assert json.loads(run("pack", "rm", store, "acme", "--json")) == {"tenant": "acme", "removed": True}
     assert run("--version").startswith("hkstore ")
-    from hkstore.cli import main as group
+    from tools.cli import main as group
 
     missing = []
     for name in group.list_commands(None):
@@ -251,21 +251,21 @@ def test_compact_with_nothing_to_drop_skips(store):
 def test_a_command_whose_extra_is_missing_names_that_extra(monkeypatch):
     """As on a core-only install: the extra's module is not there, so every command of that extra
     answers one line naming the extra, --help included, and imports nothing of the runtime."""
-    import hkstore.cli
+    import tools.cli
 
-    monkeypatch.setitem(hkstore.cli.EXTRA_MODULES, "serve", ("no_such_module_for_the_test",))
+    monkeypatch.setitem(tools.cli.EXTRA_MODULES, "serve", ("no_such_module_for_the_test",))
     for args in (["serve", "--help"], ["serve", "s"]):
         out = one_line_error(run(*args, code=1))
         assert "needs the serve extra (no_such_module_for_the_test is not installed)" in out
         assert "pip install torch==2.13.0 && pip install 'hkstore[model,serve]'" in out
-    monkeypatch.setitem(hkstore.cli.EXTRA_MODULES, "model", ("no_such_module_for_the_test",))
-    for name in hkstore.cli.MODEL_COMMANDS:
+    monkeypatch.setitem(tools.cli.EXTRA_MODULES, "model", ("no_such_module_for_the_test",))
+    for name in tools.cli.MODEL_COMMANDS:
         assert "needs the model extra" in one_line_error(run(name, "x", code=1))
     assert "'hkstore[model]'" in one_line_error(run("demo", "x", code=1))
 
 
 def test_token_issue_and_revoke(store):
-    from runtime.serve.tokens import TokenStore
+    from hkstore.tokens import TokenStore
 
     token = run("token", "issue", store, "acme").strip()
     assert token.startswith("acme~") and TokenStore(store).verify(token) == "acme"

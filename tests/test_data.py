@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from runtime.build.data import IGNORE, accuracy, encode_tagging, entity_f1, entity_spans, read_classification, read_conll, read_corpus, word_tags
+from runtime.construct.data import IGNORE, accuracy, encode_tagging, entity_f1, entity_spans, read_classification, read_conll, read_corpus, word_tags
 from runtime.model.encoder import load_encoder
 
 CONLL = """-DOCSTART- (1234)

@@ -1,4 +1,4 @@
-"""hkstore domain create / update on a decoder store (runtime.build.decoder_domain): causal
+"""hkstore domain create / update on a decoder store (runtime.construct.decoder_domain): causal
 windows of the domain corpus valued by the further pre-trained lower layers, the alpha rule,
 fallback to the parent, the position table, the served perplexity of the domain text, and
 one-line errors for what decoder stores do not support."""
@@ -13,11 +13,11 @@ from test_cli_model import cli  # noqa: F401 - the hkstore construction commands
 from test_decoder_tenant import _one_thread  # noqa: F401 - tiny models: one torch thread
 
 import hkstore
-from runtime.build import manager
-from runtime.build.decoder_domain import train_lower_lm
-from runtime.build.decoder_store import build_decoder, tokenize_decoder_corpus
-from runtime.build.decoder_tenant import _ppl, lm_tenant_create
-from runtime.build.plot import ngram_counts
+from runtime.construct import manager
+from runtime.construct.decoder_domain import train_lower_lm
+from runtime.construct.decoder_store import build_decoder, tokenize_decoder_corpus
+from runtime.construct.decoder_tenant import _ppl, lm_tenant_create
+from runtime.construct.plot import ngram_counts
 from runtime.model import stored
 from runtime.model.tiny_decoder import make_tiny_decoder
 from runtime.plot.causal import causal_values
@@ -130,7 +130,7 @@ def test_causal_lm_training_leaves_the_upper_layers_and_head(env):
         base = stored.base_decoder(st)
     seqs = tokenize_decoder_corpus(base, DOMAIN, 48)
     upper = [p.clone() for p in base.upper_parameters()] + [base.word.weight.clone()]
-    from runtime.build.train import TrainConfig
+    from runtime.construct.train import TrainConfig
 
     student, log = train_lower_lm(base, base, seqs, TrainConfig(lr=1e-2, max_steps=10, epochs=10, batch_size=4,
                                                                 progress=False))
@@ -142,7 +142,7 @@ def test_causal_lm_training_leaves_the_upper_layers_and_head(env):
 def test_domain_grow_on_a_decoder_store_serves_the_corpus_windows_exactly(cli, env):  # noqa: F811
     s = str(env / "s")
     # Under a domain with lower layers of its own: grown windows must be valued by those.
-    from runtime.build.decoder_domain import decoder_domain_create
+    from runtime.construct.decoder_domain import decoder_domain_create
 
     decoder_domain_create(s, "g-dom", [env / "domain.txt"], lm_steps=5, lr=1e-2, max_len=48, batch_size=4,
                           progress=False)

@@ -5,8 +5,8 @@ import torch
 
 import runtime
 from hkstore.errors import UnknownTenant
-from runtime.build.decoder_store import build_decoder
-from runtime.build.decoder_tenant import lm_tenant_create
+from runtime.construct.decoder_store import build_decoder
+from runtime.construct.decoder_tenant import lm_tenant_create
 from runtime.model.tiny_decoder import make_tiny_decoder
 
 TEXTS = ["the cat sat on the mat .", "a dog ran in the park and the cat ran too .",
@@ -59,7 +59,7 @@ def test_bad_requests_are_refused_before_anything_runs(store, request_, error, m
 
 
 def test_an_encoder_store_refuses_to_generate(tmp_path):
-    from runtime.build.manager import build
+    from runtime.construct.manager import build
     from runtime.model.tiny import make_tiny_model
 
     model = make_tiny_model(tmp_path / "m", TEXTS, d=16, layers=2)

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import hkstore
-from runtime.build.decoder_store import build_decoder
-from runtime.build.decoder_tenant import lm_tenant_create, load_lm_pet
+from runtime.construct.decoder_store import build_decoder
+from runtime.construct.decoder_tenant import lm_tenant_create, load_lm_pet
 from runtime.gen.batcher import Batcher
 from runtime.gen.plot_decode import PlotDecoder
 from runtime.gen.sampling import SamplingParams
@@ -78,7 +78,7 @@ def test_cli_tenant_create_and_generate_with_the_tenant(store_path):
 
     from click.testing import CliRunner
 
-    from hkstore.cli import main
+    from tools.cli import main
 
     s = str(store_path / "s")
     r = CliRunner().invoke(main, ["tenant", "create", s, "cli-acme", "--version", "root", "--train",
@@ -98,7 +98,7 @@ def test_cli_tenant_eval_reports_perplexity(store_path):
 
     from click.testing import CliRunner
 
-    from hkstore.cli import main
+    from tools.cli import main
 
     s = str(store_path / "s")
     lm_tenant_create(s, "eval-acme", train_path=store_path / "acme.txt", epochs=25, batch_size=4, lr=1e-2,

@@ -4,7 +4,7 @@ Two halves:
 
 * ``@pytest.mark.gpu`` (skipped without CuPy and a CUDA GPU): the real GpuExecutor on fresh
   random inputs (random tiny models and every PET type) and on a real store built with
-  runtime.build.manager, served through runtime.open(device="cuda") with and without the hot tier,
+  runtime.construct.manager, served through runtime.open(device="cuda") with and without the hot tier,
   pipelining and prefetch: fp32 within 1e-5 relative, fp16 within 1e-2.
 * Always: the same executor code run on the CPU with NumPy standing in for CuPy and
   runtime.exec.ops_cpu for runtime.exec.ops_gpu (streams and events become no-ops). That checks the
@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 
 from runtime.exec.cpu import CpuExecutor
 from runtime.exec.gpu import GpuExecutor
-from runtime.exec.host_device import HostGpuExecutor as NumpyGpuExecutor
+from benchmarks.host_device import HostGpuExecutor as NumpyGpuExecutor
 from runtime.sched.scheduler import Item, Scheduler
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # sibling test modules, any import mode
@@ -132,9 +132,9 @@ def test_numpy_stand_in_hot_tier_on_a_real_store(store_setup):
 
 
 def test_hot_tier_bench_counts_hits_of_a_repeating_stream(store_setup):
-    """tools/bench_hot_tier's measurement: a stream that repeats one set of texts hits every
+    """benchmarks/bench_hot_tier's measurement: a stream that repeats one set of texts hits every
     window once the tier holds them all, and a one-row tier hits at most the commonest key."""
-    from tools.bench_hot_tier import run_tier
+    from benchmarks.bench_hot_tier import run_tier
 
     tiny, rt = store_setup
     items = _store_items(tiny, rt, 8)

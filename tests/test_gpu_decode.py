@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import hkstore
-from runtime.build.plot import build_root
+from runtime.construct.plot import build_root
 from runtime.exec import ops_gpu
 from runtime.gen.batcher import Batcher
 from runtime.gen.device_decode import DevicePlotDecoder

@@ -1,4 +1,4 @@
-"""runtime.build.grow: the windows a version misses, valued by its own lower layers and written
+"""runtime.construct.grow: the windows a version misses, valued by its own lower layers and written
 back, are then served exactly; nothing else changes. Over a tiny random BERT on disk."""
 
 import json
@@ -15,9 +15,9 @@ from test_manager import make_data
 import hkstore
 from formats.backoff import key_order
 from hkstore.errors import StoreError
-from runtime.build import manager
-from runtime.build.grow import grow, missed_windows
-from runtime.build.plot import compute_values
+from runtime.construct import manager
+from runtime.construct.grow import grow, missed_windows
+from runtime.construct.plot import compute_values
 from runtime.model import stored
 from runtime.model.tiny import make_tiny_model, words_of
 from runtime.plot.window import corpus_windows

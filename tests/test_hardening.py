@@ -12,9 +12,9 @@ from click.testing import CliRunner
 import hkstore
 from formats import manifest as mf
 from formats.pack import PetRecord
-from hkstore.cli import main as cli
+from tools.cli import main as cli
 from hkstore.maintenance import garbage
-from tools import reliability
+from benchmarks import reliability
 
 D, V = 8, 40
 

@@ -1,6 +1,6 @@
-"""tools.hmi_accuracy's reporting: the training-seed table and the gap it states."""
+"""benchmarks.hmi_accuracy's reporting: the training-seed table and the gap it states."""
 
-from tools.hmi_accuracy import TASKS, changed_settings, markdown, seed_spread
+from benchmarks.hmi_accuracy import TASKS, changed_settings, markdown, seed_spread
 
 TASK_NAMES = list(TASKS)
 
@@ -84,7 +84,7 @@ def _suite(tmp_path):
 def test_no_evaluation_text_enters_a_plot_corpus(tmp_path):
     import argparse
 
-    from tools.hmi_accuracy import general_text, prepare_data
+    from benchmarks.hmi_accuracy import general_text, prepare_data
 
     data = _suite(tmp_path)
     args = argparse.Namespace(tasks=["citation_intent", "NCBI-disease"], data=str(data), max_train=10, max_test=10,
@@ -116,7 +116,7 @@ def test_tune_parses_grids_and_refuses_a_test_run(tmp_path):
 
     import pytest
 
-    from tools.hmi_tune import main, parse_grid, point_key
+    from experiments.hmi_tune import main, parse_grid, point_key
 
     assert parse_grid(["lr-full=5e-5,1e-4", "epochs_full=3"]) == {"lr_full": [5e-5, 1e-4], "epochs_full": [3]}
     assert point_key("dedicated", {"lr_full": 1e-4, "epochs_full": 3}) == "dedicated@epochs_full=3,lr_full=0.0001"

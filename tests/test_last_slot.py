@@ -126,7 +126,7 @@ def test_store_refuses_mismatched_layouts(tmp_path):
 def test_decoder_store_bytes_and_generation_against_the_old_layout(tmp_path):
     """The same decoder store built in both layouts: about 1/n of the segment bytes, the same
     greedy generation, and compaction / diff / verify work on the new one."""
-    from runtime.build.plot import build_root
+    from runtime.construct.plot import build_root
     from runtime.gen.plot_decode import PlotDecoder
     from runtime.model.decoder import load_decoder
     from runtime.model.tiny_decoder import make_tiny_decoder

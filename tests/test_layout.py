@@ -1,107 +1,184 @@
-"""runtime/'s rooms depend on each other one way only (README: Layout), and no module imports
-itself back through others. Imports are read from the source (function-level ones included),
-so a lazy import that points the wrong way fails here too."""
+"""The packages depend on each other one way only, formats <- hkstore <- runtime <- tools <- the
+lab (benchmarks, experiments), and inside runtime its rooms do too (README: Layout). Imports are
+read from the source, function-level ones included, plus the modules tools/cli.py mounts by
+name; so a lazy import or a command string that points the wrong way fails here too. The tables
+list only arrows that exist, so a table cannot quietly allow more than the code does."""
 
 import ast
 import pathlib
 
-ROOT = pathlib.Path(__file__).resolve().parents[1] / "runtime"
+REPO = pathlib.Path(__file__).resolve().parents[1]
+PACKAGES = ("formats", "hkstore", "runtime", "tools", "benchmarks", "experiments")
 
-# room -> the rooms it may import ("api" is runtime/__init__.py)
-ALLOWED = {
+# package -> the packages it imports (besides itself)
+PACKAGE_ARROWS = {
+    "formats": set(),
+    "hkstore": {"formats"},
+    "runtime": {"formats", "hkstore"},
+    "tools": {"formats", "hkstore", "runtime"},
+    "benchmarks": {"formats", "hkstore", "runtime", "tools"},
+    "experiments": {"formats", "hkstore", "runtime", "tools", "benchmarks"},
+}
+# runtime's room -> the rooms it imports ("api" is runtime/__init__.py and the files beside it)
+ROOM_ARROWS = {
     "model": set(),
     "plot": {"model"},
     "exec": {"model", "plot"},
-    "sched": {"model", "plot", "exec"},
-    "build": {"model", "plot"},
+    "sched": {"exec"},
+    "construct": {"model", "plot"},
     # profiling reads labelled held-out files with construction's readers
-    "level": {"model", "plot", "exec", "sched", "build"},
+    "level": {"model", "plot", "exec", "sched", "construct"},
     "api": {"model", "plot", "exec", "sched", "gen", "level", "student"},
-    "serve": {"api", "model", "plot", "sched", "build"},
-    "demo": {"api", "model", "build"},
-    "gen": {"model", "plot", "exec", "sched"},
-    # construction reads the teacher through build's manager; serving hands exec's Prepared to the scheduler
-    "student": {"model", "plot", "exec", "build"},
-    "errors": set(),
+    "serve": {"api", "model", "construct"},
+    "demo": {"api", "construct"},
+    "gen": {"model", "plot", "exec"},
+    # construction reads the teacher through construct's manager; serving hands exec's Prepared to the scheduler
+    "student": {"model", "plot", "exec", "construct"},
 }
-# serve reaches build only through the manager's public functions (the manage jobs)
-SERVE_MAY_IMPORT_FROM_BUILD = {"runtime.build", "runtime.build.manager", "runtime.build.plot", "runtime.build.train"}
+# serve reaches construct only through the manager's public functions (the manage jobs)
+SERVE_FROM_CONSTRUCT = {"runtime.construct", "runtime.construct.manager", "runtime.construct.plot",
+                        "runtime.construct.train"}
 
 
-def _modules():
-    for path in ROOT.rglob("*.py"):
-        rel = path.relative_to(ROOT.parent).with_suffix("")
-        parts = list(rel.parts)
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        yield ".".join(parts), path
-
-
-def _imports(path) -> set:
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and node.module.startswith("runtime"):
-            out.add(node.module)
-            out.update(f"{node.module}.{a.name}" for a in node.names)
-        elif isinstance(node, ast.Import):
-            out.update(a.name for a in node.names if a.name.startswith("runtime"))
+def modules(root=REPO, packages=PACKAGES) -> dict:
+    """dotted name -> path of every module of the packages under root."""
+    out = {}
+    for package in packages:
+        for path in (root / package).rglob("*.py"):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = path
     return out
 
 
-def _room(module: str) -> str:
-    """runtime/__init__.py and the files beside it (the API's command-line front, e.g. infer_cli)
-    are the "api" room; a subpackage is its own room."""
+def imports(path, packages=PACKAGES) -> set:
+    """Every module of the packages that the file imports, at any depth of the code."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module.split(".")[0] in packages:
+                out.add(node.module)
+                out.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.split(".")[0] in packages)
+    return out
+
+
+def mounted() -> dict:
+    """tools/cli.py's commands mounted by module name: their arrows count like imports."""
+    from tools.cli import MODEL_COMMANDS
+
+    return {"tools.cli": {module for module, _ in MODEL_COMMANDS.values()}}
+
+
+def graph(root=REPO, packages=PACKAGES, extra=None) -> dict:
+    mods = modules(root, packages)
+    g = {m: {i for i in imports(p, packages) if i in mods and i != m} for m, p in mods.items()}
+    for m, deps in (extra or {}).items():
+        g.setdefault(m, set()).update(deps)
+    return g
+
+
+def room(module: str) -> str:
+    """runtime.X... for a subpackage X; runtime/__init__.py and the files beside it (the API's
+    command-line fronts, e.g. infer_cli) are the "api" room."""
     parts = module.split(".")
     if module == "runtime.errors":
         return "errors"
-    return parts[1] if len(parts) > 1 and (ROOT / parts[1]).is_dir() else "api"
+    return parts[1] if len(parts) > 1 and (REPO / "runtime" / parts[1]).is_dir() else "api"
 
 
-def _graph():
-    mods = dict(_modules())
-    return {m: {i for i in _imports(p) if i in mods and i != m} for m, p in mods.items()}
+def arrows(g: dict) -> tuple[set, set]:
+    """The package arrows and runtime's room arrows that the graph has."""
+    packages, rooms = set(), set()
+    for m, deps in g.items():
+        for d in deps:
+            a, b = m.split(".")[0], d.split(".")[0]
+            if a != b:
+                packages.add((a, b))
+            elif a == "runtime" and room(m) != room(d) and "errors" not in (room(m), room(d)):
+                rooms.add((room(m), room(d)))
+    return packages, rooms
 
 
-def test_rooms_point_one_way():
+def violations(g: dict) -> list:
     bad = []
-    for mod, deps in _graph().items():
-        room = _room(mod)
-        for dep in deps:
-            target = _room(dep)
-            if target == room or target == "errors":  # every room may raise the request errors
-                continue
-            if target not in ALLOWED[room]:
-                bad.append(f"{mod} -> {dep}")
-            elif room == "serve" and target == "build" and dep not in SERVE_MAY_IMPORT_FROM_BUILD:
-                bad.append(f"{mod} -> {dep} (serve uses build's public manager only)")
-    assert not bad, "imports against the layout:\n" + "\n".join(sorted(bad))
+    for m, deps in g.items():
+        for d in deps:
+            a, b = m.split(".")[0], d.split(".")[0]
+            if a != b and b not in PACKAGE_ARROWS[a]:
+                bad.append(f"{m} -> {d}")
+            if a == b == "runtime":
+                src, dst = room(m), room(d)
+                if src == dst or dst == "errors":  # every room may raise the request errors
+                    continue
+                if dst not in ROOM_ARROWS[src]:
+                    bad.append(f"{m} -> {d}")
+                elif src == "serve" and dst == "construct" and d not in SERVE_FROM_CONSTRUCT:
+                    bad.append(f"{m} -> {d} (serve uses construct's public manager only)")
+    return sorted(bad)
 
 
-def test_no_import_cycles():
-    graph = _graph()
-    # modules importing a package's __init__ (runtime) are fine: the API imports lazily
-    graph = {m: {d for d in deps if d != "runtime"} for m, deps in graph.items()}
-    state, stack, cycles = {}, [], []
+def cycles(g: dict) -> list:
+    # importing a package's __init__ is fine: hkstore's and runtime's import their parts lazily
+    g = {m: {d for d in deps if d not in PACKAGES} for m, deps in g.items()}
+    state, stack, found = {}, [], []
 
     def visit(m):
         state[m] = "open"
         stack.append(m)
-        for d in graph.get(m, ()):
+        for d in sorted(g.get(m, ())):
             if state.get(d) == "open":
-                cycles.append(" -> ".join(stack[stack.index(d):] + [d]))
+                found.append(" -> ".join(stack[stack.index(d):] + [d]))
             elif d not in state:
                 visit(d)
         stack.pop()
         state[m] = "done"
 
-    for m in sorted(graph):
+    for m in sorted(g):
         if m not in state:
             visit(m)
-    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+    return found
 
 
-def test_the_checks_can_fail(tmp_path):
-    """The graph sees function-level imports (how a wrong arrow would hide)."""
-    p = tmp_path / "x.py"
-    p.write_text("def f():\n    from runtime.sched.scheduler import Scheduler\n")
-    assert "runtime.sched.scheduler" in _imports(p)
+def test_every_arrow_points_down():
+    bad = violations(graph(extra=mounted()))
+    assert not bad, "imports against the layout:\n" + "\n".join(bad)
+
+
+def test_the_tables_allow_only_arrows_that_exist():
+    packages, rooms = arrows(graph(extra=mounted()))
+    unused = {(a, b) for a, bs in PACKAGE_ARROWS.items() for b in bs} - packages
+    unused |= {(a, b) for a, bs in ROOM_ARROWS.items() for b in bs} - rooms
+    assert not unused, f"allowed but never used (remove them from the tables): {sorted(unused)}"
+
+
+def test_no_import_cycles():
+    found = cycles(graph(extra=mounted()))
+    assert not found, "import cycles:\n" + "\n".join(found)
+
+
+def test_mounted_commands_resolve():
+    import importlib
+
+    from tools.cli import MODEL_COMMANDS
+
+    for name, (module, attr) in MODEL_COMMANDS.items():
+        assert getattr(importlib.import_module(module), attr).name == name
+
+
+def test_a_forbidden_arrow_fails_the_checks(tmp_path):
+    """A store module that imports the runtime (lazily, inside a function), a model-room module that
+    imports the scheduler, and a mounted command string that points into the lab all fail."""
+    for package in ("hkstore", "runtime/model", "runtime/sched", "benchmarks"):
+        (tmp_path / package).mkdir(parents=True)
+        (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / "hkstore" / "x.py").write_text("def f():\n    from runtime.model import m\n")
+    (tmp_path / "runtime" / "model" / "m.py").write_text("from runtime.sched.s import S\n")
+    (tmp_path / "runtime" / "sched" / "s.py").write_text("S = 1\n")
+    g = graph(tmp_path, ("hkstore", "runtime", "benchmarks"), extra={"hkstore.cli": {"benchmarks"}})
+    assert violations(g) == ["hkstore.cli -> benchmarks", "hkstore.x -> runtime.model", "hkstore.x -> runtime.model.m",
+                             "runtime.model.m -> runtime.sched.s"]
+    g["runtime.sched.s"] = {"runtime.model.m"}
+    assert cycles(g) == ["runtime.model.m -> runtime.sched.s -> runtime.model.m"]

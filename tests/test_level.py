@@ -18,7 +18,7 @@ from test_runtime import shared_tiny_store
 
 import hkstore
 import runtime
-from runtime.build import manager
+from runtime.construct import manager
 from runtime.level import dispatch, ensemble, profile
 from runtime.level.prune import prune, word_spans
 from runtime.model import calibrate
@@ -359,7 +359,7 @@ def test_cli_policy(tiny, store_copy):
 
     from click.testing import CliRunner
 
-    from hkstore.cli import main
+    from tools.cli import main
 
     _policy(store_copy, "adapter-cls", c=1.01, k=100.0, alpha=0.0, w=0.0, gate=0.0)
     text = tiny[1]["texts"][0]
@@ -389,7 +389,7 @@ def test_levels_profile_command_stores_a_policy_that_serving_follows(tiny, store
 
     from click.testing import CliRunner
 
-    from hkstore.cli import main
+    from tools.cli import main
 
     with runtime.open(store_copy, device="cpu", max_len=48) as rt:
         labels = list(rt.pet("adapter-cls").labels)
@@ -422,13 +422,13 @@ def test_levels_profile_command_stores_a_policy_that_serving_follows(tiny, store
         assert bad.exit_code != 0 and says in bad.output and "Traceback" not in bad.output
 
 
-# -- temperatures fitted at tenant create / update (runtime.build.calibration) ------------------
+# -- temperatures fitted at tenant create / update (runtime.construct.calibration) ------------------
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, 400), st.floats(0.01, 0.9), st.integers(0, 10))
 def test_holdout_splits_disjointly_and_refuses_too_few(n, share, seed):
-    from runtime.build.calibration import MIN_HELD, holdout
+    from runtime.construct.calibration import MIN_HELD, holdout
 
     k = max(MIN_HELD, round(share * n))
     if k >= n:
@@ -447,8 +447,8 @@ def test_tenant_create_fits_level_temperatures_on_held_out_examples(tiny, store_
     refits them for its own round."""
     from click.testing import CliRunner
 
-    from hkstore.cli import main
-    from runtime.build.calibration import MIN_HELD, holdout, level_logits
+    from tools.cli import main
+    from runtime.construct.calibration import MIN_HELD, holdout, level_logits
 
     root = pathlib.Path(tiny[0]).parent
     train = root / ("cls.jsonl" if task == "classification" else "tags.conll")
@@ -498,7 +498,7 @@ def test_tenant_create_fits_level_temperatures_on_held_out_examples(tiny, store_
 def test_a_share_too_large_for_the_data_is_one_line(tiny, store_copy):
     from click.testing import CliRunner
 
-    from hkstore.cli import main
+    from tools.cli import main
 
     root = pathlib.Path(tiny[0]).parent
     r = CliRunner().invoke(main, ["tenant", "create", str(store_copy), "cal", "--version", "root", "--train",
@@ -508,7 +508,7 @@ def test_a_share_too_large_for_the_data_is_one_line(tiny, store_copy):
 
 
 def test_calibration_eval_tool(tiny, store_copy, tmp_path):
-    from tools.calibration_eval import main as calibration_eval
+    from experiments.calibration_eval import main as calibration_eval
 
     cls = str(pathlib.Path(tiny[0]).parent / "cls.jsonl")
     out = calibration_eval(["--store", str(store_copy), "--version", "root", "--task", "classification", "--train",

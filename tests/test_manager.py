@@ -2,7 +2,7 @@
 
 The corpus and tasks are first lines of stdlib docstrings (text every Python has); the model
 is a 6-layer d=32 BERT over a vocabulary made from that text, so every step takes
-milliseconds. Nothing here checks accuracy: tools/hmi_accuracy.py does, on real data.
+milliseconds. Nothing here checks accuracy: benchmarks/hmi_accuracy.py does, on real data.
 """
 
 import json
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import hkstore
-from runtime.build import manager
+from runtime.construct import manager
 from runtime.model import stored
 from runtime.model.pet import PET_TYPES
 from runtime.demo.stdlib_text import first_lines as docstring_lines
@@ -128,7 +128,7 @@ def _distance(a, b):
 
 
 def test_distilled_domain_keeps_teacher_and_student(env):
-    from runtime.build.plot import corpus_windows
+    from runtime.construct.plot import corpus_windows
     from runtime.plot.window import window_values
 
     out = manager.domain_create(env["store"], "mathdist", [env["domain"]], mlm_steps=3, lr=1e-3, distill_steps=4,
@@ -314,7 +314,7 @@ def test_build_errors(tmp_path, env):
 
 
 def test_pet_sweep_scores_each_grid_point(env):
-    from tools.pet_sweep import main, sweep
+    from experiments.pet_sweep import main, sweep
 
     rows = sweep(env["store"], "root", env["cls"], env["cls"], "classification", targets=[("o",), None],
                  epochs=[1, 3], lrs=[1e-2], max_len=32)

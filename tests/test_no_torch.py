@@ -12,7 +12,7 @@ def test_store_and_cli_work_without_torch(tmp_path):
         import numpy as np
         import hkstore
         from click.testing import CliRunner
-        from hkstore.cli import main
+        from tools.cli import main
         st = hkstore.create({str(tmp_path / "s")!r}, d=4, vocab_size=5)
         uni = np.zeros((5, 3), dtype=np.uint32); uni[:, 1] = np.arange(5)
         st.add_segment("root", uni, np.ones((5, 3, 4)))

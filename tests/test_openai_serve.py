@@ -11,10 +11,10 @@ import torch
 from test_serve import ADMIN, Server, auth
 
 import runtime
-from runtime.build.decoder_store import build_decoder
-from runtime.build.decoder_tenant import lm_tenant_create
+from runtime.construct.decoder_store import build_decoder
+from runtime.construct.decoder_tenant import lm_tenant_create
 from runtime.model.tiny_decoder import make_tiny_decoder
-from runtime.serve.tokens import issue
+from hkstore.tokens import issue
 
 TEXTS = ["the cat sat on the mat .", "a dog ran in the park and the cat ran too ."]
 TENANT_TEXT = ["the cat sat on the mat and the dog sat on the mat ."] * 4
@@ -145,7 +145,7 @@ def test_queue_bound_429_and_a_disconnect_cancels(env):
 
 
 def test_an_encoder_store_refuses_to_generate(tmp_path):
-    from runtime.build.manager import build
+    from runtime.construct.manager import build
     from runtime.model.tiny import make_tiny_model
 
     model = make_tiny_model(tmp_path / "m", TEXTS, d=16, layers=2)

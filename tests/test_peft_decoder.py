@@ -8,9 +8,9 @@ import torch
 from click.testing import CliRunner
 
 import hkstore
-from hkstore.cli import main
-from runtime.build.decoder_store import build_decoder
-from runtime.build.decoder_tenant import load_lm_pet
+from tools.cli import main
+from runtime.construct.decoder_store import build_decoder
+from runtime.construct.decoder_tenant import load_lm_pet
 from runtime.model.decoder import load_decoder
 from runtime.model.tiny_decoder import make_tokenizer
 

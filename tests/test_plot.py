@@ -1,4 +1,4 @@
-"""runtime.build.plot and runtime.plot: n-gram counts, the root build (complete, resumable), branches and retrieve."""
+"""runtime.construct.plot and runtime.plot: n-gram counts, the root build (complete, resumable), branches and retrieve."""
 
 import copy
 import inspect
@@ -12,7 +12,7 @@ import torch
 
 import hkstore
 from formats.backoff import key_order
-from runtime.build import plot
+from runtime.construct import plot
 from runtime.plot.retrieve import retrieve, retrieve_list
 from runtime.plot.window import corpus_windows
 from runtime.model.encoder import load_encoder
@@ -201,7 +201,7 @@ def test_retrieve_equals_windowed_lower(minilm_store):
 
 
 def test_training_and_serving_see_identical_inputs(minilm_store):
-    """retrieve_list (what tenant training feeds runtime.build.train) and retrieve (what serving
+    """retrieve_list (what tenant training feeds runtime.construct.train) and retrieve (what serving
     computes) give bitwise the same rows, whatever the batch composition."""
     enc, seqs, st = minilm_store
     batch, mask, _ = retrieve(st.snapshot(), "root", seqs)

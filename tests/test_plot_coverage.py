@@ -1,4 +1,4 @@
-"""tools.plot_coverage computes served orders from key sets alone; they must equal what the
+"""experiments.plot_coverage computes served orders from key sets alone; they must equal what the
 storage engine serves for a root built from the same corpus (hypothesis, tiny vocabularies)."""
 
 import numpy as np
@@ -6,9 +6,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hkstore
-from runtime.build.plot import root_keys
+from runtime.construct.plot import root_keys
 from runtime.plot.window import corpus_windows
-from tools.plot_coverage import _rows, coverage, served_order
+from experiments.plot_coverage import _rows, coverage, served_order
 
 VOCAB, PAD = 9, 0
 seqs = st.lists(st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=7), min_size=1, max_size=5)

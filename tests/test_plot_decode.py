@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import hkstore
-from runtime.build.plot import build_root
+from runtime.construct.plot import build_root
 from runtime.gen.plot_decode import PlotDecoder
 from runtime.model.decoder import load_decoder
 from runtime.model.tiny_decoder import make_tiny_decoder

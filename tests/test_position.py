@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hkstore
-from runtime.build import plot
+from runtime.construct import plot
 from runtime.plot.retrieve import retrieve
 from runtime.plot.window import windowed_lower
 from test_plot import tiny  # noqa: F401  (the fixture: a tiny random BERT and its corpus)

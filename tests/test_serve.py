@@ -21,10 +21,10 @@ import httpx
 import numpy as np
 import pytest
 
-from runtime.build import manager
+from runtime.construct import manager
 from runtime.model.tiny import make_tiny_model
 from test_manager import make_data
-from tools import reliability_http
+from benchmarks import reliability_http
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ADMIN = "admin-token-for-tests-0123456789"
@@ -246,11 +246,11 @@ def test_tenant_job_then_infer_with_its_token(server, tenants, env):
 
 
 def test_the_load_generators_client_reads_the_servers_answers(server, tenants, env):
-    """tools.loadgen.Client (the benchmarks' lean HTTP/1.1 client) against the real server:
+    """benchmarks.loadgen.Client (the benchmarks' lean HTTP/1.1 client) against the real server:
     keep-alive requests with body fields, the answer's body handed back, a 4xx reported."""
     import asyncio
 
-    from tools.loadgen import Client
+    from benchmarks.loadgen import Client
 
     async def go():
         client = Client(server.url, tenants["alpha"], env["texts"][:3], timeout=30)

@@ -12,13 +12,13 @@ from click.testing import CliRunner
 from test_serve import ADMIN, Server, auth
 
 import runtime
-from runtime.build.decoder_store import build_decoder
-from runtime.build.decoder_tenant import lm_tenant_create
-from runtime.build.manager import build, tenant_create
+from runtime.construct.decoder_store import build_decoder
+from runtime.construct.decoder_tenant import lm_tenant_create
+from runtime.construct.manager import build, tenant_create
 from runtime.model.tiny import make_tiny_model
 from runtime.model.tiny_decoder import make_tiny_decoder
 from runtime.serve.cli import serve
-from runtime.serve.tokens import issue
+from hkstore.tokens import issue
 
 TEXTS = ["the cat sat on the mat .", "a dog ran in the park and the cat ran too ."]
 TENANT_TEXT = ["the cat sat on the mat and the dog sat on the mat ."] * 4

@@ -16,15 +16,15 @@ import hkstore.store
 from formats import segment as sg
 from formats.pack import PetRecord
 from formats.xxh64 import hash_keys, xxh64_rows
-from tools import reliability
-# the crash campaign's store and commits (tools/reliability runs the larger campaign); other tests import them here
-from tools.reliability import D, V, commit_keys, commit_values, make_store, position_table  # noqa: F401
+from benchmarks import reliability
+# the crash campaign's store and commits (benchmarks/reliability runs the larger campaign); other tests import them here
+from benchmarks.reliability import D, V, commit_keys, commit_values, make_store, position_table  # noqa: F401
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def check_crash_campaign(path, kills):
-    """SIGKILLs during commits, compactions and gc (tools/reliability.py's writer); packs roll
+    """SIGKILLs during commits, compactions and gc (benchmarks/reliability.py's writer); packs roll
     at 48 KiB, so gc rewrites them between (and under) the kills."""
     result = reliability.crash_campaign(path, kills, seed=1, max_delay=0.3)
     assert result["kills"] == kills and not result["problems"], result["problems"]

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hkstore
-from runtime.build import manager
+from runtime.construct import manager
 from runtime.model.tiny import make_tiny_model
 from runtime.student import model, prune, stack
 from runtime.student.build import _record, students_create
@@ -126,7 +126,7 @@ def env(tmp_path_factory):
 def test_a_fresh_student_is_the_first_upper_layer(env):
     enc, x = env["encoder"], env["inputs"][:4]
     w = model.init_student(enc, 1)
-    from runtime.build.train import _pad_inputs
+    from runtime.construct.train import _pad_inputs
 
     h, mask = _pad_inputs(x)
     got = model.student_forward(w, h, mask, enc.config.heads, enc.config.eps)[-1]
@@ -155,7 +155,7 @@ def tag_students(env):
 def test_students_create_stores_a_servable_group_and_the_store_tools_see_it(env, tag_students):
     from click.testing import CliRunner
 
-    from hkstore.cli import main
+    from tools.cli import main
 
     out = tag_students
     assert 1 <= out["students"] <= 2 and len(out["scores"]) == out["students"] and 1 <= out["best_k"] <= out["students"]
@@ -261,7 +261,7 @@ def test_policy_serves_more_load_with_fewer_students_and_restores_the_group(queu
 
 
 def test_engine_answers_like_the_reference_and_says_how_many_students(env, tag_students):
-    from runtime.student.engine import StudentEngine
+    from benchmarks.student_engine import StudentEngine
     from runtime.student.evaluate import students_eval
 
     ids = env["inputs"]  # only for the count
@@ -289,7 +289,7 @@ def test_engine_answers_like_the_reference_and_says_how_many_students(env, tag_s
 def test_students_cli_scores_removes_and_fails_in_one_line(env, tag_students):
     from click.testing import CliRunner
 
-    from hkstore.cli import main
+    from tools.cli import main
 
     run = CliRunner().invoke
     scored = run(main, ["students", "eval", env["store"], "tag", "--test", env["tag"], "--json"])
@@ -343,7 +343,7 @@ def test_tenant_create_with_students_trains_both_resumes_and_checks_first(env):
 
     from click.testing import CliRunner
 
-    from hkstore.cli import main
+    from tools.cli import main
 
     run = CliRunner().invoke
     create = ["tenant", "create", env["store"], "both", "--version", "root", "--train", env["cls"], "--epochs", "1",

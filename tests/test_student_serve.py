@@ -13,7 +13,7 @@ import torch
 
 import hkstore
 import runtime
-from runtime.build import manager
+from runtime.construct import manager
 from runtime.model.tiny import make_tiny_model
 from runtime.sched.load import Load, LoadMeter
 from runtime.sched.scheduler import Item, Scheduler
@@ -66,7 +66,7 @@ def short_texts(env, max_len=32):
 
 @pytest.mark.parametrize("k", [1, 2])
 def test_infer_with_k_students_equals_the_reference_and_the_engine(env, k):
-    from runtime.student.engine import StudentEngine
+    from benchmarks.student_engine import StudentEngine
 
     texts = short_texts(env)[:6]
     requests = [{"tenant": t, "text": x, "students": k} for x in texts for t in ("cls", "tag")]
@@ -312,7 +312,7 @@ def test_students_of_an_updated_pet_are_stale_until_distilled_again(env):
 
     from click.testing import CliRunner
 
-    from hkstore.cli import main
+    from tools.cli import main
 
     store, text = env["store"], short_texts(env)[0]
     manager.tenant_create(store, "upd", version="root", train_path=env["cls"], epochs=1, progress=False)

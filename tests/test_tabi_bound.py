@@ -1,4 +1,4 @@
-"""tools.tabi_bound's oracle: the fewest queries level 2 must answer, against brute force."""
+"""experiments.tabi_bound's oracle: the fewest queries level 2 must answer, against brute force."""
 
 import itertools
 
@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tools.tabi_bound import metric, oracle_share
+from experiments.tabi_bound import metric, oracle_share
 
 
 def _brute(task, c1, c2, target):
@@ -52,7 +52,7 @@ def test_the_oracle_takes_the_fewest_queries_from_level_2(case):
 @settings(max_examples=200, deadline=None)
 @given(levels(), st.randoms(use_true_random=False))
 def test_no_order_of_re_routes_needs_fewer_than_the_oracle(case, rnd):
-    from tools.tabi_bound import share_in_order
+    from experiments.tabi_bound import share_in_order
 
     task, c1, c2, target = case
     order = list(range(len(c1)))
@@ -72,7 +72,7 @@ def test_no_order_of_re_routes_needs_fewer_than_the_oracle(case, rnd):
 def test_the_learned_gate_ranks_a_separable_signal_first(seed):
     """fit_gate finds the one informative signal among noise: every query it should re-route
     scores above every one it should not."""
-    from tools.tabi_bound import fit_gate
+    from experiments.tabi_bound import fit_gate
 
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(200, 4))
@@ -90,7 +90,7 @@ def test_knowing_where_the_levels_differ_is_between_the_oracle_and_all_that_diff
     differing queries in random orders: never fewer than the oracle, never more than differ,
     and always there when level 2 on every query reaches the target (taking all that differ
     is that)."""
-    from tools.tabi_bound import disagreement_share
+    from experiments.tabi_bound import disagreement_share
 
     task, c1, c2, target = case
     differ = (c1 != c2).any(1)
@@ -102,7 +102,7 @@ def test_knowing_where_the_levels_differ_is_between_the_oracle_and_all_that_diff
 
 
 def test_the_differing_queries_are_the_ones_whose_spans_or_labels_differ():
-    from tools.tabi_bound import differs
+    from experiments.tabi_bound import differs
 
     reqs = [{"task": "classification"}, {"task": "classification"}, {"task": "tagging"}, {"task": "tagging"}]
     p1 = [1, 0, ["B-X", "I-X", "O"], ["B-X", "O", "O"]]
@@ -114,7 +114,7 @@ def test_not_knowing_which_level_is_right_costs_the_expected_extra_queries():
     """Two queries level 2 gets right, one it gets wrong, one it agrees on; level 1 needs one
     more right answer. The oracle takes 1; a random order of the three that differ takes 1 when
     a right one comes first (2/3) and all 3 otherwise: 5/3 expected."""
-    from tools.tabi_bound import disagreement_share
+    from experiments.tabi_bound import disagreement_share
 
     c1 = np.array([[0, 1, 1], [0, 1, 1], [1, 1, 1], [1, 1, 1]], dtype=float)
     c2 = np.array([[1, 1, 1], [1, 1, 1], [0, 1, 1], [1, 1, 1]], dtype=float)
@@ -125,7 +125,7 @@ def test_not_knowing_which_level_is_right_costs_the_expected_extra_queries():
 
 
 def test_costs_charge_level_1_to_a_signal_and_not_to_an_oracle(tmp_path):
-    from tools.tabi_bound import DIFFER, costs, figure
+    from experiments.tabi_bound import DIFFER, costs, figure
 
     signals = {"oracle": {"dev": 0.1, "test": 0.2}, DIFFER: {"dev": 0.3, "test": 0.5},
                "queries whose answers differ": {"dev": 0.4, "test": 0.6}, "random order": {"dev": 0.0, "test": 0.1},
@@ -141,43 +141,10 @@ def test_costs_charge_level_1_to_a_signal_and_not_to_an_oracle(tmp_path):
     assert (tmp_path / "f.png").stat().st_size > 1000
 
 
-def test_mixed_training_views_are_level_2s_inputs_then_the_plots():
-    """tools.tabi_mixed: the first K views are the full-context lower layers of each sequence
-    as level 2 computes them alone (batching pads, and must not leak), the rest the PLOT's."""
-    import torch
-    from test_runtime import shared_tiny_store
-
-    import hkstore
-    from runtime.build import manager
-    from runtime.model.stored import base_encoder, context_encoder
-    from runtime.plot.retrieve import retrieve_list
-    from tools.tabi_mixed import views
-
-    store_path, info = shared_tiny_store()
-    with hkstore.open(store_path) as store:
-        encoder = base_encoder(store)
-        ids = [encoder.tokenizer.encode(t).ids[:20] for t in info["texts"][:5]]
-        got = views(store, "strings", encoder, ids, 2, 0.0, 0)
-        assert len(got) == manager.UNSEEN_VIEWS * len(ids)
-        ctx = context_encoder(store, "strings", encoder)
-        plot = retrieve_list(store.snapshot(), "strings", ids)
-        for v in range(manager.UNSEEN_VIEWS):
-            for j, seq in enumerate(ids):
-                x = got[v * len(ids) + j]
-                if v < 2:
-                    t, m = ctx.pad([seq])
-                    with torch.no_grad():
-                        alone = ctx.lower(t, m)[0]
-                    torch.testing.assert_close(x, alone, atol=1e-5, rtol=1e-5)
-                else:
-                    torch.testing.assert_close(x, plot[j])
-        assert not torch.allclose(got[0], got[2 * len(ids)], atol=1e-3)  # the levels' inputs differ
-
-
 def test_a_part_of_the_queries_is_scored_over_that_part():
-    """tools.tabi_bench's returned / re-routed split: accuracy over the part, not over all."""
+    """benchmarks.tabi_bench's returned / re-routed split: accuracy over the part, not over all."""
     from runtime.level.queries import Queries
-    from tools.tabi_bench import part_metric
+    from benchmarks.tabi_bench import part_metric
 
     q = Queries.__new__(Queries)
     q.kind, q.targets, q.ids = "classification", [0, 1, 1, 0], [[1]] * 4

@@ -4,10 +4,10 @@ import pytest
 import torch
 from tokenizers.implementations import BertWordPieceTokenizer
 
-from runtime.build.data import IGNORE
+from runtime.construct.data import IGNORE
 from runtime.model.encoder import Config, Encoder, load_encoder
 from runtime.model.pet import PET_TYPES, create_pet, head
-from runtime.build.train import TrainConfig, distill_windows, train_full, train_mlm, train_pet, train_upper
+from runtime.construct.train import TrainConfig, distill_windows, train_full, train_mlm, train_pet, train_upper
 
 POSITIVE = ["the results were good", "a good and clear method", "good cells grew well", "this is good work"]
 NEGATIVE = ["the results were bad", "a bad and unclear method", "bad cells died early", "this is bad work"]

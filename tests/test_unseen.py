@@ -14,7 +14,7 @@ from test_grow import env  # noqa: F401 (the fixture: a tiny store with a domain
 
 import hkstore
 from formats.backoff import backoff, key_order
-from runtime.build import manager
+from runtime.construct import manager
 from runtime.plot.retrieve import retrieve
 from runtime.plot.unseen import unseen_windows
 from runtime.plot.window import corpus_windows

@@ -1,4 +1,4 @@
-"""Click commands of the analyst tools, mounted by hkstore/cli.py (MODEL_COMMANDS):
+"""Click commands of the analyst tools, mounted by tools/cli.py (MODEL_COMMANDS):
 
     hkstore report STORE [--version V] [--corpus FILE] --out DIR [--json]
     hkstore explain STORE --version V "some text" [--json]

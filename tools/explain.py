@@ -11,10 +11,10 @@ sequence's windows, then the normalized aggregation). The reference is Encoder.l
 whole sequence (full context), with:
   * reference="base" (default): the base model named by the store's meta["model_path"] (the
     embedded model if none). This is what the upper layers were trained on, and the target
-    window distillation trains a distilled root towards (runtime.build.train.distill_windows), so the
+    window distillation trains a distilled root towards (runtime.construct.train.distill_windows), so the
     distance is the error the upper layers see.
   * reference="version": the lower weights that produced `version`'s own values, by
-    runtime.build.manager's convention: the nearest version on its ancestry whose info names
+    runtime.construct.manager's convention: the nearest version on its ancestry whose info names
     "lower_weights" (STORE/models/<version>.safetensors: a domain's MLM-trained layers, or a
     distilled root), else the base model. The distance is then the windowing error alone for
     tokens served by those weights.

@@ -189,7 +189,7 @@ def lr_at(progress: float, step: int, lr: float, warmup: int) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--out", default="/tmp/hkstore-decoder")
+    ap.add_argument("--out", required=True)
     ap.add_argument("--minutes", type=float, default=12.0, help="training time budget, over resumed runs too")
     ap.add_argument("--steps", type=int, default=0, help="stop (and anneal) at this many steps instead (0: by time)")
     ap.add_argument("--layers", type=int, default=6)

@@ -4,7 +4,7 @@ how a corpus is served, and the PET pack.
     r = build_report("STORE", version=None, corpus="medical.txt")   # every number, JSON-able
     index = write_report("STORE", "out/", corpus="medical.txt")     # out/index.html + PNGs
 
-build_report needs numpy and the store only; a corpus also imports runtime.build.plot (torch) for its
+build_report needs numpy and the store only; a corpus also imports runtime.construct.plot (torch) for its
 n-gram counting, and n-grams are decoded to text with the `tokenizers` package when the store's
 meta["model_path"] names a tokenizer (ids otherwise). write_report draws with tools/plots.py.
 
@@ -18,7 +18,7 @@ Definitions (the page repeats them):
   * coverage of a corpus at version v: the corpus's windows (runtime.plot.window.corpus_windows of the
     tokenized documents) looked up at v in one batch; shares by serving version and by order;
     "exact" windows are served at their own order (no backoff step);
-  * the α curve: the corpus's distinct full windows (runtime.build.plot.ngram_counts), most frequent
+  * the α curve: the corpus's distinct full windows (runtime.construct.plot.ngram_counts), most frequent
     first; point k is (k / distinct, occurrences of the top k / all occurrences). kept_for[α] is
     the share hkstore.branch.select_by_frequency would keep for alpha = α.
 """
@@ -168,7 +168,7 @@ def decode_key(tokenizer, key, pad_id):
 
 
 def tokenize_corpus(meta, docs, max_len):
-    """Token id lists of documents, like runtime.build.manager.tokenize_corpus (how build and domain
+    """Token id lists of documents, like runtime.construct.manager.tokenize_corpus (how build and domain
     tokenize): the tokenizer's [CLS] ... [SEP] encoding, each document cut into pieces of at
     most max_len ids so no text is lost to truncation."""
     if max_len < 3:
@@ -361,8 +361,8 @@ def alpha_curve(counts, points=CURVE_POINTS):
 
 
 def corpus_report(snap, versions, corpus, *, corpus_format=None, max_len=None):
-    from runtime.build.data import read_corpus
-    from runtime.build.plot import ngram_counts
+    from runtime.construct.data import read_corpus
+    from runtime.construct.plot import ngram_counts
     from runtime.plot.window import corpus_windows
 
     meta = snap.meta
@@ -467,7 +467,7 @@ def build_report(store_path, version=None, corpus=None, *, sample=SAMPLE, top=TO
     """Every number of the report as a JSON-able dict (see the module doc for definitions).
 
     version: report that version and its ancestors (branch stats, coverage at it); None: every
-    version (coverage at each). corpus: a text / JSON lines / CoNLL file (runtime.build.data.read_corpus)
+    version (coverage at each). corpus: a text / JSON lines / CoNLL file (runtime.construct.data.read_corpus)
     tokenized with the store's tokenizer into pieces of max_len ids (default: the version's or
     root's recorded max_len, else 128). sample: most shared keys per branch whose distances are
     computed (a seeded random sample beyond it; the report says so).

@@ -5,7 +5,7 @@ of Python's standard library (first paragraph of each public class, function and
 ~40 modules, about 900 of them). The steps, each skipped when the store already has it
 (so a rerun resumes, and a finished store just serves):
 
-1. **build** the root PLOT from all the docstrings (runtime.build.manager.build);
+1. **build** the root PLOT from all the docstrings (runtime.construct.manager.build);
 2. **domain** ``email``: the lower layers further pre-trained (a few MLM steps) on the
    docstrings of the ``email`` package family, and a branch holding the top-50% of its n-grams;
 3. **tenants**, one per PET type, each a small task derived from the docstrings:
@@ -167,8 +167,8 @@ def main(store_dir="hkstore-demo", echo=print, progress=True, full=False) -> dic
     summary dict (accuracies, throughput, step timings). full: the full-size run (see PRESETS)."""
     import hkstore
     import runtime
-    from runtime.build import manager
-    from runtime.build.data import entity_f1
+    from runtime.construct import manager
+    from runtime.construct.data import entity_f1
 
     t_start = time.perf_counter()
     preset_name = "full" if full else "quick"

@@ -1,5 +1,5 @@
 """Batched PET operations for the CPU executor: the segment loops of runtime.exec.ops_cpu as
-a few batched GEMMs (issue 17).
+a few batched GEMMs.
 
 The reference ops (runtime.exec.ops_cpu) loop over a batch's segments: one small GEMM per
 tenant per projection, each a parallel region of its own. Here the segments of a group are

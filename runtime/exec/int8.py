@@ -1,4 +1,4 @@
-"""The optional int8 path of the CPU executor (issue 17): the shared upper-layer projections as
+"""The optional int8 path of the CPU executor: the shared upper-layer projections as
 dynamically quantized GEMMs; the PETs, attention, LayerNorm and GELU stay fp32.
 
 Weights are quantized once, symmetric int8 per output channel; activations are quantized per

@@ -1,5 +1,5 @@
 """PET operator scheduling (PetS §4.2, Alg. 2) on the CPU: the PET operators of one layer
-stage spread over parallel lanes (threads of one torch thread each), an experiment (issue 17).
+stage spread over parallel lanes (threads of one torch thread each), an experiment.
 
 Within a stage of a layer (the q/k/v projections, then o, ffn_in, ffn_out) the PET operators
 of different tenants touch disjoint rows and different targets touch different outputs, so
@@ -10,7 +10,7 @@ point, memory-bound below), and ``assign_lanes`` places them PetS-style: longest
 time first (roofline: max(FLOPs / peak, bytes / bandwidth)) onto the least-loaded lane,
 alternating compute- and memory-bound operators so that each lane mixes both. ``run_lanes``
 runs the lanes on a thread pool. The executor itself runs every stage as one batched call
-per kind and target (one lane with torch's intra-op threads); tools/bench_pet_lanes.py
+per kind and target (one lane with torch's intra-op threads); benchmarks/bench_pet_lanes.py
 measures the two against each other.
 """
 

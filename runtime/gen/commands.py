@@ -5,7 +5,7 @@
 
 The prompt runs through PLOT lookups and the upper layers (runtime.gen); the store's
 decoder (meta model_path) supplies the upper layers and the tokenizer; --tenant applies a
-decoder tenant's lm PET (runtime.build.decoder_tenant) and serves from its PLOT version.
+decoder tenant's lm PET (runtime.construct.decoder_tenant) and serves from its PLOT version.
 """
 
 from __future__ import annotations

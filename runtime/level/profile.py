@@ -37,7 +37,7 @@ from runtime.sched.scheduler import Item
 # profile_tenant's default share of dev resamples the chosen policy must hold its target in
 # (choose): the usual one-sided 90%. On the six tasks' test splits it cut the (task, target)
 # cases that missed their target from 7 to 3 of 18, at +0.03 of level 2's cost (BENCHMARKS,
-# issue 16, session 13)
+# Tabi)
 ASSURANCE = 0.9
 GRID = {"c": [0.0, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.99, 1.01], "k": [10.0, 30.0, 100.0, 1000.0],
         "alpha": [0.0, 0.25, 0.5, 0.75], "w": [0.0, 0.25, 0.5], "gate": [0.0, 0.1, 0.2, 0.3, 0.4, 1.01]}

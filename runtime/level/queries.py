@@ -12,7 +12,7 @@ class Queries:
     """Encoded queries of one split: ids, reported positions, targets and a scorer."""
 
     def __init__(self, encoder, data, kind, labels, max_len):
-        from runtime.build.data import IGNORE, encode_tagging
+        from runtime.construct.data import IGNORE, encode_tagging
 
         x, y = data
         self.kind, self.labels, self.words, self.gold = kind, labels, x, y
@@ -36,7 +36,7 @@ class Queries:
 
     def stats(self, probs, q) -> np.ndarray:
         """Scoring counts of query q answered with probs: [correct, 1] or [hits, predicted, gold]."""
-        from runtime.build.data import entity_spans
+        from runtime.construct.data import entity_spans
 
         if self.kind == "classification":
             return np.array([float(int(np.argmax(probs)) == self.targets[q]), 1.0])
@@ -56,7 +56,7 @@ class Queries:
 
 def read_queries(path, kind: str, encoder, labels, max_len: int) -> Queries:
     """A labelled file (JSON lines {text, label} or CoNLL, as tenant create reads it) as Queries."""
-    from runtime.build.manager import read_task
+    from runtime.construct.manager import read_task
 
     data, _ = read_task(path, kind)
     return Queries(encoder, data, kind, list(labels), max_len)

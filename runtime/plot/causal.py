@@ -59,7 +59,7 @@ def causal_values(decoder, keys: np.ndarray, batch_size: int = 4096) -> torch.Te
 
 
 class KeyValuer:
-    """A decoder seen by the encoder stores' construction code (runtime.build.plot: build_root,
+    """A decoder seen by the encoder stores' construction code (runtime.construct.plot: build_root,
     build_branch; runtime.plot.window.window_values): everything is the decoder's, except that
     lower() ignores the local slot positions that code passes, so a causal key's real tokens
     always sit at 0 .. k-1 (its mask decides). With it the shared code values decoder keys by

@@ -2,7 +2,7 @@
 
     inputs, mask, served = retrieve(snapshot, "biology", seqs)
 
-`retrieve` is what training (runtime.build) and serving call alike, so a PET is trained on exactly
+`retrieve` is what training (runtime.construct) and serving call alike, so a PET is trained on exactly
 the inputs it will be served with: the windows of every sequence, one batched lookup for the whole
 batch, then the normalized aggregation of runtime.plot.window plus the version's position table.
 """
@@ -93,7 +93,7 @@ def add_position(inputs: torch.Tensor, real: np.ndarray, table) -> None:
 
 def retrieve_list(snapshot, version, seqs, batch_size: int = 256, unseen: float = 0.0, rng=None) -> list[torch.Tensor]:
     """retrieve() in batches, returned as one (length, d) tensor per sequence: the
-    precomputed-inputs form runtime.build.train's loops take. Rows are exactly retrieve()'s."""
+    precomputed-inputs form runtime.construct.train's loops take. Rows are exactly retrieve()'s."""
     out = []
     for start in range(0, len(seqs), batch_size):
         batch = seqs[start:start + batch_size]

@@ -1,4 +1,4 @@
-"""Windows as a version serves text it has never seen (issue 21).
+"""Windows as a version serves text it has never seen.
 
 A tenant is trained on the PLOT inputs of its training text, and the version it is trained on
 was built from that same text, so every training window is served exactly. Text from outside the

@@ -1,7 +1,7 @@
 """PET-aware batching (PetS §4.1, Alg. 1): which queued requests run together.
 
 The cost of a batch on an executor is modelled by two latency tables, profiled per machine
-and executor (``tools/profile_latency.py`` writes them into a JSON file this module loads):
+and executor (``benchmarks/profile_latency.py`` writes them into a JSON file this module loads):
 
 * ``alpha[N][L]``: the shared operators (upper layers, heads) for N requests padded to L;
 * ``beta[type][n][l]``: the PET operators of one tenant of PET type ``type`` (adapter, lora,

@@ -32,7 +32,7 @@ A job is STORE/jobs/<id>.json (written atomically: temporary file, fsync, rename
 directory) with its uploads in STORE/jobs/<id>/. One runner thread takes the jobs in creation
 order and hands each to a worker process (``python -m runtime.serve.jobs --job-worker``: started
 ahead of time, so torch is imported when the job comes; it runs up to 20 jobs one after the
-other, then a fresh one takes over) that calls runtime.build.manager; the store's writer lock
+other, then a fresh one takes over) that calls runtime.construct.manager; the store's writer lock
 serializes it with any other writer, and serving goes on meanwhile. When a job commits, the runtime refreshes its snapshot, so the new tenant or
 version becomes visible at once and atomically. A server that restarts finds every job that
 was running: a job whose change reached the store is finished, one that did not is queued
@@ -114,7 +114,7 @@ from runtime.serve.schemas import (
     TenantJobAccepted,
     TenantUpdateBody,
 )
-from runtime.serve.tokens import TokenStore, hash_token, new_tenant_token, valid_name
+from hkstore.tokens import TokenStore, hash_token, new_tenant_token, valid_name
 
 log = logging.getLogger("hkstore.serve")
 

@@ -8,7 +8,7 @@ import click
 
 from hkstore.errors import StoreError
 from runtime.serve.app import create_app
-from runtime.serve.files import atomic_write
+from hkstore.files import atomic_write
 from runtime.serve.stores import create_stores_app, read_stores
 
 

@@ -1,5 +1,5 @@
 """Durable manage jobs (HMI §4.1 a-e) for the HTTP server: records under STORE/jobs, one runner
-thread, a worker process that calls runtime.build.manager. See runtime/serve/app.py for the protocol.
+thread, a worker process that calls runtime.construct.manager. See runtime/serve/app.py for the protocol.
 
     python -m runtime.serve.jobs --job-worker STORE JOB_ID|- PARENT_PID THREADS    (the worker)
 """
@@ -17,7 +17,7 @@ import threading
 import time
 
 import hkstore
-from runtime.serve.files import atomic_write, atomic_write_json, read_json
+from hkstore.files import atomic_write, atomic_write_json, read_json
 
 log = logging.getLogger("hkstore.serve")
 
@@ -454,7 +454,7 @@ def _die_with_parent(parent_pid):
 
 
 def _execute(store_path, kind, p):
-    from runtime.build import manager
+    from runtime.construct import manager
 
     if kind == "domain_create":
         return manager.domain_create(store_path, p["name"], [p["corpus_path"]], parent=p["parent"], alpha=p["alpha"],
@@ -490,9 +490,9 @@ def job_worker(store_path, job_id, parent_pid=0, threads=1) -> int:
 
     torch.set_num_threads(max(1, threads))
     tqdm.tqdm = _Progress
-    import runtime.build.manager  # noqa: F401 - the imports a job needs, done before it comes
-    import runtime.build.plot  # noqa: F401
-    import runtime.build.train  # noqa: F401 - its bars look tqdm.tqdm up at call time: _Progress
+    import runtime.construct.manager  # noqa: F401 - the imports a job needs, done before it comes
+    import runtime.construct.plot  # noqa: F401
+    import runtime.construct.train  # noqa: F401 - its bars look tqdm.tqdm up at call time: _Progress
     with contextlib.suppress(Exception):  # the optimizer's first use imports torch._dynamo (seconds)
         w = torch.zeros(4, requires_grad=True)
         opt = torch.optim.AdamW([w], lr=1e-3)

@@ -11,7 +11,7 @@ it holds (Ray's multiplexed model ids, at most ``max_models``). Order of prefere
 3. every other replica, least busy first: the tenant migrates to where its PET now fits.
 
 The order is returned as singleton ranks, so Serve tries them one by one and skips a replica
-that turns out full. The pure ordering, ``runtime.serve.routing.punica_order``, is what tools/cluster_sim.py simulates.
+that turns out full. The pure ordering, ``runtime.serve.routing.punica_order``, is what benchmarks/cluster_sim.py simulates.
 """
 
 from ray.serve.request_router import FIFOMixin, MultiplexMixin, RequestRouter

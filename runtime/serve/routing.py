@@ -1,5 +1,5 @@
 """Routing policies among serving replicas, as pure functions (no Ray): the Ray Serve request
-router (runtime/serve/ray_router.py) and the cluster simulator (tools/cluster_sim.py) share them."""
+router (runtime/serve/ray_router.py) and the cluster simulator (benchmarks/cluster_sim.py) share them."""
 
 
 def punica_order(replicas, tenant, load, room, holds, fits):

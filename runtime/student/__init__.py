@@ -1,4 +1,4 @@
-"""Student Parallelism (issue 18): a tenant's teacher (PLOT inputs -> upper layers with its PET ->
+"""Student Parallelism: a tenant's teacher (PLOT inputs -> upper layers with its PET ->
 head) distilled into a group of shallow students whose boosted sum replaces the deep stack.
 
     model.py   a student and a group (weights stacked along a student axis), the reference math

@@ -25,8 +25,8 @@ import torch
 import hkstore
 from formats.pack import PetRecord
 from hkstore.errors import UnknownTenant
-from runtime.build.data import accuracy, entity_f1, word_tags
-from runtime.build.manager import (
+from runtime.construct.data import accuracy, entity_f1, word_tags
+from runtime.construct.manager import (
     ManagerError,
     _subsample,
     encode_eval,

@@ -18,9 +18,9 @@ import os
 
 import click
 
-from runtime.build import manager
-from runtime.build.commands import _json_option, _quiet_option, _run, _store_arg
-from runtime.build.commands import tenant as build_tenant
+from runtime.construct import manager
+from runtime.construct.commands import _json_option, _quiet_option, _run, _store_arg
+from runtime.construct.commands import tenant as build_tenant
 
 
 @click.group("students")

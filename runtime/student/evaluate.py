@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 import hkstore
-from runtime.build.manager import _subsample, encode_eval, load_tenant, read_task
+from runtime.construct.manager import _subsample, encode_eval, load_tenant, read_task
 from runtime.model import pet as petlib
 from runtime.model.stored import base_encoder
 from runtime.plot.retrieve import retrieve

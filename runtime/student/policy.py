@@ -9,7 +9,7 @@ requests are mostly fixed cost, and pricing their tokens at the batch's average 
 look 2-5x dearer than in a full batch, so it was refused at 0.3x its capacity (BENCHMARKS.md).
 Arrivals and the queue are counted in their requests' tokens and converted to padded tokens by
 the padding the batches have had (about 1.4-1.7x under a mixed burst: leaving it out made the
-teacher look able to keep up with 1.5x what it could, BENCHMARKS session 12).
+teacher look able to keep up with 1.5x what it could, BENCHMARKS, Student Parallelism).
 A level is feasible when it can keep up with the arrivals (arrival rate of tokens x the cost of
 a token in a full batch, the largest the level has served, its share of the fixed part
 included, below `headroom`) and would drain what is queued (a fixed part per full batch of it

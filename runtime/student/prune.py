@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from runtime.build.train import TrainConfig, _fit
+from runtime.construct.train import TrainConfig, _fit
 from runtime.student.train import student_outputs
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from runtime.build.train import TrainConfig, _fit, _pad_inputs
+from runtime.construct.train import TrainConfig, _fit, _pad_inputs
 from runtime.model import pet as petlib
 from runtime.student.model import init_student, student_forward
 
@@ -34,7 +34,7 @@ class StudentConfig:
     max_students: int = 4
     layers: int = 1
     lam: float = 0.5  # stacking distillation weight (Eq. 4); only students with a middle layer
-    epochs: int = 8  # 8 at 2e-3: chosen on dev (BENCHMARKS.md, issue 18); 2 at 5e-4 left them far behind
+    epochs: int = 8  # 8 at 2e-3: chosen on dev (BENCHMARKS.md, Student Parallelism); 2 at 5e-4 left them far behind
     max_steps: int | None = None
     lr: float = 2e-3
     batch_size: int = 16

@@ -1,0 +1,374 @@
+"""HMI Fig. 15 on the CPU: output tokens/s of generation at 1, 10, 100, 1K and 10K tenants.
+
+    python -m benchmarks.bench_tenants_gen --store /tmp/hgpt-stores/n3-l2 --tenants 1 10 100 1000 10000 \
+        --rounds 3 --out /tmp/bench_tenants_gen.jsonl --figure figures/tenants_gen.png
+
+Each measurement serves the same workload: --requests requests (prompts: the first lines of
+WikiText-2 test.txt, --prompt-tokens each), greedy, every one running to --max-tokens (EOS is
+not special here), request j belonging to a tenant drawn uniformly from T (seeded per round).
+Systems (one torch thread each, the same base weights):
+
+- hGPT: the decoder store through runtime.gen.batcher (lookups instead of the lower layers,
+  continuous batching up to --batch sequences), every request with its tenant's LoRA
+  (rank 8 on q and v of the upper layers; all T held in memory, as the server keeps loaded
+  PETs), mixed tenants in one step by BGMV / SGMV (runtime.gen.lora_batch);
+- hGPT-grouped: the same, but without BGMV / SGMV: decode steps and prefills run one GEMM per
+  group of rows sharing a PET (what the batcher does for non-LoRA PETs; before session 10 it
+  prefilled each such request alone, which the session-9 figures measured);
+- GPT-shared: the full decoder (all layers, no PLOT) through the same batcher, no tenant weights;
+- GPT-dedicated: a full fine-tuned copy per tenant: batches hold one tenant, one runs at a time,
+  --resident copies stay loaded and any other tenant first copies its full weights from host
+  memory into a resident slot (the swap; 8 distinct host copies stand in for T, since T full
+  copies do not fit in memory: each swap still copies a full model from outside the caches);
+- transformers+PEFT: the HF GPT-2 model of the store's checkpoint with one PEFT LoRA slot
+  (r 8 on c_attn of the same upper layers); requests grouped by tenant, the tenant's adapter
+  loaded into the slot (set_peft_model_state_dict from host memory), then model.generate on
+  the group: what a user would write with transformers and PEFT.
+
+--device cuda runs hGPT on the GPU executor's decode path (needs CuPy and a GPU; compare it
+with itself across tenant counts: the other systems stay on the CPU).
+
+Rounds interleave the systems and tenant counts (the order rotates each round); each row is
+one (round, T, system) measurement, appended to --out as a JSON line, so a stopped run resumes.
+The summary gives the median over rounds, hGPT@T / hGPT@1 and hGPT / transformers+PEFT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import statistics
+import subprocess
+import sys
+import time
+
+from tools.pretrain_decoder import WIKITEXT, read_lines
+
+SYSTEMS = ("hGPT", "hGPT-grouped", "GPT-shared", "GPT-dedicated", "transformers+PEFT")
+
+
+# -- the systems ------------------------------------------------------------------------------
+
+
+class FullGen:
+    """The full decoder (no PLOT: all layers run, their KV caches kept) behind the interface
+    runtime.gen.batcher drives (prefill / append / decoder): GPT-shared and GPT-dedicated."""
+
+    def __init__(self, decoder):
+        self.decoder = decoder  # lower_layers = 0: upper() runs every layer
+
+    def prefill(self, prompt, pet=None):
+        import torch
+
+        from runtime.gen.plot_decode import Sequence
+
+        seq = Sequence(list(prompt), len(prompt), pet)
+        with torch.no_grad():
+            out = self.decoder.upper(self.decoder.lower(torch.tensor([prompt])), pet=pet, kv_cache=seq.cache)
+            seq.logits = self.decoder.logits(out[0, -1])
+        return seq
+
+    def prefill_many(self, prompts, pets, slots, pool):
+        import torch
+
+        from runtime.gen.batched_prefill import prefill_batch
+        from runtime.gen.plot_decode import Sequence
+
+        seqs = [Sequence(list(p), len(p), pet, cache=None, slots=sl) for p, pet, sl in zip(prompts, pets, slots)]
+        ids, mask = self.decoder.pad(prompts)
+        with torch.no_grad():
+            logits = prefill_batch(self.decoder, self.decoder.lower(ids, mask), mask, seqs, pool)
+        for s, row in zip(seqs, logits):
+            s.logits = row
+        return seqs
+
+    def append(self, seqs, tokens, pool=None):
+        import torch
+
+        from runtime.gen.batched_step import upper_step
+
+        for s, t in zip(seqs, tokens):
+            s.ids.append(int(t))
+        positions = torch.tensor([len(s.ids) - 1 for s in seqs])
+        with torch.no_grad():
+            h = self.decoder.embed(torch.tensor(tokens), positions)
+            for s, logits in zip(seqs, upper_step(self.decoder, seqs, h, pool)):
+                s.logits = logits
+
+
+def run_batcher(gen, prompts, pets, max_tokens, batch):
+    from runtime.gen.batcher import Batcher
+    from runtime.gen.sampling import SamplingParams
+
+    b = Batcher(gen, kv_budget_bytes=1 << 34, max_running=batch)
+    params = SamplingParams(max_tokens=max_tokens)
+    for p, pet in zip(prompts, pets):
+        b.submit(p, params, pet)
+    b.run()
+    return b.tokens
+
+
+class Bench:
+    def __init__(self, args):
+        import torch
+
+        import hkstore
+        from runtime.model.decoder import load_decoder
+        from runtime.model.stored import base_decoder
+
+        torch.set_num_threads(args.threads)
+        self.args = args
+        self.store = hkstore.open(args.store)
+        self.model_path = args.model or self.store.meta["model_path"]
+        self.dec = self._no_eos(base_decoder(self.store))
+        self.full = self._no_eos(load_decoder(self.model_path, lower_layers=0))
+        self.full.eval()
+        lines = [x for x in read_lines(os.path.join(WIKITEXT, "test.txt")) if not x.startswith("=")]
+        ids = [t for t in self.dec.tokenize(lines[:20 * args.requests]) if len(t) >= args.prompt_tokens]
+        self.prompts = [t[:args.prompt_tokens] for t in ids[:args.requests]]
+        self.upper = list(range(self.dec.lower_layers, self.dec.config.num_layers))
+        self.pets, self.peft_states, self.host_copies, self.slots = [], [], [], []
+        self.slot_of: dict[int, int] = {}  # GPT-dedicated: tenant -> its resident slot
+        self.peft = None
+
+    @staticmethod
+    def _no_eos(dec):
+        dec.config = dec.config.__class__(**{**dec.config.__dict__, "eos_id": None})
+        return dec
+
+    # tenants' weights, made once up to the largest count
+
+    def lora_pets(self, T):
+        import torch
+
+        from runtime.model.pet import Pet
+
+        c, r = self.dec.config, self.args.rank
+        g = torch.Generator().manual_seed(len(self.pets))
+        while len(self.pets) < T:
+            tensors = {}
+            for i in self.upper:
+                for t, d_out in (("q", c.heads * c.head_dim), ("v", c.kv_heads * c.head_dim)):
+                    tensors[f"layers.{i}.lora.{t}.A"] = torch.randn(r, c.d, generator=g) / c.d ** 0.5
+                    tensors[f"layers.{i}.lora.{t}.B"] = torch.randn(d_out, r, generator=g) * 0.01
+            self.pets.append(Pet(tensors, {"pet_type": "lora", "task": "lm", "rank": r, "scale": 2.0}))
+        return self.pets[:T]
+
+    def peft_model(self):
+        if self.peft is None:
+            import torch
+            from peft import LoraConfig, get_peft_model
+            from transformers import GPT2LMHeadModel
+
+            base = GPT2LMHeadModel.from_pretrained(self.model_path, torch_dtype=torch.float32).eval()
+            cfg = LoraConfig(r=self.args.rank, lora_alpha=2 * self.args.rank, target_modules=["c_attn"],
+                             layers_to_transform=self.upper, fan_in_fan_out=True, lora_dropout=0.0)
+            self.peft = get_peft_model(base, cfg).eval()
+        return self.peft
+
+    def peft_tenants(self, T):
+        import torch
+        from peft import get_peft_model_state_dict
+
+        shapes = {k: v.shape for k, v in get_peft_model_state_dict(self.peft_model()).items()}
+        g = torch.Generator().manual_seed(len(self.peft_states))
+        while len(self.peft_states) < T:
+            self.peft_states.append({k: torch.randn(s, generator=g) * (0.01 if "lora_B" in k else 0.06)
+                                     for k, s in shapes.items()})
+        return self.peft_states[:T]
+
+    def dedicated_copies(self):
+        import torch
+
+        from runtime.model.decoder import load_decoder
+
+        if not self.host_copies:
+            base = self.full.state_dict()
+            g = torch.Generator().manual_seed(0)
+            self.host_copies = [{k: v + torch.randn(v.shape, generator=g) * 1e-3 if v.is_floating_point() else v.clone()
+                                 for k, v in base.items()} for _ in range(8)]
+            self.slots = [self._no_eos(load_decoder(self.model_path, lower_layers=0)).eval()
+                          for _ in range(self.args.resident)]
+        return self.host_copies
+
+    # one measurement: (output tokens, seconds, swaps)
+
+    def measure(self, system, tenants):
+        a = self.args
+        t0 = time.perf_counter()
+        swaps = 0
+        if system in ("hGPT", "hGPT-grouped"):
+            from runtime.gen import batched_step, batcher, plot_decode
+            from runtime.gen.lora_batch import lora_only
+            from runtime.gen.plot_decode import PlotDecoder
+
+            pets = self.lora_pets(max(tenants) + 1)
+            gen = PlotDecoder(self.store.snapshot(), "root", self.dec)
+            if a.device == "cuda":  # the GPU executor's decode path (BGMV / SGMV kernels, KV pool on the device)
+                from runtime.exec.gpu_decoder import GpuDecoderExecutor
+                from runtime.gen.device_decode import DevicePlotDecoder
+
+                self.executor = getattr(self, "executor", None) or GpuDecoderExecutor(self.dec)
+                gen = DevicePlotDecoder(self.store.snapshot(), "root", self.dec, executor=self.executor)
+            batched_step.lora_only = batcher.lora_only = plot_decode.lora_only = (
+                lora_only if system == "hGPT" else (lambda pet: pet is None))
+            t0 = time.perf_counter()
+            try:
+                tokens = run_batcher(gen, self.prompts, [pets[t] for t in tenants], a.max_tokens, a.batch)
+            finally:
+                batched_step.lora_only = batcher.lora_only = plot_decode.lora_only = lora_only
+        elif system == "GPT-shared":
+            tokens = run_batcher(FullGen(self.full), self.prompts, [None] * len(tenants), a.max_tokens, a.batch)
+        elif system == "GPT-dedicated":
+            import torch
+
+            copies = self.dedicated_copies()
+            resident: list = []  # tenants in the slots, least recently used first
+            t0 = time.perf_counter()
+            tokens = 0
+            for tenant, rows in self._groups(tenants):
+                if tenant in resident:
+                    resident.remove(tenant)
+                    slot = self.slot_of[tenant]
+                else:
+                    if len(resident) < len(self.slots):
+                        slot = len(resident)
+                    else:
+                        slot = self.slot_of.pop(resident.pop(0))
+                    with torch.no_grad():
+                        for name, p in self.slots[slot].state_dict().items():
+                            p.copy_(copies[tenant % len(copies)][name])
+                    swaps += 1
+                self.slot_of[tenant] = slot
+                resident.append(tenant)
+                tokens += run_batcher(FullGen(self.slots[slot]), [self.prompts[j] for j in rows], [None] * len(rows),
+                                      a.max_tokens, a.batch)
+        else:
+            import torch
+            from peft import set_peft_model_state_dict
+
+            model = self.peft_model()
+            states = self.peft_tenants(max(tenants) + 1)
+            t0 = time.perf_counter()
+            tokens, current = 0, None
+            for tenant, rows in self._groups(tenants):
+                if tenant != current:
+                    set_peft_model_state_dict(model, states[tenant])
+                    current = tenant
+                    swaps += 1
+                ids = torch.tensor([self.prompts[j] for j in rows])
+                with torch.no_grad():
+                    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                         max_new_tokens=a.max_tokens, min_new_tokens=a.max_tokens,
+                                         pad_token_id=0)
+                tokens += (out.shape[1] - ids.shape[1]) * out.shape[0]
+        return tokens, time.perf_counter() - t0, swaps
+
+    def _groups(self, tenants):
+        """(tenant, request indices) in first-arrival order, at most --batch a group."""
+        order: dict[int, list[int]] = {}
+        for j, t in enumerate(tenants):
+            order.setdefault(t, []).append(j)
+        for t, rows in order.items():
+            for k in range(0, len(rows), self.args.batch):
+                yield t, rows[k:k + self.args.batch]
+
+
+# -- the run ------------------------------------------------------------------------------------
+
+
+def load(path):
+    rows = []
+    if path and os.path.exists(path):
+        with open(path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    return rows
+
+
+def summarize(rows, counts, systems):
+    med = {}
+    for s in systems:
+        for T in counts:
+            xs = [r["tokens_per_s"] for r in rows if r["system"] == s and r["tenants"] == T]
+            if xs:
+                med[(s, T)] = statistics.median(xs)
+    table = []
+    for T in counts:
+        row = {"tenants": T, **{s: round(med[(s, T)], 1) for s in systems if (s, T) in med}}
+        if ("hGPT", T) in med and ("hGPT", counts[0]) in med:
+            row["hGPT@T/@1"] = round(med[("hGPT", T)] / med[("hGPT", counts[0])], 3)
+        if ("hGPT", T) in med and ("transformers+PEFT", T) in med:
+            row["hGPT/PEFT"] = round(med[("hGPT", T)] / med[("transformers+PEFT", T)], 2)
+        table.append(row)
+    return med, table
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--store", required=True, help="a decoder store (its model_path is the checkpoint)")
+    ap.add_argument("--model", help="the HF checkpoint directory (default: the store's model_path)")
+    ap.add_argument("--tenants", type=int, nargs="+", default=[1, 10, 100, 1000, 10000])
+    ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=32, help="sequences running together at most")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--prompt-tokens", type=int, default=8)
+    ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--resident", type=int, default=4, help="GPT-dedicated: full copies kept loaded")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: hGPT on the GPU executor (runtime.gen.device_decode); the other systems stay on the CPU")
+    ap.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "bench_tenants_gen.jsonl"), help="JSON lines, one per measurement (resume)")
+    ap.add_argument("--figure", default=None, help="PNG of tokens/s against tenants")
+    args = ap.parse_args(argv)
+
+    import numpy as np
+
+    rows = load(args.out)
+    done = {(r["round"], r["tenants"], r["system"]) for r in rows}
+    plan = []
+    for rnd in range(args.rounds):
+        pairs = [(T, s) for T in args.tenants for s in args.systems]
+        shift = (rnd * len(args.systems) + rnd) % len(pairs)
+        plan += [(rnd, T, s) for T, s in pairs[shift:] + pairs[:shift] if (rnd, T, s) not in done]
+    bench = Bench(args)
+    print(f"# {len(plan)} measurements to go ({len(done)} done in {args.out}); {uptime()}", flush=True)
+    t_start = time.perf_counter()
+    for k, (rnd, T, system) in enumerate(plan):
+        tenants = np.random.default_rng(1000 * rnd + T).integers(T, size=len(bench.prompts)).tolist()
+        tokens, seconds, swaps = bench.measure(system, tenants)
+        row = {"round": rnd, "tenants": T, "system": system, "tokens": tokens, "seconds": round(seconds, 3),
+               "tokens_per_s": round(tokens / seconds, 2), "swaps": swaps, "distinct": len(set(tenants)),
+               "load": os.getloadavg()[0], "device": args.device if system == "hGPT" else "cpu"}
+        with open(args.out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        rows.append(row)
+        elapsed = time.perf_counter() - t_start
+        eta = elapsed / (k + 1) * (len(plan) - k - 1)
+        print(json.dumps(row) + f"  [{k + 1}/{len(plan)}, ETA {eta:.0f} s]", flush=True)
+    med, table = summarize(rows, args.tenants, args.systems)
+    print(json.dumps({"store": os.path.abspath(args.store), "requests": len(bench.prompts), "batch": args.batch,
+                      "max_tokens": args.max_tokens, "threads": args.threads, "device": args.device, "uptime": uptime(),
+                      "median_tokens_per_s": table}, indent=1))
+    if args.figure:
+        from tools.plots import line_plot
+
+        series = {s: ([T for T in args.tenants if (s, T) in med], [med[(s, T)] for T in args.tenants if (s, T) in med])
+                  for s in args.systems}
+        print(line_plot(series, "tenants", "output tokens/s (median of rounds)", args.figure, logx=True,
+                        title=f"Generation, {len(bench.prompts)} requests x {args.max_tokens} tokens, CPU, 1 thread"))
+    return 0
+
+
+def uptime() -> str:
+    try:
+        return subprocess.run(["uptime"], check=False, capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return f"load average {os.getloadavg()}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
