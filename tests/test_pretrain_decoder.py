@@ -33,3 +33,23 @@ def test_pretrain_resume_and_load(tmp_path, capsys):
         assert torch.isfinite(dec(torch.tensor([ids]))).all()
     assert main([*args, "--eval-only"]) == 0
     assert json.loads(capsys.readouterr().out.strip())["test"]["tokens"] == result["test"]["tokens"]
+
+
+def test_without_wikitext_it_trains_on_the_standard_library(tmp_path, capsys):
+    """The recipe on a machine with nothing but the install: no WikiText-2 directory."""
+    from tools.pretrain_decoder import corpus
+
+    train, val, test, source = corpus(str(tmp_path / "absent"))
+    assert "standard library" in source and len(train) > 10 * (len(val) + len(test)) > 0
+    assert not set(train) & (set(val) | set(test))  # held-out modules are held out
+    out = tmp_path / "dec"
+    args = ["--out", str(out), "--wikitext", "", "--layers", "1", "--d", "16", "--heads", "2", "--ctx", "16",
+            "--batch", "2", "--steps", "2", "--vocab-size", "200", "--test-tokens", "64"]
+    assert main(args) == 0
+    assert "the standard library's docstrings" in capsys.readouterr().err
+    assert json.loads((out / "results.json").read_text())["test"]["tokens"] > 0
+
+
+def test_a_wikitext_directory_without_its_files_is_refused(tmp_path, capsys):
+    assert main(["--out", str(tmp_path / "d"), "--wikitext", str(tmp_path)]) == 2
+    assert "no valid.txt there" in capsys.readouterr().err

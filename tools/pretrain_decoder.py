@@ -1,17 +1,20 @@
 """Pre-train the project's own small GPT-2-architecture decoder on text this machine has.
 
-    python -m tools.pretrain_decoder --out /tmp/hkstore-decoder --minutes 12
-    python -m tools.pretrain_decoder --out /tmp/hkstore-decoder --minutes 12   # resumes, then evaluates
-    python -m tools.pretrain_decoder --out DIR --eval-only                    # perplexities of DIR's model
+    python -m tools.pretrain_decoder --out DIR --minutes 12
+    python -m tools.pretrain_decoder --out DIR --minutes 12   # resumes, then evaluates
+    python -m tools.pretrain_decoder --out DIR --eval-only    # perplexities of DIR's model
 
 No pretrained decoder ships in a package this machine can install, so demos, tests and the
 hGPT quality figures need one of our own. Defaults: 6 layers, d = 256, 4 heads, context 128,
 a lower-cased WordPiece vocabulary of 8,192 trained on the training text (--tokenizer minilm:
 the embedded all-MiniLM-L6-v2 one, 30,522 ids, whose LM head costs about 3x more per step);
-[CLS] is the BOS, [SEP] ends each document. Training text: WikiText-2 valid.txt (general
-English; its last 5% of lines held out for validation) plus the standard library's docstrings
-(the embedded demo's text). WikiText-2 test.txt is never trained on: it is the held-out
-figure.
+[CLS] is the BOS, [SEP] ends each document. Training text, with --wikitext DIR (a WikiText-2
+directory; the project's machines keep one beside the repository, used when it is there):
+valid.txt (general English; its last 5% of lines held out for validation) plus the embedded
+demo's docstrings, and test.txt never trained on: it is the held-out figure. Without one: the
+docstrings of the whole standard library (runtime.demo.stdlib_text.stdlib_corpus, about 125K
+words every machine with Python has), one module in 20 held out for validation and another
+for test, so the recipe runs on a machine with nothing but the install.
 
 Training is a time budget (--minutes, counted over resumed runs too) or a step count
 (--steps): the learning rate warms up, then follows a cosine to 10% over whichever comes first,
@@ -35,7 +38,7 @@ import sys
 import time
 
 WIKITEXT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data",
-                        "wikitext-2")
+                        "wikitext-2")  # beside a source checkout; absent from an installed wheel
 CHECKPOINT = "checkpoint.pt"
 
 
@@ -50,6 +53,24 @@ def stdlib_docs() -> list[str]:
     from runtime.demo.stdlib_text import docstrings
 
     return [text for text, _, _ in docstrings(ROOT_MODULES)]
+
+
+def corpus(wikitext: str | None, stdlib: bool = True) -> tuple[list, list, list, str]:
+    """(train, validation, test documents, what they are): WikiText-2 where the directory holds
+    it (see the module doc), else the standard library's docstrings split by module."""
+    if wikitext and os.path.exists(os.path.join(wikitext, "valid.txt")):
+        wiki = read_lines(os.path.join(wikitext, "valid.txt"))
+        cut = int(len(wiki) * 0.95)
+        train = wiki[:cut] + (stdlib_docs() if stdlib else [])
+        return train, wiki[cut:], read_lines(os.path.join(wikitext, "test.txt")), f"WikiText-2 in {wikitext}"
+    import zlib
+
+    from runtime.demo.stdlib_text import stdlib_corpus
+
+    split = {0: [], 1: [], 2: []}
+    for text, module in stdlib_corpus():
+        split[min(zlib.crc32(module.encode()) % 20, 2)].append(text)
+    return split[2], split[1], split[0], "the standard library's docstrings (no WikiText-2 directory)"
 
 
 def decoder_tokenizer(kind: str = "train", docs=None, vocab_size: int = 8192):
@@ -210,7 +231,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tokenizer", choices=("train", "minilm"), default="train",
                     help="train: a WordPiece vocabulary trained on the training text; minilm: the embedded one")
     ap.add_argument("--vocab-size", type=int, default=8192, help="with --tokenizer train")
-    ap.add_argument("--wikitext", default=WIKITEXT, help="directory holding valid.txt and test.txt")
+    ap.add_argument("--wikitext", default=WIKITEXT,
+                    help="directory holding WikiText-2's valid.txt and test.txt (default: beside the repository, "
+                         "if there; else the standard library's docstrings)")
     ap.add_argument("--no-stdlib", action="store_true", help="train on WikiText-2 valid.txt alone")
     ap.add_argument("--checkpoint-s", type=float, default=60.0)
     ap.add_argument("--log-every", type=int, default=20)
@@ -223,12 +246,12 @@ def main(argv=None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    wiki = read_lines(os.path.join(args.wikitext, "valid.txt"))
-    cut = int(len(wiki) * 0.95)
-    train_docs, val_docs = wiki[:cut], wiki[cut:]
-    if not args.no_stdlib:
-        train_docs = train_docs + stdlib_docs()
-    test_docs = read_lines(os.path.join(args.wikitext, "test.txt"))
+    if args.wikitext and not os.path.exists(os.path.join(args.wikitext, "valid.txt")) \
+            and args.wikitext != WIKITEXT:
+        print(f"error: --wikitext {args.wikitext}: no valid.txt there", file=sys.stderr)
+        return 2
+    train_docs, val_docs, test_docs, source = corpus(args.wikitext, not args.no_stdlib)
+    print(f"training text: {source}", file=sys.stderr)
 
     if args.eval_only:
         from runtime.model.decoder import load_decoder

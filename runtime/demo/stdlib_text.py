@@ -51,3 +51,42 @@ def first_lines(module) -> list[str]:
         if doc and len(doc.split()) >= 3:
             out.append(doc.splitlines()[0].strip())
     return list(dict.fromkeys(out))
+
+
+# Importing these has effects beyond defining names (a browser opens, a window, text printed).
+NOT_IMPORTED = {"antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "__hello__", "__phello__",
+                "ensurepip", "venv", "pydoc_data", "lib2to3", "xxsubtype", "xxlimited", "xxlimited_35"}
+
+
+def stdlib_corpus() -> list[tuple[str, str]]:
+    """(paragraph, module) of every docstring paragraph of at least 40 characters in the
+    standard library's public modules (module, class, function and method docstrings), in a
+    fixed order: English text every machine with Python has, for training a small decoder
+    where no other corpus is at hand."""
+    import sys
+    import warnings
+
+    out = {}
+    names = sorted(n for n in sys.stdlib_module_names if not n.startswith("_") and n not in NOT_IMPORTED)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in names:
+            try:
+                mod = importlib.import_module(name)
+            except Exception:  # noqa: BLE001 - not built here, or needs a platform this is not
+                continue
+            docs = [mod.__doc__]
+            for attr, obj in sorted(vars(mod).items()):
+                if attr.startswith("_") or getattr(obj, "__module__", None) != name:
+                    continue
+                docs.append(getattr(obj, "__doc__", None))
+                if inspect.isclass(obj):
+                    docs += [getattr(f, "__doc__", None) for m, f in sorted(vars(obj).items()) if not m.startswith("_")]
+            for doc in docs:
+                if not isinstance(doc, str):
+                    continue
+                for para in inspect.cleandoc(doc).split("\n\n"):
+                    text = " ".join(para.split())
+                    if len(text) >= 40:
+                        out.setdefault(text, name)  # a re-exported docstring counts once, where first seen
+    return list(out.items())
