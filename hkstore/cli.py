@@ -282,6 +282,10 @@ def diff(a, b, tolerance, as_json):
                    f"{'changed':>10} {'unchanged':>10}")
         click.echo(f"{'plot':10} {p['entries_b']:>10,} {p['added']:>10,} {p['overridden']:>10,} "
                    f"{p['inherited']:>10,} {p['removed']:>10,} {p['changed']:>10,} {p['unchanged']:>10,}")
+        click.echo("  (keys each version holds itself: added/overridden only B holds, overridden where A served it "
+                   "from an ancestor; inherited/removed only A holds, inherited where B serves it from an ancestor; "
+                   "changed/unchanged both hold. For B a branch of A, changed + unchanged are what `hkstore tree` "
+                   "calls B's overrides.)")
         for name in ("cosine_distance", "l2_distance"):
             if p[name]:
                 s = p[name]
@@ -317,7 +321,8 @@ def verify(store, as_json):
     def human(r):
         c = r["checked"]
         click.echo(f"checked {c['segments']} segments, {c['entries']:,} entries, {c['pets']} PET records, "
-                   f"{c['bytes']:,} bytes")
+                   f"{c['bytes']:,} live bytes (`hkstore info`'s live total; dead pack records were walked "
+                   "too, not counted)")
         for p in r["problems"]:
             click.echo(f"PROBLEM {p}")
         click.echo("ok" if r["ok"] else f"{len(r['problems'])} problem(s)")

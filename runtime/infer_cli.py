@@ -81,7 +81,8 @@ def infer(store, texts, tenant, device, max_len, truncate, policy, as_json):
             click.echo(json.dumps(v))
         elif r.task == "classification":
             p = max(v["probabilities"])
-            click.echo(f"{r.tenant}\t{r.label}\t{p:.3f}" + (f"\t(cut {r.truncated} tokens)" if r.truncated else ""))
+            click.echo(f"{r.tenant}\t{r.label}\tprobability {p:.3f}"
+                       + (f"\t(cut {r.truncated} tokens)" if r.truncated else ""))
         else:
             tagged = " ".join(w if t == "O" else f"{w}/{t}" for w, t in zip(r.tokens, r.tags))
             click.echo(f"{r.tenant}\t{tagged}")

@@ -135,6 +135,9 @@ def test_hkstore_build_makes_a_decoder_store_from_a_decoder_model(model, tmp_pat
     with hkstore.open(tmp_path / "s") as st:
         assert st.meta["architecture"] == "decoder" and st.meta["window"] == "causal"
         assert st.snapshot().position("root") is not None  # fitted by default
+    r = CliRunner().invoke(main, ["build", str(tmp_path / "s2"), "--corpus", str(corpus), "--model", model,
+                                  "--lower-layers", "5", "--quiet"])
+    assert r.exit_code == 1 and r.output.strip() == "Error: --lower-layers 5 is outside 0..4: the model has 4 layers"
 
 
 @pytest.mark.parametrize("arch", ["opt", "llama"])

@@ -104,6 +104,8 @@ def test_infer_command_texts_stdin_and_truncate(env):
     assert r.exit_code == 0, r.output
     lines = r.output.strip().splitlines()
     assert len(lines) == 2 and all(line.split("\t")[1] in ("math", "path") for line in lines)
+    assert all(line.split("\t")[2].startswith("probability 0.") or line.split("\t")[2] == "probability 1.000"
+               for line in lines)
     stdin = "\n".join(json.dumps({"text": t}) for t in texts) + "\n"
     r = CliRunner().invoke(main, ["infer", env["store"], "--tenant", "inf", "--json"], input=stdin)
     assert r.exit_code == 0, r.output

@@ -36,6 +36,7 @@ import numpy as np
 import hkstore
 from formats.backoff import key_order
 from formats.xxh64 import hash_keys
+from hkstore.maintenance import store_bytes
 from hkstore.compact import own_entries, read_entries
 from hkstore.lookup import find_exact
 
@@ -433,8 +434,7 @@ def _build(store_path, version=None, corpus=None, *, sample=SAMPLE, top=TOP, cor
             cov = corpus_report(snap, snap.version_names if focus is None else [focus], corpus,
                                 corpus_format=corpus_format, max_len=max_len)
         segments = {s for v in snap.versions for s in v["segments"]}
-        seg_bytes = sum(os.path.getsize(os.path.join(store_path, "segments", s)) for s in segments)
-        pack_bytes = sum(os.path.getsize(os.path.join(store_path, "packs", p)) for p in snap.manifest["packs"])
+        size = store_bytes(store_path, snap.manifest)  # the totals `hkstore info` shows, defined once
         pets = pet_rows(snap)
         notes = []
         for b in branches:
@@ -446,8 +446,9 @@ def _build(store_path, version=None, corpus=None, *, sample=SAMPLE, top=TOP, cor
         report = {
             "store": os.path.abspath(store_path), "generated": time.time(), "generated_iso": _iso(time.time()),
             "generation": snap.manifest["generation"], "meta": meta, "focus": focus,
-            "totals": {"versions": len(snap.versions), "segments": len(segments), "segment_bytes": int(seg_bytes),
-                       "pack_bytes": int(pack_bytes), "bytes": int(seg_bytes + pack_bytes), "tenants": len(pets)},
+            "totals": {"versions": len(snap.versions), "segments": len(segments), "segment_bytes": size["segments"],
+                       "position_bytes": size["positions"], "pet_bytes": size["pets"], "bytes_live": size["live"],
+                       "bytes_on_disk": size["on_disk"], "tenants": len(pets)},
             "versions": versions, "branches": branches, "coverage": cov, "pets": pets,
             "sample_limit": sample, "notes": notes,
         }

@@ -70,6 +70,7 @@ def _domain_decoders(store, source, base, seqs, lm_steps, lr, distill_steps, dis
     starting from source's own distilled layers if it has them. student is None without
     distillation: the teacher values the branch itself."""
     from runtime.construct.decoder_distill import distill_causal_windows
+    from runtime.construct.train import loss_ends
 
     if lm_steps < 0 or distill_steps < 0:
         raise ValueError("the training steps must be >= 0")
@@ -77,14 +78,14 @@ def _domain_decoders(store, source, base, seqs, lm_steps, lr, distill_steps, dis
     if lm_steps:
         teacher, log = train_lower_lm(teacher, base, seqs, _train_cfg(lm_steps, len(seqs), lr, batch_size, seed,
                                                                       progress))
-        lm = {"steps": len(log), "lr": lr, "loss_first": log[0], "loss_last": log[-1], "loss": "causal lm"}
+        lm = {"steps": len(log), "lr": lr, **loss_ends(log), "loss": "causal lm"}
     student, distill = None, None
     if distill_steps:
         start = version_encoder(store, source, base) if is_distilled(store, source) else None
         student, log = distill_causal_windows(teacher, seqs, store.meta["n"],
                                               _train_cfg(distill_steps, len(seqs), distill_lr, batch_size, seed,
                                                          progress), student=start)
-        distill = {"steps": len(log), "lr": distill_lr, "loss_first": log[0], "loss_last": log[-1]}
+        distill = {"steps": len(log), "lr": distill_lr, **loss_ends(log)}
     # (the info key stays "mlm", as encoder versions name their further pre-training)
     return teacher, student, {"mlm": lm, "distill": distill}
 

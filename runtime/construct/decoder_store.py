@@ -50,7 +50,8 @@ def build_decoder(store_path, *, model_path, corpus_paths, n: int = 3, lower_lay
     except ValueError as e:
         raise ManagerError(str(e)) from None
     if not 0 <= lower_layers <= meta["num_layers"]:
-        raise ManagerError(f"lower_layers={lower_layers} is outside 0..{meta['num_layers']}")
+        raise ManagerError(f"--lower-layers {lower_layers} is outside 0..{meta['num_layers']}: the model has "
+                           f"{meta['num_layers']} layers")
     docs = read_corpora(corpus_paths, corpus_format)
     dec = load_decoder_model(model_path, lower_layers)
     max_len = max_len or dec.config.max_len
@@ -86,12 +87,12 @@ def build_decoder(store_path, *, model_path, corpus_paths, n: int = 3, lower_lay
                 valuer, distill = load_lower(store.path, info["lower_weights"], dec), previous
             else:
                 from runtime.construct.decoder_distill import distill_causal_windows
-                from runtime.construct.train import TrainConfig
+                from runtime.construct.train import TrainConfig, loss_ends
 
                 cfg = TrainConfig(lr=distill_lr, epochs=max(1, -(-distill_steps * distill_batch // len(seqs))),
                                   max_steps=distill_steps, batch_size=distill_batch, seed=seed, progress=progress)
                 valuer, log = distill_causal_windows(dec, seqs, n, cfg)
-                distill = {"steps": len(log), "lr": distill_lr, "loss_first": log[0], "loss_last": log[-1]}
+                distill = {"steps": len(log), "lr": distill_lr, **loss_ends(log)}
                 store.set_version_info(root, lower_weights=save_lower(store.path, root, valuer), distill=distill)
         stats = plot.build_root(store, KeyValuer(valuer), seqs, chunk=chunk, batch_size=batch_size, progress=progress,
                                 on_chunk=on_chunk, info=corpus)

@@ -75,6 +75,7 @@ def lm_tenant_create(store_path, tenant, *, train_path, version=None, pet_type: 
 
     from runtime.construct.data import read_corpora
     from runtime.construct.decoder_store import tokenize_decoder_corpus
+    from runtime.construct.train import loss_ends
     from runtime.model import pet as petlib
     from runtime.model.stored import base_decoder, is_decoder_store
     from runtime.plot.retrieve import retrieve_list
@@ -121,7 +122,7 @@ def lm_tenant_create(store_path, tenant, *, train_path, version=None, pet_type: 
         store.put_pet(record)
         size = store.snapshot().pets[tenant]["length"]
     return {"tenant": tenant, "version": version, "pet_type": pet_type, "task": "lm", "sequences": len(seqs),
-            "steps": len(log), "loss_first": log[0], "loss_last": log[-1], "train_ppl_before": round(before, 2),
+            "steps": len(log), **loss_ends(log), "train_ppl_before": round(before, 2),
             "train_ppl_after": round(after, 2), "pet_bytes": int(size), "seconds": round(time.perf_counter() - t0, 3)}
 
 

@@ -126,7 +126,8 @@ def build(store_path, *, model_path=None, corpus_paths, n: int = 3, kind: str = 
     model_path = os.path.abspath(model_path or default_model_path())
     meta = hkstore.model_meta(model_path)
     if not 0 <= lower_layers <= meta["num_layers"]:
-        raise ManagerError(f"lower_layers={lower_layers} is outside 0..{meta['num_layers']}")
+        raise ManagerError(f"--lower-layers {lower_layers} is outside 0..{meta['num_layers']}: the model has "
+                           f"{meta['num_layers']} layers")
     if distill_steps < 0:
         raise ValueError(f"distill_steps must be >= 0, got {distill_steps}")
     docs = read_corpora(corpus_paths, corpus_format)
@@ -181,7 +182,7 @@ def _as_list(paths):
 
 
 def _mlm(encoder, seqs, mlm_steps, lr, batch_size, seed, progress):
-    from runtime.construct.train import TrainConfig, train_mlm
+    from runtime.construct.train import TrainConfig, loss_ends, train_mlm
 
     seqs = [s for s in seqs if len(s) <= encoder.config.max_len]
     if mlm_steps <= 0:
@@ -189,13 +190,13 @@ def _mlm(encoder, seqs, mlm_steps, lr, batch_size, seed, progress):
     cfg = TrainConfig(lr=lr, epochs=max(1, -(-mlm_steps * batch_size // len(seqs))), max_steps=mlm_steps,
                       batch_size=batch_size, seed=seed, progress=progress)
     trained, log = train_mlm(encoder, seqs, cfg)
-    return trained, {"steps": len(log), "lr": lr, "loss_first": log[0], "loss_last": log[-1]}
+    return trained, {"steps": len(log), "lr": lr, **loss_ends(log)}
 
 
 def _distill(teacher, start, seqs, n, kind, steps, lr, batch_size, seed, progress):
     """Window-distill `start` (default the teacher itself) toward the teacher's full-context
     outputs on seqs; (student, info) or (None, None) when steps is 0."""
-    from runtime.construct.train import TrainConfig, distill_windows
+    from runtime.construct.train import TrainConfig, distill_windows, loss_ends
 
     if not steps:
         return None, None
@@ -205,7 +206,7 @@ def _distill(teacher, start, seqs, n, kind, steps, lr, batch_size, seed, progres
     cfg = TrainConfig(lr=lr, epochs=max(1, -(-steps * batch_size // len(seqs))), max_steps=steps,
                       batch_size=batch_size, seed=seed, progress=progress)
     student, log = distill_windows(teacher, seqs, n, kind, cfg, student=start)
-    return student, {"steps": len(log), "lr": lr, "loss_first": log[0], "loss_last": log[-1]}
+    return student, {"steps": len(log), "lr": lr, **loss_ends(log)}
 
 
 def _domain_encoders(store, source, seqs, mlm_steps, lr, distill_steps, distill_lr, batch_size, seed, progress):
@@ -366,9 +367,11 @@ def _record(tenant, store, version, exported, extra) -> PetRecord:
 
 def _summary(tenant, version, record, log, n_examples, t0, size):
     """size: the record's bytes in the PET pack, as `hkstore pack ls` reports them."""
+    from runtime.construct.train import loss_ends
+
     return {"tenant": tenant, "version": version, "pet_type": record.meta["pet_type"], "task": record.meta["task"],
-            "labels": record.meta["labels"], "examples": n_examples, "steps": len(log), "loss_first": log[0],
-            "loss_last": log[-1], "pet_bytes": int(size), "seconds": round(time.perf_counter() - t0, 3)}
+            "labels": record.meta["labels"], "examples": n_examples, "steps": len(log), **loss_ends(log),
+            "pet_bytes": int(size), "seconds": round(time.perf_counter() - t0, 3)}
 
 
 def tenant_create(store_path, tenant, *, version, train_path, task: str = "classification", pet_type: str = "adapter",

@@ -190,6 +190,13 @@ def distill_windows(encoder: Encoder, docs: list[list[int]], n: int, kind: str, 
 # -- shared pieces ------------------------------------------------------------------------
 
 
+def loss_ends(log) -> dict:
+    """The training loss at the start and at the end: the mean over the first and the last tenth
+    of the steps (one batch's loss alone swings with what the batch held)."""
+    k = max(1, len(log) // 10)
+    return {"loss_first": float(sum(log[:k]) / k), "loss_last": float(sum(log[-k:]) / k)}
+
+
 def _fit(params: list[torch.Tensor], n_examples: int, loss_of, cfg: TrainConfig, desc: str) -> list[float]:
     """The optimizer loop: loss_of(list of example indices) -> scalar loss. Returns the losses."""
     if n_examples == 0:

@@ -70,7 +70,7 @@ QUICK_EXAMPLES = 96
 # (epochs, learning rate), the most training examples per tenant and tokens per example.
 PRESETS = {
     "quick": {"mlm_steps": 6, "training": {"which-module": (3, 2e-3), "class-or-function": (3, 2e-3),
-                                           "type-words": (6, 1e-2), "raises": (3, 2e-3)},
+                                           "type-words": (8, 2e-2), "raises": (3, 1e-3)},
               "max_examples": QUICK_EXAMPLES, "max_len": 48},
     "full": {"mlm_steps": 20, "training": TRAINING, "max_examples": None, "max_len": 64},
 }
@@ -238,6 +238,9 @@ def main(store_dir="hkstore-demo", echo=print, progress=True, full=False) -> dic
             echo(f"   {out['tenant']:<18} {out['examples']} examples, {out['steps']} steps, loss "
                  f"{out['loss_first']:.2f} -> {out['loss_last']:.2f}, PET {out['pet_bytes']:,} bytes, "
                  f"{out['seconds']:.0f} s")
+        if any(out["loss_last"] >= out["loss_first"] for out in outs):
+            echo("   (loss: the mean over the first and the last tenth of the steps; one that did not fall "
+                 "had too few steps here to learn much: --full trains longer)")
     # 4. serve
     echo("4. serving a mixed-tenant batch of held-out docstrings through runtime.infer")
     requests, gold = [], []

@@ -26,6 +26,7 @@ import hkstore
 from formats.pack import PetRecord
 from hkstore.errors import UnknownTenant
 from runtime.construct.data import accuracy, entity_f1, word_tags
+from runtime.construct.train import loss_ends
 from runtime.construct.manager import (
     ManagerError,
     _subsample,
@@ -106,7 +107,7 @@ def students_create(store_path, tenant, *, dev_path, students: int = 4, layers: 
     k = best_k(scores)
     record = save(trained, history, complete=True, scores=scores, best_k=k, teacher_score=teacher_score,
                   metric="accuracy" if task == "classification" else "entity_f1",
-                  head={"epochs": head_epochs, "loss_first": head_log[0], "loss_last": head_log[-1]})
+                  head={"epochs": head_epochs, **loss_ends(head_log)})
     with hkstore.open(store_path) as store:
         size = store.snapshot().students[tenant]["length"]
     return {"tenant": tenant, "version": version, "students": len(trained), "layers": layers, "resumed": resumed,

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from runtime.construct.train import TrainConfig, _fit, _pad_inputs
+from runtime.construct.train import TrainConfig, _fit, _pad_inputs, loss_ends
 from runtime.model import pet as petlib
 from runtime.student.model import init_student, student_forward
 
@@ -137,7 +137,7 @@ def boost(encoder, teacher_train, teacher_val, train_inputs, val_inputs, task: s
         val_out = student_outputs(w, val_inputs, heads, eps)
         new_val = [f + eta * o for f, o in zip(F_val, val_out)]
         dist = distance(new_val, teacher_val, task)
-        history.append({"student": j + 1, "eta": eta, "loss_first": log[0], "loss_last": log[-1],
+        history.append({"student": j + 1, "eta": eta, **loss_ends(log),
                         "val_distance": dist, "val_distance_before": best})
         if dist > best * (1 - cfg.min_gain):
             history[-1]["kept"] = False
