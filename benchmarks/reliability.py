@@ -162,6 +162,9 @@ def crash_campaign(path, kills, seed=1, roll=ROLL, max_delay=0.15, deadline_s=No
 
 FILE_TYPES = ("CURRENT", "manifest", "segment", "pack", "position")
 DAMAGES = ("flip", "truncate", "append", "delete")
+# a valid file where another belongs (a misdirected write, a botched restore): random damage
+# cannot make these, and only a file's identity in the manifest tells them apart
+SLOT_DAMAGES = ("wrong slot", "swap")
 
 
 def damage_store(path):
@@ -226,7 +229,35 @@ def files_of(path, kind):
     return sorted(os.path.join(sub, n) for n in os.listdir(os.path.join(path, sub)))
 
 
-def damage_campaign(path, trials, seed=0):
+def damage(rng, path, kind, how) -> tuple[dict, str]:
+    """({file: new bytes, or None to delete it}, what was done) for one damage of a file of kind."""
+    names = files_of(path, kind)
+    name = rng.choice(names)
+    with open(os.path.join(path, name), "rb") as f:
+        original = f.read()
+    others = [n for n in names if n != name]
+    if how in SLOT_DAMAGES and others:
+        other = rng.choice(others)
+        with open(os.path.join(path, other), "rb") as f:
+            theirs = f.read()
+        if how == "swap":
+            return {name: theirs, other: original}, f"{name} and {other} swapped"
+        return {name: theirs}, f"{name} holds a copy of {other}"
+    if how == "flip" or how in SLOT_DAMAGES:  # a kind with one file has no other to swap with
+        data = bytearray(original)
+        at = rng.randrange(len(data))
+        data[at] ^= 1 << rng.randrange(8)
+        return {name: bytes(data)}, f"{name} bit flip at {at}"
+    if how == "truncate":
+        data = original[:rng.randrange(len(original))]
+        return {name: data}, f"{name} truncated to {len(data)}"
+    if how == "append":
+        data = original + bytes(rng.randrange(256) for _ in range(rng.choice((1, 7, 64, 4096))))
+        return {name: data}, f"{name} {len(data) - len(original)} bytes appended"
+    return {name: None}, f"{name} deleted"
+
+
+def damage_campaign(path, trials, seed=0, damages=DAMAGES, kinds=FILE_TYPES):
     """Random single damages, round-robin over the file types. Returns per file type: trials,
     detected (verify reports it), exact (no report, every answer exactly the undamaged one),
     refused (a read raised a clear FormatError), silently wrong (a read returned a different
@@ -243,33 +274,21 @@ def damage_campaign(path, trials, seed=0):
     reference = store_answers(path, windows)
     assert hkstore.verify(path)["ok"]
     table = {k: {"trials": 0, "detected": 0, "exact": 0, "refused": 0, "silently_wrong": 0, "verify_errors": 0}
-             for k in FILE_TYPES}
+             for k in kinds}
     examples, harmless = [], []
     for t in range(trials):
-        kind = FILE_TYPES[t % len(FILE_TYPES)]
-        name = rng.choice(files_of(path, kind))
-        full = os.path.join(path, name)
-        with open(full, "rb") as f:
-            original = f.read()
-        how = rng.choice(DAMAGES)
-        if how == "flip":
-            data = bytearray(original)
-            at = rng.randrange(len(data))
-            data[at] ^= 1 << rng.randrange(8)
-            detail = f"bit flip at {at}"
-        elif how == "truncate":
-            data = original[:rng.randrange(len(original))]
-            detail = f"truncated to {len(data)}"
-        elif how == "append":
-            data = original + bytes(rng.randrange(256) for _ in range(rng.choice((1, 7, 64, 4096))))
-            detail = f"{len(data) - len(original)} bytes appended"
-        else:
-            data, detail = None, "deleted"
-        if data is None:
-            os.remove(full)
-        else:
-            with open(full, "wb") as f:
-                f.write(bytes(data))
+        kind = kinds[t % len(kinds)]
+        changes, detail = damage(rng, path, kind, rng.choice(damages))
+        originals = {}
+        for name, data in changes.items():
+            full = os.path.join(path, name)
+            with open(full, "rb") as f:
+                originals[full] = f.read()
+            if data is None:
+                os.remove(full)
+            else:
+                with open(full, "wb") as f:
+                    f.write(data)
         row = table[kind]
         row["trials"] += 1
         try:
@@ -278,7 +297,7 @@ def damage_campaign(path, trials, seed=0):
             except Exception as e:  # noqa: BLE001 - verify must report, never crash
                 detected = False
                 row["verify_errors"] += 1
-                examples.append(f"{name} {detail}: verify raised {type(e).__name__}: {e}")
+                examples.append(f"{detail}: verify raised {type(e).__name__}: {e}")
             try:
                 exact = _same(store_answers(path, windows), reference)
                 refused = False
@@ -286,28 +305,29 @@ def damage_campaign(path, trials, seed=0):
                 exact, refused = False, True
             except Exception as e:  # noqa: BLE001 - anything else is a bug, counted as wrong
                 exact, refused = False, False
-                examples.append(f"{name} {detail}: read raised {type(e).__name__}: {e}")
+                examples.append(f"{detail}: read raised {type(e).__name__}: {e}")
             row["detected"] += detected
             row["refused"] += refused
             if not detected and exact:
                 row["exact"] += 1
-                harmless.append(f"{name} {detail}")
+                harmless.append(detail)
             if not refused and not exact:
                 row["silently_wrong"] += 1
-                examples.append(f"{name} {detail}: a read returned a wrong answer")
+                examples.append(f"{detail}: a read returned a wrong answer")
             elif not detected and not exact:
                 row["silently_wrong"] += 1
-                examples.append(f"{name} {detail}: refused to read but verify saw nothing")
+                examples.append(f"{detail}: refused to read but verify saw nothing")
         finally:
-            with open(full, "wb") as f:
-                f.write(original)
+            for full, data in originals.items():
+                with open(full, "wb") as f:
+                    f.write(data)
     return {"table": table, "problems": examples[:10], "harmless": harmless[:20]}
 
 
 # -- output ---------------------------------------------------------------------------------------
 
 
-def markdown(crash=None, damage=None, probes=None):
+def markdown(crash=None, damage=None, probes=None, slots=None):
     lines = []
     if crash:
         lines += ["| crash campaign | kills | acknowledged rounds (4-7 commits each) | losses | verify failures after a kill "
@@ -315,11 +335,13 @@ def markdown(crash=None, damage=None, probes=None):
                   "| --- | ---: | ---: | ---: | ---: | ---: |",
                   f"| SIGKILL during commits, compactions, gc | {crash['kills']} | {crash['acknowledged']} | "
                   f"{crash['losses']} | {crash['verify_failures']} | {crash['packs_retired']} |", ""]
-    if damage:
-        lines += ["| damaged file | trials | detected by verify | exact answers (harmless) | refused on read | "
+    for title, part in (("damaged file", damage), ("valid file in the wrong slot", slots)):
+        if not part:
+            continue
+        lines += [f"| {title} | trials | detected by verify | exact answers (harmless) | refused on read | "
                   "silently wrong |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
         total = {k: 0 for k in ("trials", "detected", "exact", "refused", "silently_wrong")}
-        for kind, row in damage["table"].items():
+        for kind, row in part["table"].items():
             lines.append(f"| {kind} | {row['trials']} | {row['detected']} | {row['exact']} | {row['refused']} | "
                          f"{row['silently_wrong']} |")
             for k in total:
@@ -340,19 +362,23 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kills", type=int, default=300)
     ap.add_argument("--damage", type=int, default=400, help="damage trials (round-robin over the file types)")
+    ap.add_argument("--slots", type=int, default=200,
+                    help="trials of a valid file in another's slot (a copy over it, or two swapped)")
     ap.add_argument("--probes", action="store_true", help="also run the HTTP probes (needs torch and the serve extra)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         crash = crash_campaign(os.path.join(tmp, "crash"), args.kills, seed=args.seed) if args.kills else None
         damage = damage_campaign(os.path.join(tmp, "damage"), args.damage, seed=args.seed) if args.damage else None
+        slots = damage_campaign(os.path.join(tmp, "slots"), args.slots, seed=args.seed, damages=SLOT_DAMAGES,
+                                kinds=("segment", "pack", "position")) if args.slots else None
         probes = None
         if args.probes:
             from benchmarks.reliability_http import probe_campaign
 
             probes = probe_campaign(os.path.join(tmp, "http"))
-        print(markdown(crash, damage, probes))
-        for part in (crash, damage, probes):
+        print(markdown(crash, damage, probes, slots))
+        for part in (crash, damage, probes, slots):
             for p in (part or {}).get("problems", []):
                 print("PROBLEM", p)
         shutil.rmtree(tmp, ignore_errors=True)
