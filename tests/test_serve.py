@@ -468,7 +468,7 @@ def test_queue_full_429_and_timeout_504(server, env):
         s.stop()
 
 
-# -- hardening (issue 14) ------------------------------------------------------------------------------
+# -- hardening ---------------------------------------------------------------------------------------------
 
 
 def test_unauthenticated_bodies_are_refused_before_they_are_read(server):

@@ -48,18 +48,28 @@ and the connection closes): unauthenticated callers cannot make the server read,
 parse anything, nor see a validation error. Bodies are bounded per route: infer 1 MiB, manage
 requests carrying documents or examples 64 MiB (spooled to a temporary file while they
 arrive), other manage requests 64 KiB. ``hkstore serve --header-timeout`` (10 s) closes
-connections that do not send a whole request head in time.
+connections that do not send a whole request head in time; ``--body-timeout`` (30 s, plus 1 s
+per ``--min-body-rate`` bytes received) answers 408 to a body that does not arrive in time,
+whoever sent it (runtime.serve.cli.BodyDeadline).
 
 **Damage.** A CorruptError (a damaged or missing store file, a rolled-back CURRENT) answers
 the requests it affects 503 "store damaged: run hkstore verify"; tenants and versions whose
 data is intact keep being served (a batch that fails is split to find the damaged requests).
-``/healthz`` reports ``degraded`` with the reason until the store changes, and ``/metrics``
-counts it (``hkstore_store_damaged``, ``hkstore_store_degraded``).
+``/healthz`` reports ``degraded`` (the reason to the admin token) until the store changes, and
+``/metrics`` counts it (``hkstore_store_damaged``, ``hkstore_store_degraded``).
 
-**Observability.** ``/healthz`` (open); ``/metrics`` (the admin token as a bearer token, or
-open with ``--metrics-public``) in the Prometheus text format: queue depth,
-batch sizes, latencies, rejections, jobs, PET cache hits and any counters the runtime reports
-(``Runtime.stats()``: the GPU executor's PLOT hot tier among them).
+**Observability.** ``/healthz`` and ``/info`` are open and show a caller without the admin
+token no path, store content or reason of a damage: ``/healthz`` its ``status``, ``/info`` the
+model's name, kind and dimension, the limits and the routes; the admin token sees the rest.
+``/metrics`` (the admin token as a bearer token, or open with ``--metrics-public``) in the
+Prometheus text format: queue depth, batch sizes, latencies, rejections, embeddings requests,
+jobs, PET cache hits and any counters the runtime reports (``Runtime.stats()``: the GPU
+executor's PLOT hot tier among them).
+
+**Embeddings.** ``POST /v1/embeddings`` as OpenAI's (the official client's defaults included:
+base64): ``model`` the base model (``base`` or its names) or a tenant; ``policy`` exact (the
+whole encoder: the base model's own embedding, its default) or fast (the PLOT: a tenant's
+default); ``dimensions``; token-id inputs (runtime.Runtime.embed).
 
 Modules of runtime/serve/: dispatcher.py (batching, the dedicated baseline), metrics.py,
 jobs.py (durable jobs and their worker), tokens.py (tenant tokens), files.py (atomic small
@@ -589,8 +599,8 @@ def create_app(store_path, *, admin_token, max_batch=32, max_wait_ms=5, queue_li
 
     @app.post("/v1/embeddings", tags=["infer"], responses={
         401: {"description": "missing or invalid token"}, 403: {"description": "not this tenant's token"},
-        404: {"description": "unknown tenant (model)"}, 413: {"description": "body too large"},
-        422: {"description": "invalid request"}})
+        404: {"description": "unknown tenant (model)"}, 409: {"description": "the tenant's PET does not fit"},
+        413: {"description": "body too large"}, 422: {"description": "invalid request"}})
     async def embeddings(body: EmbeddingsBody, creds: HTTPAuthorizationCredentials = Depends(bearer)) -> dict:
         """OpenAI-compatible embeddings. ``model``: the base model (``base``, unless a tenant has
         that name, or the model's name as /info and /v1/models show it, e.g.
@@ -635,6 +645,8 @@ def create_app(store_path, *, admin_token, max_batch=32, max_wait_ms=5, queue_li
                                      "(GET /v1/models lists them)") from None
             except CorruptError as e:
                 raise svc.damaged_error(f"embeddings {body.model}", e) from None
+            except runtime.IncompatiblePet as e:  # as infer answers it
+                raise HTTPError(409, str(e)) from None
             except (runtime.BadRequest, StoreError) as e:
                 raise HTTPError(422, str(e)) from None
             if body.dimensions is not None:

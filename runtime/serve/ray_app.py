@@ -27,6 +27,8 @@ Three deployments make the application ``hkstore``:
   every 2 s, labelled ``replica="..."`` (the Manager's own ``replica="manager"``). It alone holds STORE/jobs/LOCK
   and runs jobs, so a job runs once across the cluster and only one place writes; a Manager
   replica that dies is restarted by Ray and resumes its jobs from STORE/jobs (runtime/serve/jobs.py).
+  Its answer to each push says whether it runs the jobs, which the workers' ``/healthz``
+  reports as ``jobs_enabled``.
 
 Store changes reach every worker within about a second: each polls STORE/CURRENT (the app's
 watcher) and refreshes its snapshot when it changes; a tenant unknown to a worker's snapshot
