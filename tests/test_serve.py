@@ -163,7 +163,7 @@ def env(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(env):
-    s = Server(env["main"], env["token_file"], "--max-wait-ms", 20, "--header-timeout", 3)
+    s = Server(env["main"], env["token_file"], "--max-wait-ms", 20, "--header-timeout", 3, "--body-timeout", 3)
     yield s
     s.stop()
 
@@ -192,7 +192,8 @@ def tenants(server, env):
 
 
 def test_health_metrics_and_schema(server):
-    h = server.client.get("/healthz").json()
+    assert server.client.get("/healthz").json() == {"status": "ok"}  # open, and minimal
+    h = server.client.get("/healthz", headers=auth(ADMIN)).json()
     assert h["status"] == "ok" and h["tenants"] >= 1 and h["jobs_enabled"] and h["mode"] == "shared"
     r = server.client.post("/v1/tenants/base/infer", json={"text": "Return the sum of a list."}, headers=auth(ADMIN))
     assert r.status_code == 200, r.text
@@ -364,8 +365,11 @@ def test_many_texts_are_split_into_batches_and_truncate_cuts(server):
 def test_info_and_openai_embeddings(server, tenants):
     c, h = server.client, auth(ADMIN)
     info = c.get("/info").json()
-    assert info["model"]["name"] == "tiny-bert" and info["versions"][0] == "root"
+    assert info["model"] == {"name": "tiny-bert", "names": ["base", "tiny-bert"], "kind": "encoder", "dimensions": 32}
     assert info["limits"]["max_len"] == 32 and info["limits"]["max_texts_per_request"] >= 64
+    assert info["routes"]["embeddings"] == "/v1/embeddings" and "store" not in info and "versions" not in info
+    admin = c.get("/info", headers=h).json()
+    assert admin["versions"][0] == "root" and admin["store"] == os.path.abspath(server.store)
     texts = ["Return the sum of a list.", "Return the cosine of x."]
     r = c.post("/v1/embeddings", json={"model": "tiny-bert", "input": texts}, headers=h)
     assert r.status_code == 200, r.text
@@ -446,25 +450,25 @@ def test_queue_full_429_and_timeout_504(server, env):
         t = threading.Thread(target=send)
         t.start()
         deadline = time.monotonic() + 10
-        while s.client.get("/healthz").json()["queue_depth"] < 1 and time.monotonic() < deadline:
+        while s.client.get("/healthz", headers=h).json()["queue_depth"] < 1 and time.monotonic() < deadline:
             time.sleep(0.02)
         full = s.client.post("/v1/tenants/base/infer", json={"text": "Join two paths."}, headers=h)
         assert full.status_code == 429, full.text
         assert int(full.headers["Retry-After"]) >= 1
         t.join(30)
         assert first["r"].status_code == 504, first["r"].text
-        assert s.client.get("/healthz").json()["queue_depth"] == 0  # the timed-out text left the queue
+        assert s.client.get("/healthz", headers=h).json()["queue_depth"] == 0  # the timed-out text left the queue
         m = s.client.get("/metrics", headers=h).text
         assert 'hkstore_rejected_total{reason="queue_full"} 1.0' in m
         assert 'hkstore_rejected_total{reason="timeout"} 1.0' in m
         r = s.client.post("/v1/tenants", json={"tenant": "t9", "examples": [{"text": "a", "label": "b"}]}, headers=h)
         assert r.status_code == 503
-        assert s.client.get("/healthz").json()["jobs_enabled"] is False
+        assert s.client.get("/healthz", headers=h).json()["jobs_enabled"] is False
     finally:
         s.stop()
 
 
-# -- hardening (issue 14) ------------------------------------------------------------------------------
+# -- hardening ---------------------------------------------------------------------------------------------
 
 
 def test_unauthenticated_bodies_are_refused_before_they_are_read(server):
@@ -491,6 +495,74 @@ def test_half_open_connection_is_closed_by_the_header_timeout(server):
     seconds = reliability_http.half_open(server.url, bound=20)
     assert 2 < seconds < 8, seconds  # --header-timeout 3
     assert server.client.get("/healthz").status_code == 200
+
+
+def _stalled_bodies(url, headers, n, sent, promised, bound):
+    """n connections that send a whole head with `headers` and `sent` of `promised` body bytes,
+    then nothing: per connection (status line or "" if closed without one, seconds to the end)."""
+    host, port = url.split("//")[1].split(":")
+    head = (f"POST /v1/tenants/base/infer HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {promised}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n")
+    socks = []
+    start = time.monotonic()
+    try:
+        for _ in range(n):
+            sock = socket.create_connection((host, int(port)), timeout=bound)
+            sock.sendall(head.encode() + b'{"text": "x' + b"x" * (sent - 11))
+            socks.append(sock)
+        out = []
+        for sock in socks:
+            sock.settimeout(max(bound - (time.monotonic() - start), 0.1))
+            data = b""
+            try:
+                while chunk := sock.recv(4096):
+                    data += chunk
+            except socket.timeout:
+                out.append(("still open", time.monotonic() - start))
+                continue
+            out.append((data.split(b"\r\n", 1)[0].decode(errors="replace"), time.monotonic() - start))
+        return out
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def test_authenticated_bodies_that_stall_are_answered_408_by_the_body_timeout(server, tenants):
+    """50 connections with a valid token send 12 of 100 promised bytes and stall: each is
+    answered 408 and closed at --body-timeout (3 s), not held while the client waits; a tenant's
+    token the same; a trickle below --min-body-rate too; the server serves all along."""
+    for token in (ADMIN, tenants["alpha"]):
+        out = _stalled_bodies(server.url, auth(token), 50 if token == ADMIN else 5, 12, 100, bound=20)
+        assert all(status.startswith("HTTP/1.1 408") for status, _ in out), out
+        assert all(2.5 < seconds < 10 for _, seconds in out), out
+    r = server.client.post("/v1/tenants/base/infer", json={"text": "Return the sum."}, headers=auth(ADMIN))
+    assert r.status_code == 200, r.text
+
+    # A trickle: 1 byte every 0.25 s (4 B/s, far under the minimum rate) is cut near the deadline.
+    host, port = server.url.split("//")[1].split(":")
+    with socket.create_connection((host, int(port)), timeout=20) as sock:
+        sock.sendall(f"POST /v1/tenants/base/infer HTTP/1.1\r\nHost: {host}\r\nContent-Length: 1000\r\n"
+                     f"Authorization: Bearer {ADMIN}\r\n\r\n".encode())
+        start, answer, closed = time.monotonic(), b"", False
+        sock.settimeout(0.25)
+        while not closed and time.monotonic() - start < 15:
+            try:
+                chunk = sock.recv(4096)
+                answer += chunk
+                closed = not chunk
+                continue
+            except socket.timeout:
+                pass
+            except ConnectionResetError:  # our byte crossed the server's close: the answer may be lost
+                closed = True
+                continue
+            try:
+                sock.sendall(b" ")
+            except OSError:
+                closed = True
+        seconds = time.monotonic() - start
+        assert closed and 2.5 < seconds < 8, (seconds, answer)
+        assert answer.startswith(b"HTTP/1.1 408") or not answer, answer
 
 
 def test_damaged_pet_answers_503_others_are_served_and_healthz_degrades(server, env):
@@ -528,7 +600,8 @@ def test_damaged_pet_answers_503_others_are_served_and_healthz_degrades(server, 
         assert c.get("/v1/tenants/dmg", headers=h).status_code == 503
         ok = c.post("/v1/tenants/base/infer", json={"text": "Return the sum."}, headers=h)
         assert ok.status_code == 200, ok.text  # tenants whose data is intact are served
-        health = c.get("/healthz").json()
+        assert c.get("/healthz").json() == {"status": "degraded"}  # the reason names files: the admin's
+        health = c.get("/healthz", headers=h).json()
         assert health["status"] == "degraded" and "dmg" in health["reason"], health
         metrics = c.get("/metrics", headers=h).text
         assert "hkstore_store_degraded 1.0" in metrics and "hkstore_store_damaged_total" in metrics

@@ -59,6 +59,34 @@ def test_it_says_where_it_listens_and_where_the_admin_token_is(store, monkeypatc
     assert "runtime/serve" not in CliRunner().invoke(serve, ["--help"]).output  # no source files in the help
 
 
+def test_ray_says_where_it_listens_and_where_the_admin_token_is_at_once(store, monkeypatch):
+    """`serve --ray` prints its address and the admin token's place before Ray starts (flushed:
+    a piped stdout used to hold it until shutdown). Ray itself is stubbed: no cluster here."""
+    import io
+
+    ray = pytest.importorskip("ray")
+    pytest.importorskip("ray.serve")
+    from runtime.serve import ray_app
+
+    stream = io.StringIO()
+    line = ray_app.announce("starting on", "127.0.0.1", 8123, "admin token: /x/admin.token", stream=stream)
+    assert stream.getvalue() == line + "\n" and "http://127.0.0.1:8123" in line and "/x/admin.token" in line
+
+    class Started(Exception):
+        pass
+
+    def init(**kw):  # Ray would start here: everything said by now was said before it
+        raise Started
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.delenv("HKSTORE_ADMIN_TOKEN", raising=False)
+    r = CliRunner().invoke(serve, [store, "--ray", "--port", "8124"])
+    assert isinstance(r.exception, Started), r.output
+    token_file = os.path.join(os.path.abspath(store), "admin.token")
+    assert "http://127.0.0.1:8124" in r.output and f"admin token: {token_file}" in r.output, r.output
+
+
 def test_tenant_labels_are_bounded():
     from runtime.serve.metrics import TenantLabels
 

@@ -58,7 +58,9 @@ def client(env, token):
 def test_each_tenant_reaches_its_own_store(env):
     s, tokens = env["server"], env["tokens"]
     health = s.client.get("/healthz").json()
-    assert health["status"] == "ok" and set(health["stores"]) == {"bert", "gpt"}
+    assert health == {"status": "ok", "stores": {"bert": {"status": "ok"}, "gpt": {"status": "ok"}}}
+    health = s.client.get("/healthz", headers=auth(ADMIN)).json()  # the admin sees each store's details
+    assert health["stores"]["gpt"]["tenants"] == 1 and health["stores"]["bert"]["jobs_enabled"] is True
 
     # The decoder tenant generates through the openai client, with its own token, as in process.
     with runtime.open(env["tmp"] / "gpt") as rt:
@@ -90,6 +92,26 @@ def test_each_tenant_reaches_its_own_store(env):
     r = s.client.get("/v1/tenants", headers=auth(ADMIN))
     assert r.status_code == 400 and "/stores/<name>/v1/tenants" in r.text
     assert s.client.get("/stores/nope/healthz").status_code == 404
+
+
+def test_info_of_each_store_and_of_the_server(env):
+    """/info on a decoder store, an encoder store and the server over both: the model and the
+    limits for everyone, no path on disk without the admin token."""
+    s = env["server"]
+    gpt = s.client.get("/stores/gpt/info")
+    assert gpt.status_code == 200, gpt.text
+    assert gpt.json()["model"] == {"name": "tiny-gpt2", "names": ["base", "tiny-gpt2"], "kind": "decoder",
+                                   "dimensions": 32}
+    assert gpt.json()["limits"]["context_length"] == 64 and "completions" in gpt.json()["routes"]
+    bert = s.client.get("/stores/bert/info").json()
+    assert bert["model"]["kind"] == "encoder" and bert["limits"]["max_len"] == 32
+    both = s.client.get("/info")
+    assert both.status_code == 200 and both.json() == {"stores": {"bert": bert, "gpt": gpt.json()}}
+    assert str(env["tmp"]) not in both.text
+    admin = s.client.get("/info", headers=auth(ADMIN)).json()["stores"]
+    assert admin["gpt"]["store"] == str(env["tmp"] / "gpt") and admin["gpt"]["tenants"] == 1
+    assert admin["bert"]["model"]["model_path"] == str(env["tmp"] / "em")
+    assert s.client.get("/stores/gpt/info", headers=auth(ADMIN)).json() == admin["gpt"]
 
 
 def test_the_wrong_kind_of_request_is_a_clear_4xx(env):

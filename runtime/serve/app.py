@@ -48,18 +48,28 @@ and the connection closes): unauthenticated callers cannot make the server read,
 parse anything, nor see a validation error. Bodies are bounded per route: infer 1 MiB, manage
 requests carrying documents or examples 64 MiB (spooled to a temporary file while they
 arrive), other manage requests 64 KiB. ``hkstore serve --header-timeout`` (10 s) closes
-connections that do not send a whole request head in time.
+connections that do not send a whole request head in time; ``--body-timeout`` (30 s, plus 1 s
+per ``--min-body-rate`` bytes received) answers 408 to a body that does not arrive in time,
+whoever sent it (runtime.serve.cli.BodyDeadline).
 
 **Damage.** A CorruptError (a damaged or missing store file, a rolled-back CURRENT) answers
 the requests it affects 503 "store damaged: run hkstore verify"; tenants and versions whose
 data is intact keep being served (a batch that fails is split to find the damaged requests).
-``/healthz`` reports ``degraded`` with the reason until the store changes, and ``/metrics``
-counts it (``hkstore_store_damaged``, ``hkstore_store_degraded``).
+``/healthz`` reports ``degraded`` (the reason to the admin token) until the store changes, and
+``/metrics`` counts it (``hkstore_store_damaged``, ``hkstore_store_degraded``).
 
-**Observability.** ``/healthz`` (open); ``/metrics`` (the admin token as a bearer token, or
-open with ``--metrics-public``) in the Prometheus text format: queue depth,
-batch sizes, latencies, rejections, jobs, PET cache hits and any counters the runtime reports
-(``Runtime.stats()``: the GPU executor's PLOT hot tier among them).
+**Observability.** ``/healthz`` and ``/info`` are open and show a caller without the admin
+token no path, store content or reason of a damage: ``/healthz`` its ``status``, ``/info`` the
+model's name, kind and dimension, the limits and the routes; the admin token sees the rest.
+``/metrics`` (the admin token as a bearer token, or open with ``--metrics-public``) in the
+Prometheus text format: queue depth, batch sizes, latencies, rejections, embeddings requests,
+jobs, PET cache hits and any counters the runtime reports (``Runtime.stats()``: the GPU
+executor's PLOT hot tier among them).
+
+**Embeddings.** ``POST /v1/embeddings`` as OpenAI's (the official client's defaults included:
+base64): ``model`` the base model (``base`` or its names) or a tenant; ``policy`` exact (the
+whole encoder: the base model's own embedding, its default) or fast (the PLOT: a tenant's
+default); ``dimensions``; token-id inputs (runtime.Runtime.embed).
 
 Modules of runtime/serve/: dispatcher.py (batching, the dedicated baseline), metrics.py,
 jobs.py (durable jobs and their worker), tokens.py (tenant tokens), files.py (atomic small
@@ -73,6 +83,7 @@ swap); every batch also runs the lower layers (no PLOT) before the upper ones.
 """
 
 import asyncio
+import base64
 import contextlib
 import hmac
 import io
@@ -85,6 +96,7 @@ import threading
 import time
 from typing import Annotated, Literal, Optional
 
+import numpy as np
 from fastapi import Depends, FastAPI, Path, Query
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -148,6 +160,9 @@ class Service:
         self._refresh = threading.Lock()
         self.damage = None  # (reason, unix time) of the last CorruptError seen, until the store changes
         self.taken_elsewhere = set  # tenant names of the other stores one server serves (runtime.serve.stores)
+        # Manage jobs of this store run in another process that answers them (a Ray worker's
+        # Manager replica, runtime/serve/ray_app.py): /healthz reports jobs as enabled.
+        self.jobs_elsewhere = False
 
     async def start(self):
         import runtime
@@ -269,6 +284,12 @@ class Service:
             raise HTTPError(401, "invalid token", {"WWW-Authenticate": "Bearer"})
         return tenant
 
+    def is_admin(self, creds) -> bool:
+        """Whether creds hold the admin token (no error either way: for routes that are open
+        and show more to the admin)."""
+        token = creds.credentials if creds is not None else None
+        return bool(token) and hmac.compare_digest(token.encode(), self.admin_token.encode())
+
     def require_admin(self, creds):
         who = self.principal(creds)
         if who != "admin":
@@ -309,6 +330,40 @@ def _name(kind, name):
     if not valid_name(name):
         raise HTTPError(422, f"invalid {kind} name {name!r}")
     return name
+
+
+def info_view(svc, admin=False) -> dict:
+    """/info's answer. Open to everyone: the model's name (and the names a request may give),
+    its kind and dimension, the limits a caller must respect and the routes; nothing of the
+    machine. admin: also where the store and the model are on disk, the versions, the number
+    of tenants, the device and the mode."""
+    from hkstore.cli import model_source
+    from hkstore.model_name import accepted_names, model_name
+    from runtime.model.stored import is_decoder_store
+    from runtime.serve.schemas import MAX_TEXT_CHARS, MAX_TEXTS
+
+    rt = svc.rt
+    snap = rt.store.snapshot()
+    meta = snap.meta
+    decoder = is_decoder_store(meta)
+    model = {"name": model_name(meta), "names": sorted({"base"} | accepted_names(meta)),
+             "kind": "decoder" if decoder else "encoder", "dimensions": int(meta["d"])}
+    limits = {"max_batch": svc.max_batch, "queue_limit": svc.queue_limit, "request_timeout_s": svc.request_timeout_s}
+    if decoder:
+        # A decoder runtime has no per-text limit: a prompt and its completion share the context.
+        limits["context_length"] = int(rt.decoder.config.max_len)
+        routes = {"completions": "/v1/completions", "chat_completions": "/v1/chat/completions", "models": "/v1/models"}
+    else:
+        limits.update(max_len=rt.max_len, embeddings_max_len=rt.embed_max_len, truncate=rt.truncate,
+                      max_texts_per_request=MAX_TEXTS, max_text_chars=MAX_TEXT_CHARS)
+        routes = {"infer": "/v1/tenants/{tenant}/infer", "embeddings": "/v1/embeddings", "models": "/v1/models"}
+    out = {"model": model, "limits": limits, "routes": routes}
+    if admin:
+        model.update(source=model_source(meta)["source"], model_path=meta.get("model_path"),
+                     recorded_name=meta.get("base_model"))
+        out.update(store=svc.store_path, versions=snap.version_names, tenants=len(snap.pets), device=rt.device,
+                   mode=svc.mode)
+    return out
 
 
 def _jsonl(records) -> bytes:
@@ -373,6 +428,8 @@ class _Gate:
                 status, detail = denied
                 if _INFER_PATH.match(path):
                     self.service.metrics.count_request(path.split("/")[3], status)
+                elif path == "/v1/embeddings":
+                    self.service.metrics.count_embeddings("other", status)  # the body (its model) is not read
                 extra = [(b"www-authenticate", b"Bearer")] if status == 401 else []
                 return await _send_json(send, status, {"detail": detail}, extra + [(b"connection", b"close")])
         upload = scope["method"] == "POST" and bool(_UPLOAD_PATH.match(path))
@@ -478,6 +535,8 @@ def create_app(store_path, *, admin_token, max_batch=32, max_wait_ms=5, queue_li
         status = 400 if any(e.get("type") == "json_invalid" for e in errors) else 422
         if _INFER_PATH.match(request.url.path):  # refused before the route ran: count it here
             svc.metrics.count_request(request.url.path.split("/")[3], status)
+        elif request.url.path == "/v1/embeddings":
+            svc.metrics.count_embeddings("other", status)
         detail = [{"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")} for e in errors]
         return JSONResponse({"detail": detail}, status_code=status)
 
@@ -507,13 +566,17 @@ def create_app(store_path, *, admin_token, max_batch=32, max_wait_ms=5, queue_li
                      503: {"description": "another server runs this store's jobs"}}
 
     @app.get("/healthz", response_model=Health, response_model_exclude_none=True, tags=["observability"])
-    async def healthz():
-        snap = svc.rt.store.snapshot()
+    async def healthz(creds: HTTPAuthorizationCredentials = Depends(bearer)):
+        """Open: ``status`` (ok or degraded). With the admin token also the reason of a damage,
+        the device, the tenants and versions, the queue and the jobs."""
         damage = svc.damage
-        return {"status": "degraded" if damage else "ok", "reason": damage[0] if damage else None,
-                "device": svc.rt.device, "mode": svc.mode, "tenants": len(snap.pets),
-                "versions": len(snap.versions), "queue_depth": svc.dispatcher.depth, "jobs": svc.jobs.counts(),
-                "jobs_enabled": svc.jobs.enabled}
+        out = {"status": "degraded" if damage else "ok"}
+        if svc.is_admin(creds):
+            snap = svc.rt.store.snapshot()
+            out.update(reason=damage[0] if damage else None, device=svc.rt.device, mode=svc.mode,
+                       tenants=len(snap.pets), versions=len(snap.versions), queue_depth=svc.dispatcher.depth,
+                       jobs=svc.jobs.counts(), jobs_enabled=bool(svc.jobs.enabled or svc.jobs_elsewhere))
+        return out
 
     @app.get("/metrics", tags=["observability"], response_class=Response,
              responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"},
@@ -528,48 +591,86 @@ def create_app(store_path, *, admin_token, max_batch=32, max_wait_ms=5, queue_li
         return Response(data, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/info", tags=["observability"])
-    async def info() -> dict:
-        """What this server serves and its limits (as TEI's /info): model, store, versions, limits."""
-        from hkstore.cli import model_source
-        from runtime.serve.schemas import MAX_TEXT_CHARS, MAX_TEXTS
-
-        snap = svc.rt.store.snapshot()
-        return {"model": model_source(snap.meta), "store": svc.store_path, "versions": snap.version_names,
-                "tenants": len(snap.pets), "device": svc.rt.device, "mode": svc.mode,
-                "limits": {"max_len": svc.rt.max_len, "truncate": svc.rt.truncate, "max_batch": svc.max_batch,
-                           "max_texts_per_request": MAX_TEXTS, "max_text_chars": MAX_TEXT_CHARS,
-                           "queue_limit": svc.queue_limit, "request_timeout_s": svc.request_timeout_s},
-                "routes": {"infer": "/v1/tenants/{tenant}/infer", "embeddings": "/v1/embeddings"}}
+    async def info(creds: HTTPAuthorizationCredentials = Depends(bearer)) -> dict:
+        """What this server serves and its limits (as TEI's /info): the model's name, kind and
+        dimension, the limits and the routes. With the admin token also where the store and the
+        model are on disk, the versions, the number of tenants, the device and the mode."""
+        return info_view(svc, admin=svc.is_admin(creds))
 
     @app.post("/v1/embeddings", tags=["infer"], responses={
         401: {"description": "missing or invalid token"}, 403: {"description": "not this tenant's token"},
-        404: {"description": "unknown tenant (model)"}, 422: {"description": "invalid request"}})
+        404: {"description": "unknown tenant (model)"}, 409: {"description": "the tenant's PET does not fit"},
+        413: {"description": "body too large"}, 422: {"description": "invalid request"}})
     async def embeddings(body: EmbeddingsBody, creds: HTTPAuthorizationCredentials = Depends(bearer)) -> dict:
-        """OpenAI-compatible embeddings: ``model`` is a tenant (its PLOT version and PET, mean-pooled
-        last hidden state, L2-normalized) or the base model (``base``, unless a tenant has that
-        name, or the base model's name as /info shows it); any valid token may ask for the base
-        model, a tenant's token only for its own tenant."""
+        """OpenAI-compatible embeddings. ``model``: the base model (``base``, unless a tenant has
+        that name, or the model's name as /info and /v1/models show it, e.g.
+        ``sentence-transformers/all-MiniLM-L6-v2`` or ``all-MiniLM-L6-v2``) or a tenant (its PLOT
+        version and PET). The mean-pooled, L2-normalized last hidden state; ``policy`` picks how
+        the lower layers are computed (exact: the whole encoder, the base model's default, its
+        own embedding as sentence-transformers computes it; fast: the PLOT, a tenant's default).
+        ``encoding_format`` float or base64 (little-endian float32), ``dimensions`` truncates and
+        re-normalizes. Any valid token may ask for the base model, a tenant's token only for its
+        own tenant."""
         import runtime
+        from hkstore.model_name import accepted_names
 
-        # A tenant of that name first; else "base" or the base model's own name (a tenant name
-        # cannot hold its "/") ask for the base model.
-        base_names = ("base", svc.rt.meta.get("base_model"))
-        pets = svc.rt.store.snapshot().pets
-        tenant = None if body.model in base_names and body.model not in pets else body.model
-        if tenant is None:
-            svc.principal(creds)
-        else:
-            _name("tenant", tenant)
-            svc.require_tenant(creds, tenant)
+        t0 = time.perf_counter()
+        status, label = 200, "other"
         try:
-            vectors, counts = await asyncio.to_thread(svc.rt.embed, body.all_texts(), tenant, truncate=body.truncate)
-        except UnknownTenant:
-            raise HTTPError(404, f"unknown model {body.model!r}: not a tenant of this store, nor 'base'") from None
-        except (runtime.BadRequest, StoreError) as e:
-            raise HTTPError(422, str(e)) from None
-        return {"object": "list", "model": body.model,
-                "data": [{"object": "embedding", "index": j, "embedding": v.tolist()} for j, v in enumerate(vectors)],
-                "usage": {"prompt_tokens": int(sum(counts)), "total_tokens": int(sum(counts))}}
+            # A tenant of that name first; else "base" or the base model's own names ask for it.
+            pets = svc.rt.store.snapshot().pets
+            tenant = None if body.model in {"base"} | accepted_names(svc.rt.meta) and body.model not in pets \
+                else body.model
+            if tenant is None:
+                svc.principal(creds)
+                label = "base"
+            else:
+                try:
+                    _name("tenant", tenant)
+                except HTTPError:  # no tenant can have that name: an unknown model, as OpenAI says
+                    svc.principal(creds)
+                    raise HTTPError(404, f"unknown model {body.model!r}: not a tenant of this store, nor 'base' "
+                                         "(GET /v1/models lists them)") from None
+                svc.require_tenant(creds, tenant)
+                label = tenant
+            inputs = body.all_inputs()
+            d = int(svc.rt.meta.get("d") or 0)
+            if body.dimensions is not None and d and body.dimensions > d:
+                raise HTTPError(422, f"dimensions={body.dimensions} is more than the model's {d}")
+            try:
+                vectors, counts = await asyncio.to_thread(svc.rt.embed, inputs, tenant, truncate=body.truncate,
+                                                          policy=body.policy)
+            except UnknownTenant:
+                raise HTTPError(404, f"unknown model {body.model!r}: not a tenant of this store, nor 'base' "
+                                     "(GET /v1/models lists them)") from None
+            except CorruptError as e:
+                raise svc.damaged_error(f"embeddings {body.model}", e) from None
+            except runtime.IncompatiblePet as e:  # as infer answers it
+                raise HTTPError(409, str(e)) from None
+            except (runtime.BadRequest, StoreError) as e:
+                raise HTTPError(422, str(e)) from None
+            if body.dimensions is not None:
+                # Matryoshka-style shortening, as OpenAI's text-embedding-3 and TEI: cut, then unit length again.
+                vectors = vectors[:, :body.dimensions]
+                vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+            if body.encoding_format == "base64":
+                data = [base64.b64encode(np.ascontiguousarray(v, dtype="<f4").tobytes()).decode("ascii")
+                        for v in vectors]
+            else:
+                data = [v.tolist() for v in vectors]
+            svc.metrics.embedded.inc(len(data))
+            return {"object": "list", "model": body.model,
+                    "data": [{"object": "embedding", "index": j, "embedding": e} for j, e in enumerate(data)],
+                    "usage": {"prompt_tokens": int(sum(counts)), "total_tokens": int(sum(counts))}}
+        except HTTPError as e:
+            status = e.status
+            raise
+        except Exception:
+            status = 500
+            raise
+        finally:
+            svc.metrics.count_embeddings(label, status)
+            svc.metrics.embeddings_latency.observe(time.perf_counter() - t0)
 
     @app.post("/v1/tenants/{tenant}/infer", response_model=InferResponse, response_model_exclude_none=True,
               tags=["infer"], responses=errors_infer)

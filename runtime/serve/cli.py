@@ -1,5 +1,7 @@
 """`hkstore serve`: the admin token and the uvicorn server around runtime.serve.app."""
 
+import asyncio
+import json
 import logging
 import os
 import secrets
@@ -10,6 +12,11 @@ from hkstore.errors import StoreError
 from runtime.serve.app import create_app
 from hkstore.files import atomic_write
 from runtime.serve.stores import create_stores_app, read_stores
+
+log = logging.getLogger("hkstore.serve")
+
+DEFAULT_BODY_TIMEOUT = 30  # seconds
+DEFAULT_MIN_BODY_RATE = 1024  # bytes per second
 
 
 def resolve_admin_token(store, token_file=None) -> str:
@@ -68,11 +75,18 @@ def admin_token_source(store, token_file=None) -> str:
               help="Serve /metrics without a token (default: it needs the admin token as a bearer token).")
 @click.option("--header-timeout", type=click.FloatRange(0.1, 3600), default=10, show_default=True,
               help="Seconds a connection may take to send a request's headers before it is closed.")
+@click.option("--body-timeout", type=click.FloatRange(0.1, 3600), default=DEFAULT_BODY_TIMEOUT, show_default=True,
+              help="Seconds a request's body may take to arrive, plus one for every --min-body-rate bytes "
+                   "received; past that it is answered 408 and its connection closed, whatever its token.")
+@click.option("--min-body-rate", type=click.FloatRange(1, 1 << 30), default=DEFAULT_MIN_BODY_RATE,
+              show_default=True, help="Bytes per second a request body must keep up on average past "
+                                      "--body-timeout (a slow upload may go on as long as it keeps this rate).")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="warning",
               show_default=True)
 @click.option("--access-log/--no-access-log", default=False, show_default=True)
 @click.option("--ray", "use_ray", is_flag=True,
-              help="Serve on a Ray cluster: --replicas workers over this (shared) store.")
+              help="Serve on a Ray cluster: --replicas workers over this (shared) store (Ray's proxy holds the "
+                   "connections: --header-timeout and --body-timeout do not apply).")
 @click.option("--replicas", type=click.IntRange(1, 4096), default=2, show_default=True, help="--ray: worker replicas.")
 @click.option("--ray-address", default=None,
               help="--ray: the cluster to join (auto, ray://HOST:10001); default: a local one.")
@@ -80,10 +94,11 @@ def admin_token_source(store, token_file=None) -> str:
               show_default=True, help="--ray: routing among replicas (multiplex: by tenant, Ray's default).")
 @click.option("--autoscale", default=None, metavar="MIN:MAX", help="--ray: autoscale the workers on queue length.")
 def serve(stores, host, port, admin_token_file, device, max_batch, max_wait_ms, queue_limit, request_timeout, max_len,
-          truncate, mode, dedicated_resident, job_threads, torch_threads, metrics_public, header_timeout, log_level,
-          access_log, use_ray, **ray_options):
-    """Serve STORE over HTTP: POST /v1/tenants/TENANT/infer for every tenant, manage jobs
-    (/v1/tenants, /v1/domains, /v1/jobs), /healthz, /metrics; the OpenAPI description at /docs;
+          truncate, mode, dedicated_resident, job_threads, torch_threads, metrics_public, header_timeout, body_timeout,
+          min_body_rate, log_level, access_log, use_ray, **ray_options):
+    """Serve STORE over HTTP: POST /v1/tenants/TENANT/infer for every tenant, POST /v1/embeddings,
+    manage jobs (/v1/tenants, /v1/domains, /v1/jobs), /healthz, /info, /metrics; the OpenAPI
+    description at /docs;
     on a decoder store the OpenAI routes (/v1/completions, /v1/chat/completions, /v1/models).
     Several stores (an encoder and a decoder store side by side): requests go to the store of
     the tenant they name, each store's own routes under /stores/NAME/;
@@ -121,6 +136,7 @@ def serve(stores, host, port, admin_token_file, device, max_batch, max_wait_ms, 
         from runtime.serve.ray_app import cli_run
 
         return cli_run(store, resolve_admin_token(store, admin_token_file), host=host, port=port, device=device,
+                       token_source=admin_token_source(store, admin_token_file),
                        max_batch=max_batch, max_wait_ms=max_wait_ms, queue_limit=queue_limit,
                        request_timeout_s=request_timeout, max_len=max_len, mode=mode,
                        dedicated_resident=dedicated_resident, job_threads=job_threads, torch_threads=torch_threads,
@@ -137,8 +153,67 @@ def serve(stores, host, port, admin_token_file, device, max_batch, max_wait_ms, 
     click.echo(f"serving {', '.join(stores)} on http://{host}:{port} (admin token: "
                f"{admin_token_source(store, admin_token_file)}; tenant tokens: hkstore token issue "
                f"{store if len(stores) == 1 else 'STORE'} TENANT)", err=True)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=access_log, timeout_graceful_shutdown=5,
-                http=header_timeout_protocol(header_timeout))
+    uvicorn.run(BodyDeadline(app, body_timeout, min_body_rate), host=host, port=port, log_level=log_level,
+                access_log=access_log, timeout_graceful_shutdown=5, http=header_timeout_protocol(header_timeout))
+
+
+class BodyDeadline:
+    """ASGI middleware: a deadline for every request's body, authenticated or not. uvicorn
+    waits forever for a body that stops short of its Content-Length (its timeouts cover idle
+    keep-alive connections only), so a caller holding any valid token could keep connections
+    and their buffers open at will.
+
+    The body must have arrived `seconds` after the request's head, plus 1 s for every
+    `min_rate` bytes received (Apache mod_reqtimeout's rule: a large upload may take as long as
+    it keeps up the rate, a trickle is cut). Past the deadline the app's pending receive gets
+    ``http.disconnect`` (the app stops as for a caller that went away) and the caller gets 408
+    with ``Connection: close``, unless the app had answered already; the connection closes."""
+
+    def __init__(self, app, seconds=DEFAULT_BODY_TIMEOUT, min_rate=DEFAULT_MIN_BODY_RATE):
+        if seconds <= 0 or min_rate <= 0:
+            raise ValueError("the body timeout and the minimum body rate must be positive")
+        self.app, self.seconds, self.min_rate = app, float(seconds), float(min_rate)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        received, complete, expired, answered = 0, False, False, False
+
+        async def timed_receive():
+            nonlocal received, complete, expired
+            if expired:
+                return {"type": "http.disconnect"}
+            if complete:  # after the body the app only waits for a disconnect: no deadline
+                return await receive()
+            left = start + self.seconds + received / self.min_rate - loop.time()
+            try:
+                message = await asyncio.wait_for(receive(), max(left, 0.0))
+            except asyncio.TimeoutError:
+                expired = True
+                log.info("%s %s: the request body did not arrive in time (%d bytes)", scope.get("method"),
+                         scope.get("path"), received)
+                return {"type": "http.disconnect"}
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                complete = not message.get("more_body", False)
+            return message
+
+        async def tracked_send(message):
+            nonlocal answered
+            if message["type"] == "http.response.start":
+                answered = True
+            await send(message)
+
+        await self.app(scope, timed_receive, tracked_send)
+        if expired and not answered:
+            body = json.dumps({"detail": f"the request body did not arrive in time ({received} bytes in "
+                                         f"{loop.time() - start:.1f} s)"}).encode()
+            await send({"type": "http.response.start", "status": 408,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(body)).encode()), (b"connection", b"close")]})
+            await send({"type": "http.response.body", "body": body})
 
 
 def header_timeout_protocol(seconds):

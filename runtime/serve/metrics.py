@@ -49,6 +49,13 @@ class Metrics:
                                 registry=r)
         self.tenant_label = TenantLabels()
         self.texts = Counter("hkstore_infer_texts", "Texts answered", registry=r)
+        self.embeddings = Counter("hkstore_embeddings_requests", "Embeddings requests by HTTP status and model "
+                                  f"(base, a tenant: the first {TENANT_LABELS} tenants seen by name, the rest and "
+                                  "requests refused before their model was read 'other')", ["code", "model"],
+                                  registry=r)
+        self.embedded = Counter("hkstore_embeddings_inputs", "Inputs embedded", registry=r)
+        self.embeddings_latency = Histogram("hkstore_embeddings_latency_seconds", "Embeddings request latency in the "
+                                            "server (all outcomes)", buckets=LATENCY_BUCKETS, registry=r)
         self.rejected = Counter("hkstore_rejected", "Infer requests rejected", ["reason"], registry=r)
         self.swaps = Counter("hkstore_dedicated_swaps", "Full-model swaps (dedicated mode)", registry=r)
         self.damaged = Counter("hkstore_store_damaged", "Requests (or refreshes) that met a damaged store: answered 503",
@@ -62,6 +69,15 @@ class Metrics:
         rt = getattr(self.service, "rt", None)
         known = rt is not None and tenant in rt.store.snapshot().pets  # made-up names never get a series
         self.requests.labels(str(int(status)), self.tenant_label(tenant) if known else "other").inc()
+
+
+    def count_embeddings(self, model, status):
+        """One embeddings request answered with `status`; model: "base", a tenant or "other"."""
+        rt = getattr(self.service, "rt", None)
+        if model != "base":
+            known = rt is not None and model in rt.store.snapshot().pets
+            model = self.tenant_label(model) if known else "other"
+        self.embeddings.labels(str(int(status)), model).inc()
 
 
 def _flatten(prefix, obj, out):

@@ -302,7 +302,9 @@ def add_openai_routes(app, svc, bearer, HTTPError):
     app.router.lifespan_context = lifespan
 
     def base_names():
-        return {"base", svc.rt.store.snapshot().meta.get("base_model")} - {None}
+        from hkstore.model_name import accepted_names
+
+        return {"base"} | accepted_names(svc.rt.store.snapshot().meta)
 
     def resolve(model, creds):
         """The tenant model names (None: the base model), after the token's check."""
@@ -538,7 +540,9 @@ def add_openai_routes(app, svc, bearer, HTTPError):
         its own tenant (a tenant's token)."""
         who = svc.principal(creds)
         snap = svc.rt.store.snapshot()
-        base = snap.meta.get("base_model") or "base"
+        from hkstore.model_name import model_name
+
+        base = model_name(snap.meta) or "base"
         tenants = sorted(snap.pets) if who == "admin" else [t for t in snap.pets if t == who]
         rows = [{"id": base, "object": "model", "created": 0, "owned_by": "hkstore", "root": base}]
         for t in tenants:

@@ -27,6 +27,8 @@ Three deployments make the application ``hkstore``:
   every 2 s, labelled ``replica="..."`` (the Manager's own ``replica="manager"``). It alone holds STORE/jobs/LOCK
   and runs jobs, so a job runs once across the cluster and only one place writes; a Manager
   replica that dies is restarted by Ray and resumes its jobs from STORE/jobs (runtime/serve/jobs.py).
+  Its answer to each push says whether it runs the jobs, which the workers' ``/healthz``
+  reports as ``jobs_enabled``.
 
 Store changes reach every worker within about a second: each polls STORE/CURRENT (the app's
 watcher) and refreshes its snapshot when it changes; a tenant unknown to a worker's snapshot
@@ -153,6 +155,8 @@ class TenantWorker(_AppReplica):
         await self._open(store, admin_token, options)
         self.manager = manager
         self._push_task = asyncio.get_running_loop().create_task(self._push_metrics()) if manager else None
+        if manager is not None:
+            asyncio.get_running_loop().create_task(self._ask_jobs())
         self.held = {}  # tenant -> its _Pet, while Ray's multiplexing holds it
         held, rt = self.held, self.service.rt
 
@@ -195,16 +199,26 @@ class TenantWorker(_AppReplica):
     def held_tenants(self):
         return sorted(self.held)
 
+    async def _ask_jobs(self):
+        """Whether the Manager runs the store's jobs, once at start (the metrics pushes keep it
+        current): manage requests sent here reach it through the Ingress."""
+        try:
+            self.service.jobs_elsewhere = await self.manager.options(method_name="jobs_enabled").remote()
+        except Exception:
+            log.debug("asking the manager about jobs failed", exc_info=True)
+
     async def _push_metrics(self):
         """This replica's /metrics text to the Manager every METRICS_PUSH_S, which merges every
-        replica's into the cluster's /metrics (labelled replica=...)."""
+        replica's into the cluster's /metrics (labelled replica=...); its answer says whether
+        it runs the store's jobs."""
         from prometheus_client import generate_latest
 
         while True:
             await asyncio.sleep(METRICS_PUSH_S)
             try:
                 text = await asyncio.to_thread(generate_latest, self.service.metrics.registry)
-                await self.manager.options(method_name="put_metrics").remote(self.replica, text)
+                self.service.jobs_elsewhere = bool(
+                    await self.manager.options(method_name="put_metrics").remote(self.replica, text))
             except Exception:
                 log.debug("pushing metrics failed", exc_info=True)
 
@@ -219,7 +233,14 @@ class Manager(_AppReplica):
         self.worker_metrics = {}  # replica -> (monotonic time, Prometheus text)
 
     def put_metrics(self, replica, text):
+        """A worker's metrics; answers whether this replica runs the store's jobs (it may not:
+        another hkstore serve on the store holds STORE/jobs/LOCK), which the worker's
+        /healthz reports as jobs_enabled."""
         self.worker_metrics[replica] = (time.monotonic(), text)
+        return bool(self.service.jobs.enabled)
+
+    def jobs_enabled(self):
+        return bool(self.service.jobs.enabled)
 
     async def handle(self, method, path, query, headers, body):
         status, out_headers, out_body = await self._call(method, path, query, headers, body)
@@ -511,19 +532,36 @@ def build_app(args: dict):
     return application(store, token, **kw)
 
 
-def run(store, admin_token, *, host="127.0.0.1", port=8080, address=None, blocking=True, **kw):
+def announce(what, host, port, tail="", stream=None) -> str:
+    """One line for people about the Ray server, written to stream (default stderr) and
+    flushed at once: a piped stdout would hold it back in its buffer until shutdown."""
+    import sys
+
+    line = f"hkstore on Ray Serve: {what} http://{host}:{port}" + (f"; {tail}" if tail else "")
+    stream = stream or sys.stderr
+    stream.write(line + "\n")
+    stream.flush()
+    return line
+
+
+def run(store, admin_token, *, host="127.0.0.1", port=8080, address=None, blocking=True, token_source=None, **kw):
     """Start (or join) a Ray cluster, deploy the application on host:port, and (blocking) serve
-    until interrupted. address: a Ray cluster ("auto", "ray://..."), else a local one."""
+    until interrupted. address: a Ray cluster ("auto", "ray://..."), else a local one.
+    token_source: where the admin token comes from, for the lines it prints."""
     import ray
 
     serve = _serve()
+    if blocking:
+        tokens = f"admin token: {token_source}; " if token_source else ""
+        announce("starting on", host, port, f"{tokens}tenant tokens: hkstore token issue {store} TENANT "
+                                            "(Ray and the replicas take a while to start)")
     if not ray.is_initialized():
         ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
     serve.start(http_options={"host": host, "port": int(port)})
     serve.run(application(store, admin_token, **kw), name=APP_NAME, route_prefix="/", blocking=False)
     if not blocking:
         return
-    print(f"hkstore on Ray Serve: http://{host}:{port} (Ctrl-C or SIGTERM stops)", flush=True)
+    announce("serving on", host, port, "Ctrl-C or SIGTERM stops")
     import signal
     import threading
 
@@ -539,7 +577,7 @@ def run(store, admin_token, *, host="127.0.0.1", port=8080, address=None, blocki
 
 
 def cli_run(store, admin_token, *, host, port, ray_address=None, replicas=2, router="multiplex", autoscale=None,
-            **options):
+            token_source=None, **options):
     """`hkstore serve STORE --ray [--replicas N] [--ray-address A] [--router R] [--autoscale MIN:MAX]`."""
     import click
 
@@ -556,6 +594,6 @@ def cli_run(store, admin_token, *, host, port, ray_address=None, replicas=2, rou
         raise click.ClickException("--ray needs Ray Serve: pip install 'hkstore[ray]'") from None
     try:
         run(store, admin_token, host=host, port=port, address=ray_address, replicas=replicas, router=router,
-            autoscale=scale, **options)
+            autoscale=scale, token_source=token_source, **options)
     except (ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None

@@ -2,7 +2,7 @@
 
 from typing import Annotated, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StringConstraints, field_validator, model_validator
 
 from hkstore.store import NAME
 
@@ -232,34 +232,64 @@ class JobList(BaseModel):
     jobs: list[JobView]
 
 
-class EmbeddingsBody(Strict):
-    """OpenAI's embeddings request: ``model`` is a tenant (its PLOT version and PET) or the base
-    model (``base`` or its name: the root and the shared upper layers)."""
+TokenId = Annotated[StrictInt, Field(ge=0, lt=1 << 31)]  # strict: true and 1.0 are no token ids
 
-    input: Union[Text, Annotated[list[Text], Field(min_length=1, max_length=MAX_TEXTS)]]
+
+TokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=8192)]
+
+
+class EmbeddingsBody(Strict):
+    """OpenAI's embeddings request. ``model``: a tenant (its PLOT version and PET) or the base
+    model (``base``, or its name as /info and /v1/models show it). ``input``: a text, a list of
+    texts, a list of token ids (one input) or a list of lists of token ids, as OpenAI and TEI
+    take them; ids are the model's own vocabulary, special tokens included ([CLS] ... [SEP], as
+    its tokenizer gives them)."""
+
+    input: Union[Text, Annotated[list[Text], Field(min_length=1, max_length=MAX_TEXTS)], TokenIds,
+                 Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_TEXTS)]]
     model: Annotated[str, StringConstraints(min_length=1, max_length=64)] = "base"
-    encoding_format: Literal["float"] = "float"
-    truncate: Optional[bool] = None
-    user: Optional[str] = None
+    encoding_format: Literal["float", "base64"] = Field(
+        "float", description="float: lists of numbers; base64: each vector's little-endian float32 bytes, "
+                             "base64-encoded (what the openai client asks for by default)")
+    dimensions: Optional[Annotated[int, Field(ge=1, le=65536)]] = Field(
+        None, description="Keep the first `dimensions` components and L2-normalize them again (as OpenAI's "
+                          "text-embedding-3 models and TEI do); at most the model's dimension")
+    policy: Optional[Literal["fast", "exact"]] = Field(
+        None, description="exact: the whole encoder (the base model's own embedding, as sentence-transformers "
+                          "computes it; a tenant's from its version's full-context lower layers); fast: the lower "
+                          "layers from the PLOT (HMI's approximation). Default: exact for the base model, fast "
+                          "for a tenant")
+    truncate: Optional[bool] = Field(None, description="Cut inputs over the token limit instead of answering 422 "
+                                                       "(default: the server's --truncate)")
+    user: Optional[Annotated[str, StringConstraints(max_length=256)]] = None
 
     @model_validator(mode="after")
     def _not_blank(self):
-        for j, t in enumerate(self.all_texts()):
-            if not t.strip():
+        for j, t in enumerate(self.all_inputs()):
+            if isinstance(t, str) and not t.strip():
                 raise ValueError(f"input {j} is blank")
         return self
 
-    def all_texts(self) -> list:
-        return [self.input] if isinstance(self.input, str) else list(self.input)
+    def all_inputs(self) -> list:
+        """One entry per input: a text, or a list of token ids."""
+        if isinstance(self.input, str):
+            return [self.input]
+        if self.input and isinstance(self.input[0], int):
+            return [list(self.input)]
+        return list(self.input)
 
 
 class Health(BaseModel):
-    status: str = Field(description="ok, or degraded: the store is damaged (see reason; run hkstore verify)")
+    """Without the admin token only ``status``: the rest tells how the store is used and why it
+    is damaged (a file name), which a public probe need not know."""
+
+    status: str = Field(description="ok, or degraded: the store is damaged (the admin token sees the reason; "
+                                    "run hkstore verify)")
     reason: Optional[str] = None
-    device: str
-    mode: str
-    tenants: int
-    versions: int
-    queue_depth: int
-    jobs: dict
-    jobs_enabled: bool
+    device: Optional[str] = None
+    mode: Optional[str] = None
+    tenants: Optional[int] = None
+    versions: Optional[int] = None
+    queue_depth: Optional[int] = None
+    jobs: Optional[dict] = None
+    jobs_enabled: Optional[bool] = Field(None, description="manage jobs run: here, or (Ray) in the Manager replica")

@@ -13,10 +13,11 @@ the server), so a tenant names its store:
   A tenant of the other kind gets its own store's 4xx (an encoder tenant does not generate, a
   decoder tenant does not classify or embed). The token is checked from the header before the
   body is read, as by each app;
-- ``GET /v1/models``: every store's models this token reaches; ``/healthz``: every store's;
+- ``GET /v1/models``: every store's models this token reaches; ``/healthz`` and ``/info``: every
+  store's, under "stores" (what the token may see of each);
 - ``/stores/{name}/...``: everything of one store (``name``: its directory's name), e.g.
   ``POST /stores/{name}/v1/tenants`` to create a tenant there, ``/stores/{name}/metrics``.
-  Other store-wide routes at the top (``/metrics``, ``/info``, manage listings and creation)
+  Other store-wide routes at the top (``/metrics``, manage listings and creation)
   answer 400 naming these paths: which store is meant is not guessed.
 """
 
@@ -37,9 +38,10 @@ _SHARED_GETS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 
 
 def read_stores(paths) -> dict[str, dict]:
-    """{name: {"path", "decoder", "tenants", "base"}} of the stores, or ValueError when two share
-    a directory name or a tenant name."""
+    """{name: {"path", "decoder", "tenants", "base"}} of the stores ("base": the names a request may
+    give for the store's base model), or ValueError when two share a directory name or a tenant name."""
     import hkstore
+    from hkstore.model_name import accepted_names
     from runtime.model.stored import is_decoder_store
 
     stores, owner = {}, {}
@@ -51,7 +53,7 @@ def read_stores(paths) -> dict[str, dict]:
         with hkstore.open(path) as st:
             snap = st.snapshot()
             stores[name] = {"path": os.path.abspath(path), "decoder": is_decoder_store(snap.meta),
-                            "tenants": set(snap.pets), "base": snap.meta.get("base_model")}
+                            "tenants": set(snap.pets), "base": accepted_names(snap.meta)}
         for t in sorted(stores[name]["tenants"]):
             if t in owner:
                 raise ValueError(f"tenant {t!r} is in both {owner[t]} and {name}: tenant names must be unique across "
@@ -101,7 +103,7 @@ class StoresApp:
             return name
         kind = [n for n, s in self.stores.items() if s["decoder"] == decoder]
         for name in kind + [n for n in self.apps if n not in kind]:
-            if model == self.stores[name]["base"] or (model == "base" and name in kind):
+            if model in self.stores[name]["base"] or (model == "base" and name in kind):
                 return name
         return (kind or [self.first])[0]
 
@@ -138,14 +140,14 @@ class StoresApp:
             return await self.by_model(scope, receive, send, decoder=path in _GENERATE)
         if method == "GET" and path == "/v1/models":
             return await self.models(scope, send)
-        if method == "GET" and path == "/healthz":
-            return await self.health(send)
+        if method == "GET" and path in ("/healthz", "/info"):
+            return await self.each(scope, send, path)
         if method == "GET" and path in _SHARED_GETS:
             return await self.apps[self.first](scope, receive, send)
         headers = dict(scope.get("headers") or [])
         if path.startswith("/v1/") and (denied := self.denial(headers, admin=True)) is not None:
             return await _send_json(send, denied[0], {"detail": denied[1]}, [(b"connection", b"close")])
-        return await _send_json(send, 400 if path.startswith("/v1/") or path in ("/metrics", "/info") else 404,
+        return await _send_json(send, 400 if path.startswith("/v1/") or path == "/metrics" else 404,
                                 {"detail": f"this server serves several stores ({', '.join(self.apps)}): send "
                                            f"{path} to /stores/<name>{path}"})
 
@@ -196,9 +198,14 @@ class StoresApp:
             return await _send_json(send, status, json.loads(body))
         return await _send_json(send, 200, {"object": "list", "data": rows})
 
-    async def health(self, send):
-        answers = await asyncio.gather(*(call(app, "GET", "/healthz") for app in self.apps.values()))
+    async def each(self, scope, send, path):
+        """/healthz or /info of every store, as the caller's token sees them (the admin token
+        sees more), under "stores"; /healthz's status is ok when every store's is."""
+        headers = [(k, v) for k, v in scope.get("headers") or [] if k.lower() == b"authorization"]
+        answers = await asyncio.gather(*(call(app, "GET", path, headers=headers) for app in self.apps.values()))
         each = {name: json.loads(body) for name, (_, _, body) in zip(self.apps, answers)}
+        if path == "/info":
+            return await _send_json(send, 200, {"stores": each})
         ok = all(h.get("status") == "ok" for h in each.values())
         return await _send_json(send, 200, {"status": "ok" if ok else "degraded", "stores": each})
 
