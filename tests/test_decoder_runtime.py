@@ -35,12 +35,20 @@ def test_generate_and_stream_mixed_tenants(store):
                 {"prompt": "the cat sat on", "max_tokens": 4},
                 {"tenant": "acme", "prompt": "a dog", "max_tokens": 6, "temperature": 0.9, "seed": 3}]
         out = rt.generate(reqs)
-        assert out[0]["text"] == "the mat and the" and out[1]["ids"] != out[0]["ids"]
+        assert out[0]["text"] == " the mat and the" and out[1]["ids"] != out[0]["ids"]
         assert [o["prompt_tokens"] for o in out] == [5, 5, 3]
         last = {}
         for e in rt.stream(reqs):
             last[e["index"]] = e
         assert all(last[i]["finished"] and last[i]["text"] == out[i]["text"] for i in range(3))
+
+
+def test_a_prompt_of_token_ids_is_the_same_prompt(store):
+    with runtime.open(store) as rt:
+        ids = rt.decoder.tokenize(["the cat sat on"])[0]
+        text, by_ids = rt.generate([{"prompt": "the cat sat on", "max_tokens": 4, "seed": 1 << 70, "temperature": 1},
+                                    {"prompt": ids, "max_tokens": 4, "seed": 1 << 70, "temperature": 1}])
+        assert by_ids == text and by_ids["prompt_tokens"] == len(ids)
 
 
 @pytest.mark.parametrize("request_, error, message", [
@@ -49,6 +57,11 @@ def test_generate_and_stream_mixed_tenants(store):
     ({"prompt": "x", "max_tokens": 1000}, runtime.BadRequest, "context"),
     ({"prompt": "x", "colour": "red"}, runtime.BadRequest, "unknown request fields"),
     ({"text": "x"}, runtime.BadRequest, "prompt"),
+    ({"prompt": "the \udc00 cat"}, runtime.BadRequest, "not valid Unicode"),  # (the tokenizer: a TypeError)
+    ({"prompt": [2, 10**30]}, runtime.BadRequest, "token ids"),
+    ({"prompt": [2, -1]}, runtime.BadRequest, "token ids"),
+    ({"prompt": []}, runtime.BadRequest, "empty prompt"),
+    ({"prompt": "x", "seed": "7"}, runtime.BadRequest, "seed"),
 ])
 def test_bad_requests_are_refused_before_anything_runs(store, request_, error, message):
     with runtime.open(store) as rt:

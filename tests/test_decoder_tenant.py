@@ -88,7 +88,7 @@ def test_cli_tenant_create_and_generate_with_the_tenant(store_path):
     assert json.loads(r.output)["task"] == "lm"
     r = CliRunner().invoke(main, ["generate", s, "the cat sat on", "--tenant", "cli-acme", "--max-tokens", "4", "--json"])
     assert r.exit_code == 0, r.output
-    assert json.loads(r.output)["text"] == "the mat and the"
+    assert json.loads(r.output)["text"] == " the mat and the"
     r = CliRunner().invoke(main, ["generate", s, "the cat", "--tenant", "nobody"])
     assert r.exit_code == 1 and "unknown tenant" in r.output
 

@@ -33,7 +33,7 @@ def env(tmp_path_factory):
     torch.set_num_threads(threads)
     (tmp / "admin.token").write_text(ADMIN)
     token = issue(str(tmp / "s"), "acme")["token"]
-    server = Server(str(tmp / "s"), str(tmp / "admin.token"), "--queue-limit", 1)
+    server = Server(str(tmp / "s"), str(tmp / "admin.token"), "--queue-limit", 4)
     yield {"store": str(tmp / "s"), "server": server, "token": token, "tmp": tmp}
     server.stop()
 
@@ -83,11 +83,157 @@ def test_completions_and_chat_with_the_openai_client(env):
     assert {m.id for m in client(env, ADMIN).models.list()} == {"tiny-gpt2", "acme"}
 
 
+def test_the_openai_client_with_default_arguments(env):
+    """completions.create and chat.completions.create with nothing but model and prompt or
+    messages: OpenAI's defaults (temperature 1, max_tokens 16 or the rest of the context)."""
+    c = client(env, env["token"])
+    r = c.completions.create(model="acme", prompt="the cat")
+    assert len(r.choices) == 1 and r.choices[0].index == 0 and r.choices[0].finish_reason in ("length", "stop")
+    assert 1 <= r.usage.completion_tokens <= 16 and r.usage.prompt_tokens == 3 and r.choices[0].logprobs is None
+    r = c.chat.completions.create(model="acme", messages=[{"role": "user", "content": "the cat"}])
+    assert r.choices[0].message.role == "assistant" and isinstance(r.choices[0].message.content, str)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert [m.id for m in c.models.list()] == ["tiny-gpt2", "acme"]
+
+
+def test_a_completion_keeps_the_space_after_its_prompt(env):
+    """prompt + completion is the text of all the tokens: decoded in the prompt's context, not
+    alone ("the cat sat on" + "the mat" lost its space), streamed or not."""
+    c = client(env, env["token"])
+    with runtime.open(env["store"]) as rt:
+        want = rt.generate([{"tenant": "acme", "prompt": "the cat sat on", "max_tokens": 6}])[0]
+        prompt = rt.decoder.tokenize(["the cat sat on"])[0]
+        assert rt.decoder.decode(prompt) + want["text"] == rt.decoder.decode(prompt + want["ids"])
+    r = c.completions.create(model="acme", prompt="the cat sat on", max_tokens=6, temperature=0)
+    assert r.choices[0].text == want["text"] and r.choices[0].text.startswith(" ")
+    streamed = c.completions.create(model="acme", prompt="the cat sat on", max_tokens=6, temperature=0, stream=True)
+    assert "".join(ch.choices[0].text for ch in streamed) == want["text"]
+
+
+def test_n_choices_prompt_lists_and_token_ids_through_the_client(env):
+    """As vLLM serves them: n choices per prompt at index prompt_i * n + j, choice j seeded with
+    seed + j; prompts as strings, a list of strings, token ids, lists of token ids; usage counts
+    each prompt once and every choice's tokens."""
+    c = client(env, ADMIN)
+    prompts = ["the cat sat on", "a dog"]
+    with runtime.open(env["store"]) as rt:
+        ids = [rt.decoder.tokenize([p])[0] for p in prompts]
+        want = rt.generate([{"tenant": "acme", "prompt": p, "max_tokens": 5, "temperature": 1.3, "seed": 7 + j}
+                            for p in prompts for j in range(2)])
+    r = c.completions.create(model="acme", prompt=prompts, n=2, max_tokens=5, temperature=1.3, seed=7)
+    assert [ch.index for ch in r.choices] == [0, 1, 2, 3]
+    assert [ch.text for ch in r.choices] == [w["text"] for w in want]
+    assert r.usage.prompt_tokens == len(ids[0]) + len(ids[1])
+    assert r.usage.completion_tokens == sum(len(w["ids"]) for w in want)
+    assert r.choices[0].text != r.choices[1].text or want[0]["ids"] == want[1]["ids"]  # seed + j: they differ
+    by_ids = c.completions.create(model="acme", prompt=ids, n=2, max_tokens=5, temperature=1.3, seed=7)
+    assert [ch.text for ch in by_ids.choices] == [w["text"] for w in want] and by_ids.usage == r.usage
+    one = c.completions.create(model="acme", prompt=ids[1], max_tokens=5, temperature=1.3, seed=7)
+    assert one.choices[0].text == want[2]["text"]
+
+    # Streamed with n > 1: every chunk carries its choice's index; each choice's pieces make its text.
+    chunks = list(c.completions.create(model="acme", prompt=prompts, n=2, max_tokens=5, temperature=1.3, seed=7,
+                                       stream=True, stream_options={"include_usage": True}))
+    texts, reasons = {}, {}
+    for ch in chunks[:-1]:
+        (choice,) = ch.choices
+        texts[choice.index] = texts.get(choice.index, "") + choice.text
+        if choice.finish_reason:
+            reasons[choice.index] = choice.finish_reason
+    assert texts == {k: w["text"] for k, w in enumerate(want)} and set(reasons) == {0, 1, 2, 3}
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+    # Chat: n choices of the one prompt, seeded the same way.
+    messages = [{"role": "user", "content": "the dog sat on"}]
+    r = c.chat.completions.create(model="acme", messages=messages, n=2, max_tokens=4, temperature=1.3, seed=3)
+    with runtime.open(env["store"]) as rt:
+        want = rt.generate([{"tenant": "acme", "prompt": "user: the dog sat on\nassistant:", "max_tokens": 4,
+                             "temperature": 1.3, "seed": 3 + j} for j in range(2)])
+    assert [ch.index for ch in r.choices] == [0, 1]
+    assert [ch.message.content for ch in r.choices] == [w["text"] for w in want]
+    assert r.usage.completion_tokens == sum(len(w["ids"]) for w in want)
+    stream = c.chat.completions.create(model="acme", messages=messages, n=2, max_tokens=4, temperature=1.3, seed=3,
+                                       stream=True)
+    got = {}
+    for ch in stream:
+        for choice in ch.choices:
+            got[choice.index] = got.get(choice.index, "") + (choice.delta.content or "")
+    assert got == {0: want[0]["text"], 1: want[1]["text"]}
+
+
+def test_echo_with_and_without_logprobs(env):
+    """echo puts the prompt's text before the completion's (a string as sent, token ids decoded);
+    with logprobs, the prompt tokens' logprobs come first (the first null), the same values the
+    completion of a shorter prompt reports for those tokens; max_tokens 0 scores the prompt."""
+    c = client(env, ADMIN)
+    with runtime.open(env["store"]) as rt:
+        want = rt.generate([{"tenant": "acme", "prompt": "the cat sat on", "max_tokens": 4, "logprobs": 1}])[0]
+        prompt = rt.decoder.tokenize(["the cat sat on"])[0]
+        decode = rt.decoder.decode
+    r = c.completions.create(model="acme", prompt="the cat sat on", max_tokens=4, temperature=0, echo=True)
+    assert r.choices[0].text == "the cat sat on" + want["text"] and r.choices[0].logprobs is None
+    r = c.completions.create(model="acme", prompt=prompt, max_tokens=4, temperature=0, echo=True, logprobs=1)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == decode(prompt) + want["text"]
+    assert len(lp.tokens) == len(prompt) + len(want["ids"]) and lp.token_logprobs[0] is None
+    assert lp.top_logprobs[0] is None and all(len(t) == 1 for t in lp.top_logprobs[1:])
+    assert lp.token_logprobs[len(prompt):] == pytest.approx(want["logprobs"], abs=1e-4)
+    # Scoring: the whole text's logprobs, without generating; they match what generation reported.
+    scored = c.completions.create(model="acme", prompt=prompt + want["ids"], max_tokens=0, echo=True, logprobs=0)
+    assert scored.usage.completion_tokens == 0 and scored.choices[0].finish_reason == "length"
+    assert scored.choices[0].logprobs.token_logprobs[len(prompt):] == pytest.approx(want["logprobs"], abs=1e-4)
+    assert scored.choices[0].logprobs.token_logprobs[1:len(prompt)] == \
+        pytest.approx(lp.token_logprobs[1:len(prompt)], abs=1e-6)
+    # Streamed: each choice's prompt first, then its tokens.
+    chunks = list(c.completions.create(model="acme", prompt="the cat sat on", n=2, max_tokens=4, temperature=0,
+                                       echo=True, stream=True))
+    texts = {}
+    for ch in chunks:
+        texts[ch.choices[0].index] = texts.get(ch.choices[0].index, "") + ch.choices[0].text
+    assert texts == {0: "the cat sat on" + want["text"], 1: "the cat sat on" + want["text"]}
+
+
+def test_any_integer_seed_and_text_that_is_not_unicode(env):
+    """A seed past 64 bits is taken (modulo 2**64: the same text every time); a prompt or message
+    holding a lone surrogate (JSON's \\udc00) is refused with the encoder routes' 422."""
+    s = env["server"]
+    seed = 1180591620717411303424  # 2**70
+    body = {"model": "acme", "prompt": "a dog", "max_tokens": 5, "temperature": 1.2, "seed": seed}
+    chat = {"model": "acme", "messages": [{"role": "user", "content": "a dog"}], "max_tokens": 5,
+            "temperature": 1.2, "seed": seed}
+    for path, b in (("/v1/completions", body), ("/v1/chat/completions", chat)):
+        first, again = (s.client.post(path, json=b, headers=auth(ADMIN)) for _ in range(2))
+        assert first.status_code == again.status_code == 200, first.text
+        key = "text" if path == "/v1/completions" else "message"
+        assert first.json()["choices"][0][key] == again.json()["choices"][0][key]
+    with runtime.open(env["store"]) as rt:
+        same = rt.generate([{"prompt": "a dog", "max_tokens": 5, "temperature": 1.2, "seed": 0, "tenant": "acme"}])
+    r = s.client.post("/v1/completions", json=dict(body, seed=-seed), headers=auth(ADMIN))
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == same[0]["text"]  # -2**70 = 0 (mod 2**64)
+    lone = "the \udc00 cat"
+    for path, b in (("/v1/completions", dict(body, prompt=lone)), ("/v1/completions", dict(body, prompt=[lone])),
+                    ("/v1/completions", dict(body, stop=[lone])),
+                    ("/v1/chat/completions", dict(chat, messages=[{"role": "user", "content": lone}])),
+                    ("/v1/chat/completions", dict(chat, messages=[{"role": "user",
+                                                                   "content": [{"type": "text", "text": lone}]}]))):
+        r = s.client.post(path, content=json.dumps(b),  # (httpx's json= would not encode the surrogate)
+                          headers=dict(auth(ADMIN), **{"content-type": "application/json"}))
+        assert r.status_code == 422 and "unable to parse raw data as a unicode string" in r.text, (path, r.text)
+
+
 def test_bad_requests_get_clear_4xx(env):
     s = env["server"]
     ok = {"model": "acme", "prompt": "the cat"}
     cases = [({"model": "nobody", "prompt": "x"}, 404, "unknown model"),
-             (dict(ok, n=2), 400, "n must be 1"),
+             (dict(ok, n=0), 400, "n must be between 1 and 128"),
+             (dict(ok, n=5), 400, "more than the server's queue holds"),  # (--queue-limit 4)
+             (dict(ok, prompt=["a", "b", "c"], n=2), 400, "6 sequences"),
+             (dict(ok, prompt=[]), 400, "empty list"),
+             (dict(ok, prompt=[[]]), 400, "empty prompt"),
+             (dict(ok, prompt=[2, 10**6]), 400, "token ids"),
+             (dict(ok, max_tokens=0), 400, "0 only with echo"),
+             (dict(ok, best_of=2), 400, "best_of"),
+             (dict(ok, suffix="x"), 400, "suffix"),
              (dict(ok, prompt="the cat " * 600), 400, "context"),  # 1200 tokens, a context of 1024
              (dict(ok, max_tokens=1100), 400, "context"),
              (dict(ok, temperature=-1), 400, "temperature"),
@@ -97,9 +243,12 @@ def test_bad_requests_get_clear_4xx(env):
     for body, status, words in cases:
         r = s.client.post("/v1/completions", json=body, headers=auth(ADMIN))
         assert r.status_code == status and words in r.text, (body, r.status_code, r.text)
-    r = s.client.post("/v1/chat/completions", json={"model": "acme", "messages": [], "max_tokens": 2},
-                      headers=auth(ADMIN))
-    assert r.status_code == 400
+    chat = {"model": "acme", "messages": [{"role": "user", "content": "the cat"}], "max_tokens": 2}
+    for body, words in [(dict(chat, messages=[]), "at least one message"), (dict(chat, max_tokens=0), "max_tokens"),
+                        (dict(chat, messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "text content"),
+                        (dict(chat, n=5), "queue holds")]:
+        r = s.client.post("/v1/chat/completions", json=body, headers=auth(ADMIN))
+        assert r.status_code == 400 and words in r.text, (body, r.status_code, r.text)
     assert s.client.post("/v1/completions", json=ok).status_code == 401
     assert s.client.post("/v1/completions", json=ok, headers=auth("acme~wrong")).status_code == 401
     with pytest.raises(openai.NotFoundError):
@@ -117,13 +266,13 @@ def wait_for_a_place(s):
 
 
 def test_queue_bound_429_and_a_disconnect_cancels(env):
-    """The server holds one sequence (--queue-limit 1): a stream in progress keeps its place,
-    a second request gets 429; the stream's client going away frees it."""
+    """The server holds four sequences (--queue-limit 4): a stream of four choices in progress
+    keeps every place, another request gets 429; the stream's client going away frees them."""
     s = env["server"]
     body = {"model": "acme", "prompt": "the cat", "max_tokens": 1000, "temperature": 0, "stream": True}
     # (greedy, this tenant never chooses EOS: about a second of tokens)
     with httpx.Client(base_url=s.url, timeout=30) as c, \
-            c.stream("POST", "/v1/completions", json=body, headers=auth(ADMIN)) as r:
+            c.stream("POST", "/v1/completions", json=dict(body, n=4), headers=auth(ADMIN)) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         lines = r.iter_lines()  # (kept: a dropped iterator closes the response)
         first = next(lines)
@@ -222,7 +371,7 @@ def test_the_engine_keeps_an_idle_batcher_until_a_commit_lands(env, tmp_path):
                 if event["type"] == "error" or event.get("finished"):
                     done.set()
 
-            engine.submit({"prompt": "the cat", "max_tokens": 3}, sink)
+            engine.submit([{"prompt": "the cat", "max_tokens": 3}], sink)
             assert done.wait(60)
             for _ in range(100):  # the engine retires the batcher's work right after the last event
                 with engine.cond:

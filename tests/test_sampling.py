@@ -5,11 +5,13 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import hkstore
 from runtime.construct.plot import build_root
 from runtime.gen.plot_decode import PlotDecoder
-from runtime.gen.sampling import Chooser, SamplingParams, find_stop
+from runtime.gen.sampling import Chooser, SamplingParams, find_stop, generator_seed
 from runtime.model.decoder import load_decoder
 from runtime.model.tiny_decoder import make_tiny_decoder
 from runtime.plot.causal import KeyValuer
@@ -39,6 +41,16 @@ def test_seeded_sampling_is_reproducible_and_follows_the_distribution():
         assert {chooser(logits)[0] for _ in range(300)} == {0, 1}
 
 
+@pytest.mark.parametrize("temperature", [5e-324, 1e-30, 1e-9, 1e-6])
+def test_a_tiny_temperature_is_greedy(temperature):
+    """Below 1e-5, as vLLM: float32 logits / 1e-9 overflowed to inf, / 5e-324 (0 in float32) gave
+    NaN, and torch.multinomial refused the softmax (a 500 on the HTTP routes)."""
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(1)) * 10
+    for params in (SamplingParams(temperature=temperature, seed=2), SamplingParams(temperature=temperature, top_p=0.5),
+                   SamplingParams(temperature=temperature, top_k=3)):
+        assert Chooser(params)(logits)[0] == int(logits.argmax())
+
+
 def test_logprobs_are_of_the_unmodified_distribution():
     logits = torch.tensor([2.0, 1.0, 0.0])
     token, logprob, top = Chooser(SamplingParams(temperature=0.5, top_k=1, logprobs=2, seed=0))(logits)
@@ -48,7 +60,7 @@ def test_logprobs_are_of_the_unmodified_distribution():
 
 @pytest.mark.parametrize("change, message", [
     ({"temperature": -1}, "temperature"), ({"top_k": -2}, "top_k"), ({"top_p": 0}, "top_p"),
-    ({"max_tokens": 0}, "max_tokens"), ({"seed": -1}, "seed"), ({"stop": [""]}, "stop"),
+    ({"max_tokens": 0}, "max_tokens"), ({"seed": 1.5}, "seed"), ({"seed": True}, "seed"), ({"stop": [""]}, "stop"),
     ({"stop": "x"}, "stop"), ({"logprobs": 99}, "logprobs"), ({"ignore_eos": 1}, "ignore_eos"),
 ])
 def test_bad_parameters_are_refused(change, message):
@@ -58,6 +70,23 @@ def test_bad_parameters_are_refused(change, message):
 
 def test_find_stop():
     assert find_stop("a cat. and", [".", "and"]) == 5 and find_stop("abc", ["x"]) == -1
+    assert find_stop("a cat. and", [".", "and"], 6) == 7
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(min_value=-(1 << 200), max_value=1 << 200))
+def test_any_integer_seed_is_taken_modulo_2_64(seed):
+    """OpenAI's API takes any integer seed; torch.Generator only 64 bits. A seed is used modulo
+    2**64: one in [0, 2**64) as it is, any other as its residue, the same draws every time."""
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    draws = {Chooser(SamplingParams(temperature=1.0, seed=s))(logits)[0] for s in (seed, seed + (5 << 64))}
+    assert len(draws) == 1 and 0 <= generator_seed(seed) < 1 << 64
+    assert generator_seed(seed % (1 << 64)) == seed % (1 << 64)
+
+
+def test_the_campaign_seed_draws():
+    chooser = Chooser(SamplingParams(temperature=1.0, seed=1180591620717411303424))  # 2**70: overflowed torch
+    assert chooser.generator.initial_seed() == 0
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +105,9 @@ def test_generate_greedy_equals_greedy_and_reports_usage(gen):
     eos = gen.decoder.config.eos_id
     want = gen.greedy(prompt, 6, stop=eos)
     assert out["ids"] == [t for t in want if t != eos]
-    assert out["text"] == gen.decoder.decode(out["ids"])
+    # the text in the prompt's context: the space before the first word kept
+    assert gen.decoder.decode(prompt) + out["text"] == gen.decoder.decode(prompt + out["ids"])
+    assert out["text"].startswith(" ")
     assert out["finish_reason"] == ("stop" if eos in want else "length")
     assert out["prompt_tokens"] == len(prompt) and out["completion_tokens"] == len(out["ids"])
     assert all(lp <= 0 for lp in out["logprobs"]) and all(len(t) == 1 for t in out["top_logprobs"])
@@ -107,7 +138,7 @@ def test_generate_with_a_seed_is_reproducible_and_stops_at_a_stop_sequence(gen):
     if len(words) >= 2:
         cut = gen.generate(prompt, SamplingParams(temperature=1.5, top_p=0.95, seed=11, max_tokens=10,
                                                    stop=[" " + words[1]]))
-        assert cut["finish_reason"] == "stop" and cut["text"] == words[0]
+        assert cut["finish_reason"] == "stop" and cut["text"] == " " + words[0]
 
 
 def test_max_tokens_beyond_the_context_is_refused(gen):
@@ -137,3 +168,89 @@ def test_hkstore_generate(tmp_path):
     assert bad.exit_code == 1 and "context" in bad.output and "Traceback" not in bad.output
     no_gpu = CliRunner().invoke(main, ["generate", str(tmp_path / "s"), "the cat", "--device", "cuda"])
     assert no_gpu.exit_code == 1 and "--device cuda" in no_gpu.output and "Traceback" not in no_gpu.output
+
+
+# -- detokenization in context (runtime.gen.detok) ----------------------------------------------
+
+DETOK_TEXTS = TEXTS + ["naïve café — 東京 ☃ 😀 emoji", "don't stop, won't stop!", "  spaces\tand\nlines  "]
+
+
+def _tokenizers():
+    """Decoders that lose text when a completion is decoded alone: word-level joined by spaces
+    (the tests' tiny models), GPT-2's byte level (a character can span tokens), SentencePiece's
+    metaspace (the first word's space is dropped), Llama's byte fallback."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    from runtime.model.tiny_decoder import make_tokenizer
+
+    byte_level = Tokenizer(models.BPE())
+    byte_level.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level.decoder = decoders.ByteLevel()
+    byte_level.train_from_iterator(DETOK_TEXTS * 5, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    metaspace = Tokenizer(models.BPE(unk_token="<unk>"))
+    metaspace.pre_tokenizer = pre_tokenizers.Metaspace()
+    metaspace.decoder = decoders.Metaspace()
+    metaspace.train_from_iterator(DETOK_TEXTS * 5, trainers.BpeTrainer(vocab_size=200,
+                                                                      special_tokens=["<unk>", "<s>", "</s>"]))
+    fallback = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    fallback.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    fallback.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                          decoders.Strip(" ", 1, 0)])
+    fallback.train_from_iterator(DETOK_TEXTS * 5, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]))
+    return {"word": make_tokenizer(DETOK_TEXTS), "byte-level": byte_level, "metaspace": metaspace,
+            "byte-fallback": fallback}
+
+
+TOKENIZERS = _tokenizers()
+
+
+@pytest.mark.parametrize("name", sorted(TOKENIZERS))
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_streamed_deltas_are_the_completion_decoded_in_context(name, data):
+    """For any prompt and completion tokens (special ones, pieces of characters and all), the
+    deltas as the tokens arrive, then the flush, concatenate to decode(prompt + completion)
+    less decode(prompt): the completion's text in its context."""
+    from runtime.gen.detok import IncrementalText
+
+    tok = TOKENIZERS[name]
+    ids = st.integers(0, tok.get_vocab_size() - 1)
+    prompt, completion = data.draw(st.lists(ids, max_size=10)), data.draw(st.lists(ids, max_size=16))
+    text = IncrementalText(tok.decode, prompt)
+    deltas = [text.add(t) for t in completion] + [text.flush()]
+    assert "".join(deltas) == tok.decode(prompt + completion)[len(tok.decode(prompt)):]
+    assert all("\ufffd" not in d for d in deltas[:-1] if d) or "\ufffd" in tok.decode(prompt + completion)
+
+
+def test_a_completion_keeps_the_space_after_its_prompt():
+    """The bug: "The archive is" + "a string." (the completion decoded alone)."""
+    from runtime.gen.detok import IncrementalText
+
+    tok = TOKENIZERS["word"]
+    prompt, completion = tok.encode("the cat sat").ids, tok.encode("on the mat .", add_special_tokens=False).ids
+    text = IncrementalText(tok.decode, prompt)
+    assert "".join(text.add(t) for t in completion) + text.flush() == " on the mat ."
+
+
+@settings(max_examples=25, deadline=None)
+@given(words=st.lists(st.sampled_from(sorted({w for t in TEXTS for w in t.split()})), min_size=1, max_size=5),
+       seed=st.integers(0, 1 << 70), max_tokens=st.integers(1, 12))
+def test_batcher_events_are_the_completion_in_context(gen, words, seed, max_tokens):
+    """Through the batcher (sampled, through EOS): each event's text extends the one before, and
+    the last is decode(prompt + ids) less decode(prompt)."""
+    from runtime.gen.batcher import Batcher
+
+    dec = gen.decoder
+    prompt = dec.tokenize([" ".join(words)])[0]
+    if len(prompt) + max_tokens > dec.config.max_len:
+        return
+    b = Batcher(gen, 1 << 30)
+    rid = b.submit(prompt, SamplingParams(temperature=1.5, seed=seed, max_tokens=max_tokens, ignore_eos=True))
+    texts = []
+    while b.busy:
+        texts += [e.text for e in b.step() if e.id == rid]
+    out = b.result(rid)
+    assert all(later.startswith(earlier) for earlier, later in zip(texts, texts[1:]))
+    assert texts[-1] == out["text"] == dec.decode(prompt + out["ids"])[len(dec.decode(prompt)):]

@@ -7,11 +7,18 @@
 
 Every request of a call runs in one continuous batch (runtime.gen.batcher), each with its own
 tenant's PET (loaded once and kept); fields besides tenant and prompt are
-runtime.gen.sampling.SamplingParams'. A bad request (unknown tenant, an encoder tenant, bad
-sampling values, a prompt or max_tokens beyond the context) raises before anything runs.
+runtime.gen.sampling.SamplingParams'. A prompt is text (tokenized with the special tokens the
+tokenizer adds, a BOS for most) or a list of token ids (taken as they are). A completion's text
+is decoded in its prompt's context (runtime.gen.detok): prompt text + completion text is the
+text of all the tokens, its leading space included. A bad request (unknown tenant, an encoder
+tenant, bad sampling values, a prompt or max_tokens beyond the context, text that is not valid
+Unicode, token ids outside the vocabulary) raises before anything runs: BadRequest, or
+UnknownTenant.
 """
 
 from __future__ import annotations
+
+import torch
 
 from runtime.gen.sampling import SamplingParams
 
@@ -129,8 +136,8 @@ class DecoderRuntime:
         from runtime.errors import BadRequest
         from runtime.model.stored import load_lm_pet
 
-        if not isinstance(request, dict) or not isinstance(request.get("prompt"), str):
-            raise BadRequest("each request is an object with a string 'prompt'")
+        if not isinstance(request, dict) or not isinstance(request.get("prompt"), (str, list)):
+            raise BadRequest("each request is an object with a 'prompt': a string or a list of token ids")
         unknown = set(request) - {"tenant", "prompt", *FIELDS}
         if unknown:
             raise BadRequest(f"unknown request fields: {', '.join(sorted(unknown))}")
@@ -148,12 +155,50 @@ class DecoderRuntime:
             params = SamplingParams(**{k: request[k] for k in FIELDS if k in request}).check()
         except (TypeError, ValueError) as e:
             raise BadRequest(str(e)) from None
-        prompt = self.decoder.tokenize([request["prompt"]], max_len=1 << 30)[0]
+        prompt = self.prompt_ids(request["prompt"])
         c = self.decoder.config
         if not c.rotary and len(prompt) + params.max_tokens > c.max_len:
             raise BadRequest(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceed the model's "
                              f"context of {c.max_len}")
         return version, prompt, params, pet
+
+    def prompt_ids(self, prompt) -> list[int]:
+        """A prompt's token ids: text tokenized, a list of ids checked against the vocabulary;
+        BadRequest for anything else."""
+        from runtime.errors import BadRequest
+
+        if isinstance(prompt, str):
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError:  # (the tokenizer would raise a bare TypeError)
+                raise BadRequest("the prompt is not valid Unicode text (it holds a lone surrogate)") from None
+            return self.decoder.tokenize([prompt], max_len=1 << 30)[0]
+        vocab = self.decoder.config.vocab_size
+        if not isinstance(prompt, list) or not all(type(t) is int and 0 <= t < vocab for t in prompt):
+            raise BadRequest(f"a prompt of token ids is a list of integers in [0, {vocab})")
+        if not prompt:
+            raise BadRequest("an empty prompt: at least one token")
+        return list(prompt)
+
+    @torch.no_grad()
+    def prompt_logprobs(self, snap, version, prompt: list[int], pet=None, top: int = 0) -> list:
+        """Each prompt token's logprob given the tokens before it and its `top` most likely
+        alternatives there: [None, (logprob, [(token, logprob), ...]), ...] (nothing comes before
+        the first). One pass of the upper layers over the prompt on the reference decoder, as a
+        prefill computes its last position (what echo with logprobs reports)."""
+        from runtime.plot.retrieve import retrieve
+
+        h, mask, _ = retrieve(snap, version, [list(prompt)])
+        logprobs = torch.log_softmax(self.decoder.logits(self.decoder.upper(h, mask, pet)[0]).float(), -1)
+        out: list = [None]
+        for t in range(1, len(prompt)):
+            row = logprobs[t - 1]
+            alternatives = []
+            if top:
+                values, ids = row.topk(top)
+                alternatives = list(zip(ids.tolist(), values.tolist()))
+            out.append((float(row[prompt[t]]), alternatives))
+        return out
 
     def stream(self, requests):
         """Events as tokens are made: {"index", "token", "text" (the completion so far),

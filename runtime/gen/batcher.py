@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runtime.gen.detok import IncrementalText
 from runtime.gen.lora_batch import lora_only
 from runtime.gen.sampling import Chooser, SamplingParams, find_stop
 
@@ -38,7 +39,7 @@ from runtime.gen.sampling import Chooser, SamplingParams, find_stop
 class Event:
     id: int
     token: int | None  # None when the sequence ended without a new token (EOS, cancel)
-    text: str  # the completion's text so far
+    text: str  # the completion's text so far, decoded in the prompt's context (runtime.gen.detok)
     finished: bool
     finish_reason: str | None  # "stop", "length" or "cancelled" once finished
 
@@ -56,6 +57,7 @@ class _Request:
     logprobs: list[float] = field(default_factory=list)
     top: list = field(default_factory=list)
     text: str = ""
+    detok: IncrementalText | None = None
     finish: str | None = None
     submitted: float = 0.0
     last_token: float | None = None  # when its latest token was chosen
@@ -97,7 +99,8 @@ class Batcher:
         if len(prompt) + params.max_tokens > self.max_running * c.max_len:  # (a rotary model, past its context)
             raise ValueError(f"prompt + max_tokens ({len(prompt) + params.max_tokens} positions) exceed the KV pool "
                              f"of {self.max_running} x {c.max_len} positions")
-        req = _Request(next(self._ids), list(prompt), params, pet, need, submitted=time.perf_counter())
+        req = _Request(next(self._ids), list(prompt), params, pet, need, submitted=time.perf_counter(),
+                       detok=IncrementalText(self.gen.decoder.decode, prompt))
         self.waiting.append(req)
         return req.id
 
@@ -168,6 +171,7 @@ class Batcher:
                 continue
             token, logprob, top = req.chooser(logits[b], logprobs[b], argmax[b])
             if token == eos and not req.params.ignore_eos:
+                self._extend(req, req.detok.flush())
                 req.finish = "stop"
                 events.append(Event(req.id, None, req.text, True, req.finish))
                 continue
@@ -178,12 +182,10 @@ class Batcher:
             req.ids.append(token)
             req.logprobs.append(logprob)
             req.top.append(top)
-            req.text = self.gen.decoder.decode(req.ids)
-            if req.params.stop and (at := find_stop(req.text, req.params.stop)) >= 0:
-                req.text, req.finish = req.text[:at], "stop"
-            elif len(req.ids) == req.params.max_tokens:
+            last = len(req.ids) == req.params.max_tokens
+            if not self._extend(req, req.detok.add(token) + (req.detok.flush() if last else "")) and last:
                 req.finish = "length"
-            else:
+            if req.finish is None:
                 go_on.append(req)
                 tokens.append(token)
             events.append(Event(req.id, token, req.text, req.finish is not None, req.finish))
@@ -196,6 +198,19 @@ class Batcher:
             req.seq = None
             self.done[req.id] = req
         return events
+
+    @staticmethod
+    def _extend(req: _Request, delta: str) -> bool:
+        """Add delta to req's text; True when a stop sequence now occurs (the text ends before it)."""
+        if not delta:
+            return False
+        # a stop sequence not in the text before must overlap delta: search from there
+        start = max(0, len(req.text) - max(map(len, req.params.stop), default=1) + 1)
+        req.text += delta
+        if req.params.stop and (at := find_stop(req.text, req.params.stop, start)) >= 0:
+            req.text, req.finish = req.text[:at], "stop"
+            return True
+        return False
 
     def metrics(self) -> dict:
         """Running and waiting sequences, tokens made, tokens/s since the batcher began, and

@@ -5,12 +5,13 @@
     chooser = Chooser(params)
     token, logprob, top = chooser(logits)            # logits (vocab,) of one sequence
 
-temperature 0 is greedy (top_k, top_p and seed do not matter then). Otherwise the logits are
-divided by the temperature, cut to the top_k most likely (0: all), then to the smallest set
-whose probabilities reach top_p (the most likely token always stays), renormalized, and one
-token drawn with the sequence's own torch.Generator (seeded: the same request gives the same
-text). logprob is the chosen token's log-probability under the unmodified distribution (what
-OpenAI's API reports), top the `logprobs` most likely (token, logprob) pairs.
+temperature 0 (or below 1e-5) is greedy (top_k, top_p and seed do not matter then). Otherwise
+the logits are divided by the temperature, cut to the top_k most likely (0: all), then to the
+smallest set whose probabilities reach top_p (the most likely token always stays),
+renormalized, and one token drawn with the sequence's own torch.Generator (seeded: the same request gives the same
+text; any integer seed, taken modulo 2**64). logprob is the chosen token's log-probability
+under the unmodified distribution (what OpenAI's API reports), top the `logprobs` most likely
+(token, logprob) pairs.
 """
 
 from __future__ import annotations
@@ -18,6 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+
+# Temperatures below this are greedy, as vLLM's (its _SAMPLING_EPS): float32 logits divided by
+# a far smaller one overflow to inf, or by one that rounds to 0 in float32 become NaN.
+GREEDY_BELOW = 1e-5
 
 
 @dataclass
@@ -40,8 +46,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop) or len(self.stop) > 4:
             raise ValueError("stop must be a list of at most 4 non-empty strings")
         if not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20:
@@ -58,7 +64,7 @@ class Chooser:
         self.params = params.check()
         self.generator = torch.Generator()
         if params.seed is not None:
-            self.generator.manual_seed(params.seed)
+            self.generator.manual_seed(generator_seed(params.seed))
         else:
             self.generator.seed()
 
@@ -70,7 +76,7 @@ class Chooser:
         logits = logits.float()
         if logprobs is None:
             logprobs = torch.log_softmax(logits, -1)
-        if p.temperature == 0:
+        if p.temperature < GREEDY_BELOW:
             token = int(logits.argmax()) if argmax is None else argmax
         else:
             scaled = logits / p.temperature
@@ -90,7 +96,14 @@ class Chooser:
         return token, float(logprobs[token]), top
 
 
-def find_stop(text: str, stops: list[str]) -> int:
-    """Index in text where the earliest stop sequence begins, -1 if none occurs."""
-    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+def generator_seed(seed: int) -> int:
+    """Any integer as a torch.Generator seed: its residue modulo 2**64. OpenAI's API takes any
+    integer seed, torch.Generator only 64 bits; the residue keeps every seed in [0, 2**64) as it
+    is (and a negative one as its two's complement), so the same request still gives the same text."""
+    return seed % (1 << 64)
+
+
+def find_stop(text: str, stops: list[str], start: int = 0) -> int:
+    """Index in text where the earliest stop sequence at or after start begins, -1 if none occurs."""
+    found = [i for i in (text.find(s, start) for s in stops) if i >= 0]
     return min(found) if found else -1

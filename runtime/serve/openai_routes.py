@@ -1,29 +1,48 @@
 """OpenAI-compatible text generation on ``hkstore serve`` over a decoder store.
 
     POST /v1/completions        {"model", "prompt", "max_tokens", "temperature", "top_p", "stop", "seed",
-                                 "logprobs", "stream", ...}
-    POST /v1/chat/completions   {"model", "messages": [{"role", "content"}], ..., "logprobs", "top_logprobs"}
+                                 "n", "echo", "logprobs", "stream", ...}
+    POST /v1/chat/completions   {"model", "messages": [{"role", "content"}], "n", ..., "logprobs", "top_logprobs"}
     GET  /v1/models             the models this token reaches: the base model and tenants
 
 ``model`` names a tenant (its lm PET and PLOT version) or the base model (``base``, unless a
 tenant has that name, or the base model's own name as /v1/models lists it). A tenant's token
 reaches its own tenant and the base model; the admin token reaches every one.
 
+**Prompts and choices** (as vLLM serves them). ``prompt`` is a string, a list of strings, a list
+of token ids or a list of lists of token ids (ids are taken as they are: no BOS is added); each
+prompt gets ``n`` choices (at most 128), choice j of prompt i at index i * n + j. A seeded
+request draws choice j with seed + j (the n samples differ and repeat); any integer seed is
+taken (modulo 2**64). ``echo`` puts the prompt's text before each choice's (a string prompt as
+sent, token ids decoded) and, with ``logprobs``, the prompt tokens' logprobs before the
+completion's (the first token's is null: nothing comes before it; one pass of the upper
+layers over the prompt, as its prefill, computes them); ``max_tokens: 0`` with
+``echo`` scores the prompt without generating. ``usage`` counts each prompt once and every
+choice's tokens. Chat takes ``n`` the same way (choice j at index j).
+
+**Text.** A completion's text is decoded in its prompt's context (runtime.gen.detok), so prompt
+text + completion text is the text of all the tokens: "the archive is" + " a string." Streamed
+pieces concatenate to the same text.
+
 **Chat template.** The messages become one prompt: a line ``<role>: <content>`` per message,
 then ``assistant:``; the completion of that prompt is the assistant's answer (pass
-``stop: ["\\nuser:"]`` to end it at the next turn).
+``stop: ["\\nuser:"]`` to end it at the next turn). Content is a string or text parts.
 
 **Engine.** One thread runs a continuous batcher (runtime.gen.batcher, one per PLOT version)
 for every request of the server: requests join and leave between decoding steps. A request
-that would hold more than the server's queue limit of sequences (waiting and running) is
-answered 429 with Retry-After. ``stream: true`` answers server-sent events, one ``data: {chunk}``
-per token and a final ``data: [DONE]``; a client that disconnects cancels its sequence.
-Extensions beside OpenAI's fields: ``top_k`` and vLLM's ``ignore_eos`` (run to max_tokens or a stop).
-Only n = 1 (400 otherwise); temperature defaults to 1 and max_tokens to 16 (completions) or
-what is left of the context, at most 256 (chat), as OpenAI's. Bad requests (unknown model:
-404; prompt or prompt + max_tokens beyond the context, invalid sampling values, an encoder
-tenant or store asked to generate: 400) are refused before anything runs. /metrics gains the
-running and waiting sequences, tokens made, time to first token and inter-token latency.
+whose sequences (prompts x n) would bring the server's sequences (waiting and running) past
+its queue limit is answered 429 with Retry-After; one with more sequences than the limit, 400.
+``stream: true`` answers server-sent events, one ``data: {chunk}`` per token carrying its
+choice's index (with echo, first each choice's prompt) and a final ``data: [DONE]``; a client
+that disconnects cancels its sequences. Extensions beside OpenAI's fields: ``top_k`` (0 or -1:
+all) and vLLM's ``ignore_eos`` (run to max_tokens or a stop). temperature defaults to 1 and
+max_tokens to 16 (completions) or what is left of the context, at most 256 (chat), as
+OpenAI's. Bad requests are refused before anything runs: unknown model 404; a body that does
+not fit the schema (text that is not valid Unicode included) 422; prompt or prompt + max_tokens
+beyond the context, token ids outside the vocabulary, invalid sampling values, best_of other
+than n, suffix, penalties, logit_bias, an encoder tenant or store asked to generate: 400.
+/metrics gains the running and waiting sequences, tokens made, time to first token and
+inter-token latency.
 """
 
 from __future__ import annotations
@@ -34,48 +53,67 @@ import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
+from typing import Annotated, Union
 
 from fastapi import Depends, Request
 from fastapi.responses import Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, StringConstraints
 
 CHAT_DEFAULT_MAX_TOKENS = 256
+MAX_N = 128  # choices per prompt, OpenAI's bound
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+# A length bound makes pydantic check that a string is valid Unicode (a lone surrogate, which
+# JSON's \udc00 escape can carry, is refused with 422 as on the encoder routes; the tokenizer
+# and the JSON encoder of an answer would fail on it). The body limit bounds it anyway.
+Text = Annotated[str, StringConstraints(max_length=1 << 20)]
+Name = Annotated[str, StringConstraints(max_length=256)]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool | None = None
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    model: str
+    model: Name
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None  # not OpenAI's: an extension (0: all)
+    top_k: int | None = None  # not OpenAI's: an extension (0 or -1: all)
     ignore_eos: bool | None = None  # not OpenAI's: vLLM's extension (run to max_tokens or a stop sequence)
     n: int | None = None
     stream: bool | None = False
-    stream_options: dict | None = None
-    stop: str | list[str] | None = None
+    stream_options: StreamOptions | None = None
+    stop: Text | list[Text] | None = None
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict | None = None
-    user: str | None = None
+    user: Text | None = None
 
 
 class CompletionBody(_Body):
-    prompt: str | list[str]
+    prompt: Union[Text, list[Text], list[int], list[list[int]]]
     logprobs: int | None = None
     echo: bool | None = None
     best_of: int | None = None
-    suffix: str | None = None
+    suffix: Text | None = None
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Name
+    text: Text | None = None
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: str
-    content: str | list[dict] | None = None
+    role: Name
+    content: Text | list[ContentPart] | None = None
 
 
 class ChatBody(_Body):
@@ -90,17 +128,23 @@ def chat_prompt(messages) -> str:
     lines = []
     for m in messages:
         content = m.content
-        if isinstance(content, list):  # content parts: the text ones
-            content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
+        if isinstance(content, list):  # content parts: text only (a text model)
+            kinds = sorted({p.type for p in content} - {"text"})
+            if kinds:
+                raise ValueError(f"only text content parts are served, got {', '.join(map(repr, kinds))}")
+            content = "".join(p.text or "" for p in content)
         lines.append(f"{m.role}: {content or ''}\n")
     return "".join(lines) + "assistant:"
 
 
 class _Handle:
-    __slots__ = ("cancelled", "key", "released", "request", "sink")
+    """One HTTP request's sequences in the engine: requests[i] is choice i."""
 
-    def __init__(self, request, sink):
-        self.request, self.sink, self.key, self.cancelled, self.released = request, sink, None, False, False
+    __slots__ = ("cancelled", "keys", "prompt_logprobs", "released", "requests", "sink")
+
+    def __init__(self, requests, sink, prompt_logprobs):
+        self.requests, self.sink, self.prompt_logprobs = requests, sink, prompt_logprobs
+        self.keys, self.cancelled, self.released = [], False, False
 
 
 def _stale(batcher, snap) -> bool:
@@ -113,29 +157,33 @@ def _stale(batcher, snap) -> bool:
 class GenEngine:
     """One thread, one continuous batcher per PLOT version, for every generation request.
 
-    submit(request, sink) -> handle or None (the queue is full); sink(event) is called from the
-    engine thread: {"type": "accepted", "prompt_tokens"}, then {"type": "token", ...} per token
-    (the last with finished True), or {"type": "error", "error": exception} instead."""
+    submit(requests, sink, prompt_logprobs=None) -> handle, or None (the queue is full): one
+    sequence per request dict (a choice); sink(event) is called from the engine thread:
+    {"type": "accepted", "prompts": [ids per choice], "prompt_logprobs": [per choice, when
+    asked: runtime.gen.api's prompt_logprobs with that many alternatives]}, then
+    {"type": "token", "index": choice, ...} per token (a choice's last with finished True), or
+    {"type": "error", "error": exception} instead. A choice with max_tokens 0 makes no token:
+    its one event is finished at once."""
 
     def __init__(self, rt, metrics, queue_limit: int):
         self.rt, self.queue_limit = rt, queue_limit
         self.cond = threading.Condition()
         self.inbox: list[_Handle] = []
         self.cancels: list[_Handle] = []
-        self.live = 0  # requests submitted and not finished (inbox, waiting, running)
+        self.live = 0  # sequences submitted and not finished (inbox, waiting, running)
         self.batchers: dict[str, object] = {}
-        self.handles: dict[tuple[str, int], _Handle] = {}
+        self.handles: dict[tuple[str, int], tuple[_Handle, int]] = {}  # (version, id) -> (handle, choice)
         self.stopping = False
         self.m = metrics
         self.thread = threading.Thread(target=self._run, name="hkstore-gen", daemon=True)
         self.thread.start()
 
-    def submit(self, request: dict, sink):
+    def submit(self, requests: list[dict], sink, prompt_logprobs: int | None = None):
         with self.cond:
-            if self.live >= self.queue_limit:
+            if self.live + len(requests) > self.queue_limit:
                 return None
-            self.live += 1
-            h = _Handle(request, sink)
+            self.live += len(requests)
+            h = _Handle(list(requests), sink, prompt_logprobs)
             self.inbox.append(h)
             self.cond.notify()
             return h
@@ -154,41 +202,71 @@ class GenEngine:
         self.thread.join(30)
 
     def release(self, h: _Handle):
-        """The request's HTTP answer is over (sent, refused or abandoned): its place in the queue
-        frees. A stream holds its place until its client has read it all or gone away."""
+        """The request's HTTP answer is over (sent, refused or abandoned): its places in the queue
+        free. A stream holds them until its client has read it all or gone away."""
         with self.cond:
             if not h.released:
                 h.released = True
-                self.live -= 1
+                self.live -= len(h.requests)
 
     def _admit(self, h: _Handle):
         import runtime
 
+        rt = self.rt
+        submitted = []
         try:
-            rt = self.rt
             snap = rt.store.snapshot()
-            request = h.request
             c = rt.decoder.config
-            prompt = rt.decoder.tokenize([request["prompt"]], max_len=1 << 30)[0]
-            if not c.rotary and len(prompt) >= c.max_len:
-                raise runtime.BadRequest(f"the prompt is {len(prompt)} tokens, the model's context holds {c.max_len}")
-            if request.get("max_tokens") is None:
-                request = dict(request, max_tokens=max(1, min(CHAT_DEFAULT_MAX_TOKENS, c.max_len - len(prompt)))
-                               if not c.rotary else CHAT_DEFAULT_MAX_TOKENS)
-            version, prompt, params, pet = rt.parse(snap, request)
-            batcher = self.batchers.get(version)
-            if batcher is None or _stale(batcher, snap):
-                batcher = self.batchers[version] = rt.batcher(snap, version)
-            try:
-                rid = batcher.submit(prompt, params, pet)
-            except ValueError as e:
-                raise runtime.BadRequest(str(e)) from None
+            ids_of = {}  # the n choices of a prompt share its object: tokenized once
+            parsed = []
+            for request in h.requests:
+                text = request["prompt"]
+                if id(text) not in ids_of:
+                    ids_of[id(text)] = rt.prompt_ids(text)
+                prompt = ids_of[id(text)]
+                if not c.rotary and len(prompt) >= c.max_len:
+                    raise runtime.BadRequest(f"the prompt is {len(prompt)} tokens, the model's context holds "
+                                             f"{c.max_len}")
+                max_tokens = request.get("max_tokens")
+                if max_tokens is None:
+                    max_tokens = max(1, min(CHAT_DEFAULT_MAX_TOKENS, c.max_len - len(prompt))) \
+                        if not c.rotary else CHAT_DEFAULT_MAX_TOKENS
+                scoring = max_tokens == 0  # echo's prompt logprobs only: nothing to generate
+                version, prompt, params, pet = rt.parse(snap, dict(request, prompt=prompt,
+                                                                   max_tokens=1 if scoring else max_tokens))
+                parsed.append((version, prompt, None if scoring else params, pet))
+            prompt_lps = [None] * len(parsed)
+            if h.prompt_logprobs is not None:
+                memo = {}
+                for i, (version, prompt, _, pet) in enumerate(parsed):
+                    key = (version, id(pet), tuple(prompt))
+                    if key not in memo:
+                        memo[key] = rt.prompt_logprobs(snap, version, prompt, pet, h.prompt_logprobs)
+                    prompt_lps[i] = memo[key]
+            for i, (version, prompt, params, pet) in enumerate(parsed):
+                if params is None:
+                    continue
+                batcher = self.batchers.get(version)
+                if batcher is None or _stale(batcher, snap):
+                    batcher = self.batchers[version] = rt.batcher(snap, version)
+                try:
+                    submitted.append(((version, batcher.submit(prompt, params, pet)), i))
+                except ValueError as e:
+                    raise runtime.BadRequest(str(e)) from None
         except Exception as e:  # noqa: BLE001 - the request's answer (4xx or 500), the engine goes on
+            for (version, rid), _ in submitted:  # (still waiting: none has run)
+                self.batchers[version].cancel(rid)
+                self.batchers[version].done.pop(rid, None)
             h.sink({"type": "error", "error": e})
             return
-        h.key = (version, rid)
-        self.handles[h.key] = h
-        h.sink({"type": "accepted", "prompt_tokens": len(prompt)})
+        for key, i in submitted:
+            h.keys.append(key)
+            self.handles[key] = (h, i)
+        h.sink({"type": "accepted", "prompts": [p for _, p, _, _ in parsed], "prompt_logprobs": prompt_lps})
+        for i, (_, _, params, _) in enumerate(parsed):
+            if params is None:
+                h.sink({"type": "token", "index": i, "token": None, "text": "", "finished": True,
+                        "finish_reason": "length", "completion_tokens": 0})
 
     def _run(self):
         while True:
@@ -203,9 +281,12 @@ class GenEngine:
                 if not h.cancelled:
                     self._admit(h)
             for h in cancels:
-                if h.key is not None and self.handles.get(h.key) is h:  # not finished (batchers' ids recur)
-                    del self.handles[h.key]
-                    version, rid = h.key
+                for key in h.keys:
+                    entry = self.handles.get(key)
+                    if entry is None or entry[0] is not h:  # finished (batchers' ids recur)
+                        continue
+                    del self.handles[key]
+                    version, rid = key
                     b = self.batchers.get(version)
                     if b is not None:
                         b.cancel(rid)
@@ -217,27 +298,34 @@ class GenEngine:
                 if _stale(b, newest):
                     del self.batchers[version]
             self._gauges()
-        for key, h in list(self.handles.items()):
-            h.sink({"type": "error", "error": RuntimeError("the server is shutting down")})
+        told = set()
+        for h, _ in list(self.handles.values()):
+            if id(h) not in told:
+                told.add(id(h))
+                h.sink({"type": "error", "error": RuntimeError("the server is shutting down")})
 
     def _step(self, version, b):
         try:
             events = b.step()
         except Exception as e:  # noqa: BLE001 - every sequence of the batcher gets the error, the engine goes on
+            told = set()
             for key in [k for k in self.handles if k[0] == version]:
-                h = self.handles.pop(key)
-                h.sink({"type": "error", "error": e})
+                h, _ = self.handles.pop(key)
+                if id(h) not in told:
+                    told.add(id(h))
+                    h.sink({"type": "error", "error": e})
             del self.batchers[version]
             return
         running = {r.id: r for r in b.running}
         for e in events:
-            h = self.handles.get((version, e.id))
+            entry = self.handles.get((version, e.id))
             req = running.get(e.id) or b.done.get(e.id)
             if e.finished:
                 b.done.pop(e.id, None)
-            if h is None:  # cancelled
+            if entry is None:  # cancelled
                 continue
-            out = {"type": "token", "token": e.token, "text": e.text, "finished": e.finished,
+            h, index = entry
+            out = {"type": "token", "index": index, "token": e.token, "text": e.text, "finished": e.finished,
                    "finish_reason": e.finish_reason, "completion_tokens": len(req.ids) if req else 0}
             if e.token is not None and req is not None:
                 out["logprob"], out["top"] = req.logprobs[-1], req.top[-1]
@@ -254,7 +342,8 @@ class GenEngine:
 
     def _gauges(self):
         self.m["running"].set(sum(len(b.running) for b in self.batchers.values()))
-        self.m["waiting"].set(sum(len(b.waiting) for b in self.batchers.values()) + len(self.inbox))
+        self.m["waiting"].set(sum(len(b.waiting) for b in self.batchers.values()) +
+                              sum(len(h.requests) for h in self.inbox))
 
 
 def _metrics(registry):
@@ -324,35 +413,50 @@ def add_openai_routes(app, svc, bearer, HTTPError):
                                  "they do not generate")
         return tenant
 
-    def common(body: _Body, tenant, prompt, max_tokens, logprobs):
-        if body.n not in (None, 1):
-            raise HTTPError(400, f"n must be 1 (one completion per request), got {body.n}")
+    def common(body: _Body, tenant, max_tokens, logprobs) -> dict:
+        """The sampling fields every choice of the request shares (runtime.gen.api's request)."""
+        n = 1 if body.n is None else body.n
+        if not 1 <= n <= MAX_N:
+            raise HTTPError(400, f"n must be between 1 and {MAX_N}, got {n}")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(body, name) not in (None, 0, 0.0):
                 raise HTTPError(400, f"{name} is not supported (0 only)")
         if body.logit_bias:
             raise HTTPError(400, "logit_bias is not supported")
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        req = {"prompt": prompt, "temperature": 1.0 if body.temperature is None else body.temperature,
+        req = {"temperature": 1.0 if body.temperature is None else body.temperature,
                "top_p": 1.0 if body.top_p is None else body.top_p, "stop": stop, "logprobs": logprobs}
         if tenant is not None:
             req["tenant"] = tenant
         if max_tokens is not None:
             req["max_tokens"] = max_tokens
-        if body.seed is not None:
-            req["seed"] = body.seed
         if body.top_k is not None:
-            req["top_k"] = body.top_k
+            req["top_k"] = 0 if body.top_k == -1 else body.top_k  # vLLM's -1: no cut
         if body.ignore_eos:
             req["ignore_eos"] = True
         return req
 
-    async def run(route, body, request, creds, tenant, gen_request, want_logprobs, render_final, render_chunk):
+    def choices(body: _Body, shared: dict, prompts: list) -> list[dict]:
+        """One request per choice: prompt i's choice j at i * n + j, seeded with seed + j."""
+        n = 1 if body.n is None else body.n
+        if len(prompts) * n > svc.queue_limit:
+            raise HTTPError(400, f"{len(prompts)} prompt(s) x n = {n} make {len(prompts) * n} sequences, more than "
+                                 f"the server's queue holds ({svc.queue_limit})")
+        out = []
+        for p in prompts:
+            for j in range(n):
+                r = dict(shared, prompt=p)
+                if body.seed is not None:
+                    r["seed"] = body.seed + j
+                out.append(r)
+        return out
+
+    async def run(route, body, request, subs, n, want_logprobs, prompt_logprobs, render):
         """Submit, wait for admission (4xx before any byte), then answer at once or by SSE."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         eng = engine()
-        h = eng.submit(gen_request, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev))
+        h = eng.submit(subs, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev), prompt_logprobs)
         if h is None:
             metrics["requests"].labels(route, "429").inc()
             svc.metrics.rejected.labels("queue_full").inc()
@@ -360,15 +464,14 @@ def add_openai_routes(app, svc, bearer, HTTPError):
                             {"Retry-After": "1"})
         streaming = False
         try:
-            response = await answer(route, body, request, h, eng, queue, gen_request, want_logprobs, render_final,
-                                    render_chunk)
+            response = await answer(route, body, request, h, eng, queue, subs, n, want_logprobs, render)
             streaming = isinstance(response, _Stream)  # it releases h once sent or abandoned
             return response
         finally:
             if not streaming:
                 eng.release(h)
 
-    async def answer(route, body, request, h, eng, queue, gen_request, want_logprobs, render_final, render_chunk):
+    async def answer(route, body, request, h, eng, queue, subs, n, want_logprobs, render):
         try:
             first = await queue.get()
         except asyncio.CancelledError:
@@ -384,7 +487,9 @@ def add_openai_routes(app, svc, bearer, HTTPError):
             if status == 500:
                 raise e
             raise HTTPError(status, str(e))
-        prompt_tokens = first["prompt_tokens"]
+        prompts = first["prompts"]
+        k = len(subs)
+        prompt_tokens = sum(len(prompts[i]) for i in range(0, k, n))  # each prompt once, not per choice
         cid, created = f"{'chatcmpl' if route == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time())
         token_text = svc.rt.decoder.decode
 
@@ -394,15 +499,27 @@ def add_openai_routes(app, svc, bearer, HTTPError):
             return {"token": token_text([ev["token"]]), "logprob": ev["logprob"],
                     "top": [(token_text([t]), lp) for t, lp in ev["top"]]}
 
+        def prompt_view(c):
+            """Choice c's echo: (the prompt's text, its tokens' logprob views or None)."""
+            p = subs[c]["prompt"]
+            text = p if isinstance(p, str) else token_text(p)
+            plps = first["prompt_logprobs"][c]
+            if plps is None:
+                return text, None
+            return text, [{"token": token_text([t]), "logprob": None if x is None else x[0],
+                           "top": None if x is None else [(token_text([a]), lp) for a, lp in x[1]]}
+                          for t, x in zip(prompts[c], plps)]
+
         def usage(completion_tokens):
             return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                     "total_tokens": prompt_tokens + completion_tokens}
 
         if not body.stream:
             waiter = asyncio.ensure_future(_disconnected(request))
+            lps = [[] for _ in range(k)]
+            last = [None] * k
             try:
-                lps, last = [], None
-                while True:
+                while any(x is None for x in last):
                     getter = asyncio.ensure_future(queue.get())
                     done, _ = await asyncio.wait({getter, waiter}, return_when=asyncio.FIRST_COMPLETED)
                     if getter not in done:
@@ -412,52 +529,57 @@ def add_openai_routes(app, svc, bearer, HTTPError):
                         return Response(status_code=499)  # nobody reads it
                     ev = getter.result()
                     if ev["type"] == "error":
+                        eng.cancel(h)  # (the other choices)
                         raise ev["error"]
+                    c = ev["index"]
                     if (lp := logprob_view(ev)) is not None:
-                        lps.append(lp)
+                        lps[c].append(lp)
                     if ev["finished"]:
-                        last = ev
-                        break
+                        last[c] = ev
             except asyncio.CancelledError:
                 eng.cancel(h)
                 raise
             finally:
                 waiter.cancel()
             metrics["requests"].labels(route, "200").inc()
-            return render_final(cid, created, last["text"], last["finish_reason"], lps if want_logprobs else None,
-                                usage(last["completion_tokens"]))
+            out = [{"index": c, "text": last[c]["text"], "finish_reason": last[c]["finish_reason"],
+                    "logprobs": lps[c] if want_logprobs else None, "echo": prompt_view(c) if render.echo else None}
+                   for c in range(k)]
+            return render.final(cid, created, out, usage(sum(x["completion_tokens"] for x in last)))
 
-        include_usage = bool((body.stream_options or {}).get("include_usage"))
-        stops = gen_request.get("stop") or []
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        stops = subs[0].get("stop") or []
 
         async def events():
-            sent, finished = "", False
+            sent, finished, made = [""] * k, [False] * k, [0] * k
             try:
-                head = render_chunk(cid, created, None, None, None, first=True)
-                if head is not None:
-                    yield _sse(head)
-                while True:
+                for c in range(k):
+                    head = render.head(cid, created, c, prompt_view(c) if render.echo else None)
+                    if head is not None:
+                        yield _sse(head)
+                while not all(finished):
                     ev = await queue.get()
                     if ev["type"] == "error":
                         yield _sse({"error": {"message": str(ev["error"]), "type": "server_error"}})
                         break
-                    text = ev["text"]
+                    c, text = ev["index"], ev["text"]
                     upto = len(text) if ev["finished"] else len(text) - _stop_prefix(text, stops)
-                    delta = text[len(sent):upto] if text.startswith(sent) else text[len(sent):]
+                    delta = text[len(sent[c]):upto] if text.startswith(sent[c]) else text[len(sent[c]):]
                     if delta or ev["finished"] or (want_logprobs and ev.get("token") is not None):
-                        sent += delta
-                        yield _sse(render_chunk(cid, created, delta, ev["finish_reason"] if ev["finished"] else None,
-                                                logprob_view(ev)))
+                        sent[c] += delta
+                        yield _sse(render.chunk(cid, created, c, delta,
+                                                ev["finish_reason"] if ev["finished"] else None, logprob_view(ev)))
                     if ev["finished"]:
-                        finished = True
-                        if include_usage:
-                            yield _sse({"id": cid, "object": _chunk_object(route), "created": created,
-                                        "model": body.model, "choices": [], "usage": usage(ev["completion_tokens"])})
-                        break
-                yield "data: [DONE]\n\n"
-                metrics["requests"].labels(route, "200").inc()
+                        finished[c], made[c] = True, ev["completion_tokens"]
+                if all(finished):
+                    eng.release(h)  # its sequences are done: free their places before the client reads the end
+                    if include_usage:
+                        yield _sse({"id": cid, "object": _chunk_object(route), "created": created,
+                                    "model": body.model, "choices": [], "usage": usage(sum(made))})
+                    yield "data: [DONE]\n\n"
+                    metrics["requests"].labels(route, "200").inc()
             finally:
-                if not finished:  # the client went away (or an error): free the sequence
+                if not all(finished):  # the client went away (or an error): free the sequences
                     eng.cancel(h)
                     metrics["requests"].labels(route, "499").inc()
 
@@ -468,8 +590,8 @@ def add_openai_routes(app, svc, bearer, HTTPError):
         return _Stream(events(), closed, media_type="text/event-stream",
                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    errors = {400: {"description": "invalid request: sampling values, n != 1, prompt or max_tokens beyond the "
-                                   "context, an encoder tenant or store"},
+    errors = {400: {"description": "invalid request: sampling values, n, prompt or max_tokens beyond the "
+                                   "context, token ids outside the vocabulary, an encoder tenant or store"},
               401: {"description": "missing or invalid token"}, 403: {"description": "not this tenant's token"},
               404: {"description": "unknown model"}, 422: {"description": "invalid request body"},
               429: {"description": "the generation queue is full (Retry-After)"}}
@@ -479,31 +601,27 @@ def add_openai_routes(app, svc, bearer, HTTPError):
         """OpenAI-compatible text completion of ``prompt`` by ``model`` (a tenant or the base model)."""
         tenant = resolve(body.model, creds)
         prompt = body.prompt
-        if isinstance(prompt, list):
-            if len(prompt) != 1:
-                raise HTTPError(400, "prompt must be one string (or a list of exactly one)")
-            prompt = prompt[0]
-        if body.echo or body.suffix or (body.best_of or 1) != 1:
-            raise HTTPError(400, "echo, suffix and best_of > 1 are not supported")
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompts = [prompt]  # one text, or one prompt of token ids
+        else:
+            prompts = list(prompt)
+        if not prompts:
+            raise HTTPError(400, "prompt is an empty list: give a string, strings, token ids or lists of them")
+        n = 1 if body.n is None else body.n
+        if body.suffix:
+            raise HTTPError(400, "suffix is not supported")
+        if body.best_of is not None and body.best_of != n:
+            raise HTTPError(400, f"best_of must equal n ({n}) when given: ranking extra samples is not supported")
         if body.logprobs is not None and not 0 <= body.logprobs <= 5:
             raise HTTPError(400, f"logprobs must be between 0 and 5, got {body.logprobs}")
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        if max_tokens == 0 and not body.echo:
+            raise HTTPError(400, "max_tokens must be at least 1 (0 only with echo: the prompt's logprobs alone)")
         want = body.logprobs is not None
-        req = common(body, tenant, prompt, 16 if body.max_tokens is None else body.max_tokens, body.logprobs or 0)
-
-        def final(cid, created, text, reason, lps, use):
-            return {"id": cid, "object": "text_completion", "created": created, "model": body.model,
-                    "choices": [{"index": 0, "text": text, "finish_reason": reason,
-                                 "logprobs": _completion_logprobs(lps) if lps is not None else None}],
-                    "usage": use}
-
-        def chunk(cid, created, delta, reason, lp, first=False):
-            if first:
-                return None
-            return {"id": cid, "object": "text_completion", "created": created, "model": body.model,
-                    "choices": [{"index": 0, "text": delta, "finish_reason": reason,
-                                 "logprobs": _completion_logprobs([lp]) if lp is not None else None}]}
-
-        return await run("completions", body, request, creds, tenant, req, want, final, chunk)
+        subs = choices(body, common(body, tenant, max_tokens, body.logprobs or 0), prompts)
+        render = _CompletionRender(body.model, bool(body.echo))
+        return await run("completions", body, request, subs, n, want,
+                         body.logprobs if want and body.echo else None, render)
 
     @app.post("/v1/chat/completions", tags=["generate"], responses=errors)
     async def chat_completions(body: ChatBody, request: Request, creds: HTTPAuthorizationCredentials = Depends(bearer)):  # noqa: B008
@@ -515,24 +633,15 @@ def add_openai_routes(app, svc, bearer, HTTPError):
         top = body.top_logprobs or 0
         if not 0 <= top <= 20 or (top and not body.logprobs):
             raise HTTPError(400, "top_logprobs must be between 0 and 20, and needs logprobs: true")
-        want = bool(body.logprobs)
+        try:
+            prompt = chat_prompt(body.messages)
+        except ValueError as e:
+            raise HTTPError(400, str(e)) from None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        req = common(body, tenant, chat_prompt(body.messages), max_tokens, top)
-
-        def final(cid, created, text, reason, lps, use):
-            return {"id": cid, "object": "chat.completion", "created": created, "model": body.model,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                 "finish_reason": reason,
-                                 "logprobs": {"content": [_chat_logprob(x) for x in lps]} if lps is not None else None}],
-                    "usage": use}
-
-        def chunk(cid, created, delta, reason, lp, first=False):
-            d = {"role": "assistant", "content": ""} if first else ({"content": delta} if delta else {})
-            return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": body.model,
-                    "choices": [{"index": 0, "delta": d, "finish_reason": reason,
-                                 "logprobs": {"content": [_chat_logprob(lp)]} if lp is not None else None}]}
-
-        return await run("chat", body, request, creds, tenant, req, want, final, chunk)
+        if max_tokens is not None and max_tokens < 1:
+            raise HTTPError(400, f"max_tokens must be a positive integer, got {max_tokens}")
+        subs = choices(body, common(body, tenant, max_tokens, top), [prompt])
+        return await run("chat", body, request, subs, len(subs), bool(body.logprobs), None, _ChatRender(body.model))
 
     @app.get("/v1/models", tags=["generate"], responses={401: {"description": "missing or invalid token"}})
     async def models(creds: HTTPAuthorizationCredentials = Depends(bearer)) -> dict:  # noqa: B008
@@ -551,6 +660,67 @@ def add_openai_routes(app, svc, bearer, HTTPError):
                          if isinstance(meta.get("created"), (int, float)) else 0, "owned_by": t, "root": base,
                          "parent": base, "task": meta.get("task")})
         return {"object": "list", "data": rows}
+
+
+class _CompletionRender:
+    """/v1/completions' answer and chunks."""
+
+    def __init__(self, model, echo):
+        self.model, self.echo = model, echo
+
+    def final(self, cid, created, choices, usage):
+        rows = []
+        for ch in choices:
+            text, lps = ch["text"], ch["logprobs"]
+            if ch["echo"] is not None:
+                prompt_text, prompt_lps = ch["echo"]
+                text = prompt_text + text
+                lps = (prompt_lps or []) + lps if lps is not None else None
+            rows.append({"index": ch["index"], "text": text, "finish_reason": ch["finish_reason"],
+                         "logprobs": _completion_logprobs(lps) if lps is not None else None})
+        return {"id": cid, "object": "text_completion", "created": created, "model": self.model, "choices": rows,
+                "usage": usage}
+
+    def head(self, cid, created, index, echo):
+        if echo is None:
+            return None
+        text, lps = echo
+        return self._chunk(cid, created, index, text, None, _completion_logprobs(lps) if lps is not None else None)
+
+    def chunk(self, cid, created, index, delta, reason, lp):
+        return self._chunk(cid, created, index, delta, reason, _completion_logprobs([lp]) if lp is not None else None)
+
+    def _chunk(self, cid, created, index, text, reason, logprobs):
+        return {"id": cid, "object": "text_completion", "created": created, "model": self.model,
+                "choices": [{"index": index, "text": text, "finish_reason": reason, "logprobs": logprobs}]}
+
+
+class _ChatRender:
+    """/v1/chat/completions' answer and chunks."""
+
+    echo = False
+
+    def __init__(self, model):
+        self.model = model
+
+    def final(self, cid, created, choices, usage):
+        return {"id": cid, "object": "chat.completion", "created": created, "model": self.model,
+                "choices": [{"index": ch["index"], "message": {"role": "assistant", "content": ch["text"]},
+                             "finish_reason": ch["finish_reason"],
+                             "logprobs": {"content": [_chat_logprob(x) for x in ch["logprobs"]]}
+                             if ch["logprobs"] is not None else None} for ch in choices],
+                "usage": usage}
+
+    def head(self, cid, created, index, echo):
+        return self._chunk(cid, created, index, {"role": "assistant", "content": ""}, None, None)
+
+    def chunk(self, cid, created, index, delta, reason, lp):
+        return self._chunk(cid, created, index, {"content": delta} if delta else {}, reason, lp)
+
+    def _chunk(self, cid, created, index, delta, reason, lp):
+        return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model,
+                "choices": [{"index": index, "delta": delta, "finish_reason": reason,
+                             "logprobs": {"content": [_chat_logprob(lp)]} if lp is not None else None}]}
 
 
 class _Stream(StreamingResponse):
@@ -595,7 +765,8 @@ def _stop_prefix(text: str, stops: list[str]) -> int:
 
 def _completion_logprobs(lps):
     return {"tokens": [x["token"] for x in lps], "token_logprobs": [x["logprob"] for x in lps],
-            "top_logprobs": [{t: lp for t, lp in x["top"]} for x in lps], "text_offset": None}
+            "top_logprobs": [None if x["top"] is None else {t: lp for t, lp in x["top"]} for x in lps],
+            "text_offset": None}
 
 
 def _chat_logprob(x):
