@@ -254,3 +254,18 @@ def test_batcher_events_are_the_completion_in_context(gen, words, seed, max_toke
     out = b.result(rid)
     assert all(later.startswith(earlier) for earlier, later in zip(texts, texts[1:]))
     assert texts[-1] == out["text"] == dec.decode(prompt + out["ids"])[len(dec.decode(prompt)):]
+
+
+@settings(max_examples=200, deadline=None)
+@given(temperature=st.one_of(st.just(1e-5), st.floats(1e-5, 100)),
+       top_p=st.one_of(st.sampled_from([5e-324, 1e-300, 1e-45, 1.0]), st.floats(5e-324, 1.0)),
+       top_k=st.integers(0, 60), scale=st.sampled_from([0.1, 1.0, 30.0, 1e3]), seed=st.integers(0, 2**64 - 1))
+def test_any_valid_sampling_params_choose_a_kept_token(temperature, top_p, top_k, scale, seed):
+    """Whatever the params the API accepts (a denormal top_p once dropped every token: a 500),
+    the token drawn is among the top_k most likely, and the most likely one always stays."""
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(seed % 1000)) * scale
+    token, _, _ = Chooser(SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed))(logits)
+    if top_k:
+        assert logits[token] >= logits.topk(min(top_k, 50)).values[-1]
+    if top_p <= 1e-30:  # float32's nucleus is the most likely token alone
+        assert token == int(logits.argmax())
