@@ -148,6 +148,24 @@ def load(directory, allow_rollback=False):
     raise CorruptError(f"{directory}: CURRENT keeps changing; is a writer committing in a loop?")
 
 
+def identity(size, digest):
+    """A file's identity as a manifest records it (FORMAT.md section 2, File identity)."""
+    return {"size": int(size), "xxh64": f"{digest:016x}"}
+
+
+def identities(manifest):
+    """File name -> identity; empty for a manifest written before identities existed."""
+    return manifest.get("files", {})
+
+
+def not_the_file(what, have, want):
+    """The error for a file whose identity is not the one the manifest records."""
+    return CorruptError(
+        f"{what}: not the file the manifest names (it is {have}; the manifest records size {want['size']}, "
+        f"xxh64 {want['xxh64']}): another file was put in its place (a misdirected copy or restore?) or it "
+        "was damaged; run hkstore verify")
+
+
 def value_slots(meta) -> int:
     """Vectors a store keeps per key: meta "value_slots" (1: the key's last slot only, what a
     decoder store serves), or all n where it is absent (FORMAT.md section 2)."""

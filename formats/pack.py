@@ -280,12 +280,16 @@ def record_tensor_views(buf, offset: int, length: int) -> dict[str, np.ndarray]:
 
 
 def append_record(path, record: PetRecord) -> tuple[int, int]:
-    """Append the record durably and return its (offset, length) in the file.
+    """Append the record durably and return its (offset, length) in the file."""
+    return append_encoded(path, encode_record(record))
+
+
+def append_encoded(path, data: bytes) -> tuple[int, int]:
+    """append_record for a record already encoded (a writer that needs its header_digest).
 
     A torn earlier append can leave the file off a page boundary; padding it first keeps every
     record page-aligned, which is what lets scan() resync after damage.
     """
-    data = encode_record(record)
     created = not os.path.exists(path)
     with open(path, "ab") as f:
         offset = f.seek(0, os.SEEK_END)
@@ -299,6 +303,49 @@ def append_record(path, record: PetRecord) -> tuple[int, int]:
         # The new file's directory entry must be durable before a manifest names the file.
         fsync_dir(os.path.dirname(os.path.abspath(path)))
     return offset, len(data)
+
+
+# -- a pack's identity (FORMAT.md section 2, File identity) ------------------------------------------
+
+
+def header_digest(data, offset: int = 0) -> int:
+    """The checksum a record's header ends with, as stored. It covers the header, and through
+    dir_xxh64 and payload_xxh64 every byte of the record."""
+    return struct.unpack_from("<Q", data, offset + _HASHED)[0]
+
+
+def chain(value: int, digest: int) -> int:
+    """Extend a pack's identity by one record: XXH64 of the record's header digest, seeded with
+    the identity of the records before it. Appending extends it without rereading the file."""
+    return xxhash.xxh64_intdigest(struct.pack("<Q", digest), value)
+
+
+_WALK = struct.Struct("<8s8xQ")  # a header's magic and record_length, all a walk needs besides the digest
+
+
+def walk_chain(file, start: int, end: int, value: int = 0) -> int:
+    """Extend `value` (the identity of the records before `start`) over the records in bytes
+    [start, end) of a pack: a path or an open file. Reads 128 bytes a record and trusts nothing
+    else of it (a read checks the record it returns in full). CorruptError if the bytes are not
+    whole records ending exactly at `end`."""
+    if not hasattr(file, "fileno"):
+        with open(file, "rb") as f:
+            return walk_chain(f, start, end, value)
+    fd, pread, xxh64 = file.fileno(), os.pread, xxhash.xxh64_intdigest
+    offset = start
+    while offset < end:  # a loop per record: keep it lean, big packs hold thousands
+        head = pread(fd, HEADER_SIZE, offset)
+        if len(head) < HEADER_SIZE:
+            raise CorruptError(f"no record at byte {offset}")
+        magic, length = _WALK.unpack_from(head)
+        if magic != MAGIC:
+            raise CorruptError(f"no record at byte {offset}")
+        if length <= 0 or length % PAGE or offset + length > end:
+            raise CorruptError(f"the record at byte {offset} ({length} bytes) does not end at a record "
+                               f"boundary by byte {end}")
+        value = xxh64(head[_HASHED:], value)  # = chain(value, header_digest(head)): the digest's own bytes
+        offset += length
+    return value
 
 
 def _next_record_page(fd: int, offset: int, size: int) -> int:

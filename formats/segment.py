@@ -3,6 +3,9 @@
 A segment is immutable. Opening one reads its 256-byte header and nothing else; the index and
 keys are checked the first time a process probes it, and each value row the first time it is
 returned, so damage is always an error and never a silent answer, without an O(size) open.
+The header's own checksum covers every section's checksum, so it doubles as the file's identity
+(FORMAT.md section 2): the manifest records it, and one header read tells whether the file in a
+segment's slot is the one the manifest means.
 """
 
 import mmap
@@ -16,6 +19,7 @@ import xxhash
 from formats import accel
 from formats.durable import fsync_dir
 from formats.errors import CorruptError, FormatError
+from formats.manifest import identity
 from formats.xxh64 import checksum, hash_keys, xxh64_rows
 
 MAGIC = b"HKSEG\x00\x00\x01"
@@ -164,7 +168,9 @@ class Segment:
         if magic != MAGIC:
             # A file the manifest names as a segment: a wrong magic is damage, like a bad checksum.
             raise CorruptError(f"segment {name}: not an hkstore segment (bad magic)")
-        if struct.unpack_from("<Q", header, HEADER_SIZE - 8)[0] != checksum(header[:HEADER_SIZE - 8]):
+        self.size = size
+        self.digest = struct.unpack_from("<Q", header, HEADER_SIZE - 8)[0]
+        if self.digest != checksum(header[:HEADER_SIZE - 8]):
             raise CorruptError(f"segment {name}: header checksum mismatch")
         if fmt not in (FORMAT_VERSION, FORMAT_LAST_SLOT):
             raise FormatError(f"segment {name}: format version {fmt} is not supported (this reader knows "
@@ -199,6 +205,10 @@ class Segment:
     def name(self):
         return os.path.basename(self.path)
 
+    def identity(self):
+        """{size, xxh64} as the manifest records it (FORMAT.md section 2, File identity)."""
+        return identity(self.size, self.digest)
+
     def _array(self, section, dtype, shape):
         off, length, _ = self.sections[section]
         expected = int(np.prod(shape)) * np.dtype(dtype).itemsize
@@ -232,13 +242,17 @@ class Segment:
             start = max(start, off + length)
 
     def _check_once(self):
-        # Index and keys are small (about 20 bytes an entry): check them in full on first use.
+        # Index, keys, flags and rowsums are small (about 28 bytes an entry): check them in full
+        # on first use. Rowsums too, although no lookup returns them: a value row is checked only
+        # against its rowsum, so checking the rowsums against the header ties every byte a lookup
+        # serves to the header, and the header to the identity the manifest records.
         if not self._checked:
             with self._lock:
                 if not self._checked:
                     self.check_section("index")
                     self.check_section("keys")
                     self.check_section("flags")
+                    self.check_section("rowsums")
                     self._row_ok = np.zeros(self.count, dtype=bool)
                     self.has_tombstones = bool((self.flags & TOMBSTONE).any())
                     self._checked = True

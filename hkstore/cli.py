@@ -334,6 +334,9 @@ def verify(store, as_json):
                    "too, not counted)")
         for p in r["problems"]:
             click.echo(f"PROBLEM {p}")
+        if r["unrecorded"]:
+            click.echo(f"note: {len(r['unrecorded'])} file(s) have no recorded identity yet (a manifest from before "
+                       "identities): the next commit records them")
         click.echo("ok" if r["ok"] else f"{len(r['problems'])} problem(s)")
 
     emit(r, as_json, human)

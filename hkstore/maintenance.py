@@ -33,7 +33,10 @@ def store_bytes(path, manifest) -> dict:
 def verify(path):
     """Check CURRENT (and that no newer manifest exists: a rolled-back CURRENT), the manifest,
     every segment and position table, and every pack record, live or dead, and every byte of
-    each pack. Returns a report dict whose `problems` list is empty for a healthy store."""
+    each pack, and that each segment and pack is the file the manifest records (its identity).
+    Returns a report dict whose `problems` list is empty for a healthy store; `unrecorded` lists
+    the files whose identity the manifest does not record yet (written before identities
+    existed: the next commit records them)."""
     problems, checked = [], {"segments": 0, "entries": 0, "positions": 0, "pets": 0, "pack_records": 0,
                              "bytes": 0}
     try:
@@ -43,10 +46,13 @@ def verify(path):
         try:  # check what CURRENT names as well, so the report says whether that state is intact
             manifest = mf.load(path, allow_rollback=True)
         except (FormatError, OSError, ValueError) as e2:
-            return {"ok": False, "problems": problems + [f"manifest: {e2}"], "checked": checked}
+            return {"ok": False, "problems": problems + [f"manifest: {e2}"], "checked": checked, "unrecorded": []}
     except (FormatError, OSError, ValueError) as e:
-        return {"ok": False, "problems": [f"manifest: {e}"], "checked": checked}
+        return {"ok": False, "problems": [f"manifest: {e}"], "checked": checked, "unrecorded": []}
     meta = manifest["meta"]
+    files = mf.identities(manifest)
+    named = {s for v in manifest["versions"] for s in v["segments"]} | set(manifest["packs"])
+    unrecorded = sorted(named - set(files))
     names = [v["name"] for v in manifest["versions"]]
     for v in manifest["versions"]:
         if v["parent"] is None and v is not manifest["versions"][0]:
@@ -56,6 +62,9 @@ def verify(path):
         for name in v["segments"]:
             try:
                 seg = Segment(os.path.join(path, "segments", name))
+                want = files.get(name)
+                if want is not None and seg.identity() != want:
+                    raise mf.not_the_file(f"segment {name}", f"size {seg.size}, xxh64 {seg.digest:016x}", want)
                 seg.verify()
                 if (seg.n, seg.slots, seg.d) != (meta["n"], mf.value_slots(meta), meta["d"]):
                     raise CorruptError(f"segment {name}: shape does not match the store")
@@ -93,7 +102,7 @@ def verify(path):
     problems += _walk_packs(path, manifest, checked)
     if not any(p.startswith("rollback") for p in problems):
         problems += _root_coverage(path, manifest)
-    return {"ok": not problems, "problems": problems, "checked": checked}
+    return {"ok": not problems, "problems": problems, "checked": checked, "unrecorded": unrecorded}
 
 
 def _walk_packs(path, manifest, checked):
@@ -106,6 +115,16 @@ def _walk_packs(path, manifest, checked):
         limit = manifest.get("pack_end") if i == len(manifest["packs"]) - 1 else None
         try:
             size = os.path.getsize(full)
+            want = mf.identities(manifest).get(name)
+            if want is not None:
+                try:
+                    value = pack.walk_chain(full, 0, want["size"])
+                    have = None if f"{value:016x}" == want["xxh64"] else \
+                        f"records up to byte {want['size']} with xxh64 {value:016x}"
+                except CorruptError as e:
+                    have = f"not whole records up to byte {want['size']}: {e}"
+                if have is not None:
+                    problems.append(str(mf.not_the_file(f"pack {name}", have, want)))
             if limit is not None and size < limit:
                 problems.append(f"pack {name}: {size} bytes, the manifest says {limit} are committed (truncated)")
             for offset, length, record in pack.scan(full, limit):

@@ -2,6 +2,9 @@
 
 Readers work on a Snapshot (one manifest and the files it names); a writer holds the store's
 flock and publishes each change as a new manifest generation. See formats/FORMAT.md.
+
+The manifest records each segment's and pack's identity (FORMAT.md section 2, File identity):
+a file in another file's slot is refused where it would be read, never served.
 """
 
 import copy
@@ -89,25 +92,41 @@ class Snapshot:
     def read_students(self, tenant):
         if tenant not in self.students:
             raise UnknownTenant(f"tenant {tenant!r} has no students")
-        return self._read_record(tenant, self.students[tenant])
+        return self._read_record(tenant, self.students[tenant], students=True)
 
     def read_pet(self, tenant):
         if tenant not in self.manifest["pets"]:
             raise UnknownTenant(f"unknown tenant {tenant!r}")
         return self._read_record(tenant, self.manifest["pets"][tenant])
 
-    def _read_record(self, tenant, loc):
-        if self._packs is not None and loc["file"] in self._packs:
-            data = self._packs[loc["file"]].read(loc["offset"], loc["length"])
-        else:
+    def _read_record(self, tenant, loc, students=False):
+        name = loc["file"]
+        packfile = (self._packs or {}).get(name)
+        if packfile is None:
             try:
-                with open(os.path.join(self.path, "packs", loc["file"]), "rb") as f:
-                    data = os.pread(f.fileno(), loc["length"], loc["offset"])
+                packfile = PackFile(os.path.join(self.path, "packs", name))
             except FileNotFoundError:
-                raise CorruptError(f"pack {loc['file']} of tenant {tenant!r} is missing") from None
+                raise CorruptError(f"pack {name} of tenant {tenant!r} is missing") from None
+        want = mf.identities(self.manifest).get(name)
+        if want is not None:
+            packfile.check(want)
+        data = packfile.read(loc["offset"], loc["length"])
+        where = f"pack {name}: the record at byte {loc['offset']}"
         if len(data) != loc["length"]:
-            raise CorruptError(f"pack {loc['file']}: record of tenant {tenant!r} is truncated")
-        return pack.decode_record(data, 0, loc["length"])
+            raise CorruptError(f"{where} (tenant {tenant!r}) is truncated")
+        try:
+            record = pack.decode_record(data, 0, loc["length"])
+        except FormatError as e:  # a file the manifest names as a pack: bytes that are no record are damage
+            raise CorruptError(f"{where} (tenant {tenant!r}): {e}") from None
+        # Identities cover what the manifest recorded them for; the record's own tenant and kind
+        # are checked on every read, so another tenant's PET is never served as this one's.
+        kind = "students" if students else "PET"
+        if record.tenant != tenant or record.tombstone or (record.meta.get("pet_type") == "students") != students:
+            what = "a tombstone" if record.tombstone else \
+                f"tenant {record.tenant!r}'s {'students ' if record.meta.get('pet_type') == 'students' else ''}record"
+            raise CorruptError(f"{where} is {what}, not tenant {tenant!r}'s {kind} record: a pack file in another's "
+                               "place? run hkstore verify")
+        return record
 
 
 class PackFile:
@@ -116,7 +135,29 @@ class PackFile:
 
     def __init__(self, path):
         self.path = path
+        self.name = os.path.basename(path)
         self._file = open(path, "rb")
+        # record boundary -> identity of the records before it, for each size checked so far: a
+        # manifest that covers more of the (growing) newest pack costs a walk of the new records only
+        self._walked = {0: 0}
+        self._lock = threading.Lock()
+
+    def check(self, want):
+        """CorruptError unless the file's first want["size"] bytes are the records whose identity
+        the manifest records (FORMAT.md section 2, File identity). Reads 128 bytes a record, once."""
+        size = want["size"]
+        with self._lock:
+            have = self._walked.get(size)
+            if have is None:
+                start = max(b for b in self._walked if b < size)
+                try:
+                    have = pack.walk_chain(self._file, start, size, self._walked[start])
+                except CorruptError as e:
+                    have = f"not whole records up to byte {size}: {e}"
+                    raise mf.not_the_file(f"pack {self.name}", have, want) from None
+                self._walked[size] = have
+        if f"{have:016x}" != want["xxh64"]:
+            raise mf.not_the_file(f"pack {self.name}", f"records up to byte {size} with xxh64 {have:016x}", want)
 
     def read(self, offset, length):
         return os.pread(self._file.fileno(), length, offset)
@@ -125,6 +166,20 @@ class PackFile:
         f = getattr(self, "_file", None)
         if f is not None:
             f.close()
+
+
+class _NotTheFile:
+    """Stands in for a segment whose identity is not the one the manifest records: any use
+    raises CorruptError, so none of its bytes is served, while lookups that never reach it
+    (other versions) go on."""
+
+    def __init__(self, path, error):
+        self.path, self.name, self._error = path, os.path.basename(path), str(error)
+
+    def __getattr__(self, attribute):
+        if attribute.startswith("__"):
+            raise AttributeError(attribute)
+        raise CorruptError(self._error)
 
 
 class _Missing(Exception):
@@ -229,13 +284,20 @@ class Store:
     def _install_files(self, manifest):
         with self._mutex:
             names = {s for v in manifest["versions"] for s in v["segments"]}
-            segments = {}
+            files = mf.identities(manifest)
+            segments, opened = {}, {}
             for name in names:
-                segments[name] = self._segments.get(name) or Segment(os.path.join(self.path, "segments", name))
-                seg, meta = segments[name], manifest["meta"]
+                seg = self._segments.get(name) or Segment(os.path.join(self.path, "segments", name))
+                meta = manifest["meta"]
                 if (seg.n, seg.slots, seg.d) != (meta["n"], mf.value_slots(meta), meta["d"]):
                     raise CorruptError(f"segment {name}: shape (n={seg.n}, slots={seg.slots}, d={seg.d}) does not "
                                        "match the store")
+                want = files.get(name)
+                if want is not None and seg.identity() != want:  # the header Segment() read and checked
+                    have = f"size {seg.size}, xxh64 {seg.digest:016x}"
+                    segments[name] = _NotTheFile(seg.path, mf.not_the_file(f"segment {name}", have, want))
+                    continue
+                segments[name] = opened[name] = seg
             positions = {}
             for v in manifest["versions"]:
                 entry = v.get("position")
@@ -246,7 +308,7 @@ class Store:
             live = [*manifest["pets"].values(), *manifest.get("students", {}).values()]
             for name in set(manifest["packs"]) | {loc["file"] for loc in live}:
                 packs[name] = self._packs.get(name) or PackFile(os.path.join(self.path, "packs", name))
-            self._segments = segments
+            self._segments = opened  # a refused file is opened afresh next time (it may have been put right)
             self._positions = positions
             self._packs = packs
             self._manifest = manifest
@@ -279,6 +341,7 @@ class Store:
         with self._mutex:
             new = copy.deepcopy(self._manifest)
             result = change(new)
+            self._record_identities(new)
             new["generation"] += 1
             mf.commit(self.path, new)
             try:
@@ -286,6 +349,42 @@ class Store:
             except _Missing as e:
                 raise CorruptError(f"{self.path}: {e}, which the live manifest names: run hkstore verify") from None
             return result
+
+    def _record_identities(self, m):
+        """Give every segment and pack `m` names its identity (FORMAT.md section 2, File identity)
+        and drop those of files it no longer names. Identities already recorded are kept (the
+        manifest, not the file, says what belongs in a slot); a file without one (written by
+        this commit, or left by a writer from before identities) gets it from the file as it is."""
+        known = mf.identities(m)
+        files = {}
+        for name in sorted({s for v in m["versions"] for s in v["segments"]}):
+            if name in known:
+                files[name] = known[name]
+                continue
+            try:
+                seg = self._segments.get(name) or Segment(os.path.join(self.path, "segments", name))
+                files[name] = seg.identity()
+            except (FormatError, OSError):
+                pass  # damaged or missing: nothing to vouch for (verify reports it)
+        for i, name in enumerate(m["packs"]):
+            newest = i == len(m["packs"]) - 1
+            have = known.get(name)
+            # Only the newest pack grows (an older writer may have appended past its identity);
+            # an older pack's identity stands whatever its file now holds.
+            if have is not None and not (newest and have["size"] < m["pack_end"]):
+                files[name] = have
+                continue
+            try:
+                end = m["pack_end"] if newest else os.path.getsize(os.path.join(self.path, "packs", name))
+                files[name] = mf.identity(end, self._pack_identity(name, have, end))
+            except (FormatError, OSError):
+                pass
+        m["files"] = files
+
+    def _pack_identity(self, name, have, end):
+        """The identity of a pack's first `end` bytes, walking only what `have` does not cover."""
+        start, value = (have["size"], int(have["xxh64"], 16)) if have and have["size"] <= end else (0, 0)
+        return pack.walk_chain(os.path.join(self.path, "packs", name), start, end, value)
 
     def _new_file(self, manifest, suffix):
         number = manifest["next_file"]
@@ -427,12 +526,17 @@ class Store:
         m = self._manifest
         active = m["packs"][-1] if m["packs"] else None
         end, new_files, locations = m["pack_end"], [], []
+        grown = {}  # pack -> identity of its records, extended record by record as they are appended
         if active is not None:
             # A writer killed mid-append leaves a torn tail past the committed end: cut it off
             # now, before this pack may be rolled past and become immutable (verify walks it).
             path = os.path.join(self.path, "packs", active)
             if os.path.getsize(path) > end:
                 os.truncate(path, end)
+            try:
+                grown[active] = self._pack_identity(active, mf.identities(m).get(active), end)
+            except CorruptError:
+                active = None  # not whole records (damage): start a new pack rather than vouch for it
         for record in records:
             if active is None or end >= PACK_ROLL_BYTES:
                 active = self.reserve_file(".pack")
@@ -440,17 +544,22 @@ class Store:
                 open(os.path.join(self.path, "packs", active), "ab").close()
                 fsync_dir(os.path.join(self.path, "packs"))
                 end = 0
+                grown[active] = 0
             path = os.path.join(self.path, "packs", active)
             # A writer killed mid-append leaves a torn tail past the committed end: cut it off.
             if os.path.getsize(path) > end:
                 os.truncate(path, end)
-            offset, length = pack.append_record(path, record)
+            data = pack.encode_record(record)
+            offset, length = pack.append_encoded(path, data)
             end = offset + length
+            grown[active] = pack.chain(grown[active], pack.header_digest(data))
             locations.append({"file": active, "offset": offset, "length": length})
+        ends = {loc["file"]: loc["offset"] + loc["length"] for loc in locations}
 
         def place(m2):
             m2["packs"] += new_files
             m2["pack_end"] = end
+            m2.setdefault("files", {}).update({name: mf.identity(ends[name], grown[name]) for name in ends})
 
         return locations, place
 
@@ -583,7 +692,7 @@ def create(path, *, d, vocab_size, n=3, window="centered", lower_layers=3, dtype
         meta["value_slots"] = slots
     manifest = {"format": mf.FORMAT_VERSION, "generation": 1, "next_file": 1, "meta": meta,
                 "versions": [{"name": root, "parent": None, "segments": [], "created": time.time(), "info": {}}],
-                "pets": {}, "packs": [], "pack_end": 0}
+                "pets": {}, "packs": [], "pack_end": 0, "files": {}}
     fd = os.open(os.path.join(path, "LOCK"), os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
