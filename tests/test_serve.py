@@ -689,10 +689,7 @@ else:
 
     schema = schemathesis.pytest.from_fixture("fuzz_schema")
 
-    @schema.parametrize()
-    @settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck),
-              phases=[Phase.explicit, Phase.generate])
-    def test_schemathesis_no_server_errors(case, fuzz_server):
+    def _no_server_error(case, fuzz_server):
         """Every operation, generated inputs valid and not, with the admin token and without,
         and once more for a tenant that exists: never a 5xx."""
         for headers in (auth(ADMIN), {}):
@@ -705,3 +702,17 @@ else:
             response = case.call(headers=auth(ADMIN), timeout=30)
             assert response.status_code < 500, (
                 f"{case.method} {case.formatted_path} -> {response.status_code}: {response.text[:500]}")
+
+    @schema.parametrize()
+    @settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck),
+              phases=[Phase.explicit, Phase.generate])
+    def test_schemathesis_no_server_errors(case, fuzz_server):
+        _no_server_error(case, fuzz_server)
+
+    @pytest.mark.slow
+    @schema.parametrize()
+    @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck),
+              phases=[Phase.explicit, Phase.generate])
+    def test_schemathesis_no_server_errors_many(case, fuzz_server):
+        """The same with five times the examples: over a thousand requests."""
+        _no_server_error(case, fuzz_server)
