@@ -119,6 +119,11 @@ def test_versions_and_branch_overlap_and_distances(hand):
     assert v["bio2"]["depth"] == 2 and v["bio2"]["bytes"] == os.path.getsize(
         os.path.join(hand["store"], "segments", hkstore.open(hand["store"]).versions[2]["segments"][0]))
     assert r["totals"]["versions"] == 3 and r["totals"]["tenants"] == 2
+    from hkstore.cli import store_info  # one definition of a store's bytes: the report shows info's
+
+    info = store_info(hand["store"])
+    assert (r["totals"]["bytes_live"], r["totals"]["bytes_on_disk"]) == (info["bytes"], info["bytes_on_disk"])
+    assert r["totals"]["bytes_live"] == hkstore.verify(hand["store"])["checked"]["bytes"]
     # bio has its own position table, bio2 inherits it, the root has none
     assert [(v[n]["position_rows"], v[n]["position_from"]) for n in ("root", "bio", "bio2")] == [
         (0, None), (6, "bio"), (0, "bio")]

@@ -68,7 +68,8 @@ def report(store, version, corpus, corpus_format, out_dir, sample, top, max_len,
     def human(r):
         t = r["totals"]
         click.echo(f"wrote {r['index']} ({len(r['figures'])} figures): {t['versions']} versions, "
-                   f"{t['tenants']} tenants, {t['bytes']:,} bytes")
+                   f"{t['tenants']} tenants, {t['bytes_live']:,} bytes live, {t['bytes_on_disk']:,} on disk "
+                   "(as hkstore info)")
         for b in r["branches"]:
             s = b["cosine_distance"]
             dist = f", cosine distance p50 {s['p50']:.3g} p90 {s['p90']:.3g}" if s["count"] else ""
