@@ -87,6 +87,7 @@ class Chooser:
                 probs, order = scaled.softmax(-1).sort(descending=True)
                 # keep a token while the mass before it is below top_p (the first always stays)
                 drop = (probs.cumsum(-1) - probs) >= p.top_p
+                drop[0] = False  # (a top_p below float32's smallest, 5e-324, is 0 against the float32 mass)
                 scaled = scaled.index_fill(0, order[drop], float("-inf"))
             token = int(torch.multinomial(scaled.softmax(-1), 1, generator=self.generator))
         top = []
