@@ -119,8 +119,12 @@ class DecoderRuntime:
         self.store.refresh()
 
     def stats(self) -> dict:
-        """What the server's /metrics reports of this runtime (as Runtime.stats())."""
-        return {"device": self.device, "lm_pets_loaded": len(self._pets)}
+        """What the server's /metrics reports of this runtime (as Runtime.stats()), with its
+        generation engine's sequences, steps and tokens once it has run."""
+        out = {"device": self.device, "lm_pets_loaded": len(self._pets)}
+        if self._engine is not None:
+            out["engine"] = self._engine.stats()
+        return out
 
     def pet(self, tenant):
         """A decoder tenant's lm PET, loaded once and kept (what a Ray worker calls when it takes
