@@ -82,3 +82,47 @@ def test_an_encoder_store_refuses_to_generate(tmp_path):
         assert not hasattr(rt, "decoder")
         with pytest.raises(runtime.BadRequest, match="encoder store"):
             rt.generate([{"prompt": "the cat"}])
+
+
+def test_concurrent_generate_calls_share_one_batch(store):
+    """generate() from several threads at once: the runtime's one engine decodes them together
+    (a step with more than one sequence), and each gets what it gets alone."""
+    import threading
+
+    prompts = ["the cat sat on", "a dog ran", "storage engines keep", "the park"]
+    with runtime.open(store) as rt:
+        alone = [rt.generate([{"tenant": "acme", "prompt": p, "max_tokens": 12, "ignore_eos": True}])[0]
+                 for p in prompts]
+        assert rt.engine().stats()["widest_batch"] == 1
+        start, got = threading.Barrier(len(prompts)), [None] * len(prompts)
+
+        def call(i):
+            start.wait()
+            got[i] = rt.generate([{"tenant": "acme", "prompt": prompts[i], "max_tokens": 12, "ignore_eos": True}])[0]
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        stats = rt.stats()["engine"]  # (what /metrics reports)
+    assert stats["widest_batch"] > 1 and stats["running"] == stats["waiting"] == stats["queued"] == 0
+    assert [g["ids"] for g in got] == [a["ids"] for a in alone]
+    assert [g["text"] for g in got] == [a["text"] for a in alone]
+
+
+def test_stream_closed_early_cancels_the_rest(store):
+    import time
+
+    with runtime.open(store) as rt:
+        events = rt.stream([{"prompt": "the cat", "max_tokens": 40, "ignore_eos": True}])
+        first = next(events)
+        assert first["token"] is not None and not first["finished"]
+        events.close()
+        eng = rt.engine()
+        for _ in range(200):
+            if eng.stats()["running"] == 0:
+                break
+            time.sleep(0.01)
+        assert eng.stats()["running"] == 0 and eng.stats()["queued"] == 0
+

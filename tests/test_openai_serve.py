@@ -38,6 +38,25 @@ def env(tmp_path_factory):
     server.stop()
 
 
+def test_python_cli_and_http_give_the_same_greedy_text(env):
+    """runtime.open(...).generate, hkstore generate and /v1/completions run the same engine
+    (runtime.gen.engine): the same prompt and tenant give the same greedy text."""
+    from click.testing import CliRunner
+
+    from tools.cli import main
+
+    with runtime.open(env["store"], device="cpu") as rt:
+        py = rt.generate([{"tenant": "acme", "prompt": "a dog ran", "max_tokens": 7}])[0]
+    r = CliRunner().invoke(main, ["generate", env["store"], "a dog ran", "--tenant", "acme", "--max-tokens", "7",
+                                  "--device", "cpu", "--json"])
+    assert r.exit_code == 0, r.output
+    cli = json.loads(r.output)
+    http = httpx.post(env["server"].url + "/v1/completions", headers=auth(ADMIN), timeout=30,
+                      json={"model": "acme", "prompt": "a dog ran", "max_tokens": 7, "temperature": 0}).json()
+    assert cli["ids"] == py["ids"] and cli["text"] == py["text"] == http["choices"][0]["text"]
+    assert http["usage"]["completion_tokens"] == len(py["ids"])
+
+
 def client(env, token):
     return openai.OpenAI(base_url=env["server"].url + "/v1", api_key=token, max_retries=0, timeout=30)
 
@@ -353,16 +372,13 @@ def test_the_engine_keeps_an_idle_batcher_until_a_commit_lands(env, tmp_path):
     import shutil
     import threading
 
-    from prometheus_client import CollectorRegistry
-
     import hkstore
     import runtime
-    from runtime.serve.openai_routes import GenEngine, _metrics
 
     path = tmp_path / "s"
     shutil.copytree(env["store"], path)
     rt = runtime.open(str(path), device="cpu")
-    engine = GenEngine(rt, _metrics(CollectorRegistry()), queue_limit=8)
+    engine = rt.engine(queue_limit=8)
     try:
         def run_one():
             done = threading.Event()
@@ -393,5 +409,4 @@ def test_the_engine_keeps_an_idle_batcher_until_a_commit_lands(env, tmp_path):
         assert third[version] is not b1
         assert third[version].gen.snapshot.manifest["generation"] > b1.gen.snapshot.manifest["generation"]
     finally:
-        engine.stop()
-        rt.close()
+        rt.close()  # (stops its engine)

@@ -24,7 +24,8 @@ def test_greedy_top_k_1_and_tiny_top_p_pick_the_argmax():
     logits = torch.randn(50, generator=torch.Generator().manual_seed(0))
     best = int(logits.argmax())
     assert Chooser(SamplingParams())(logits)[0] == best
-    for params in (SamplingParams(temperature=1.0, top_k=1, seed=3), SamplingParams(temperature=2.0, top_p=1e-6)):
+    for params in (SamplingParams(temperature=1.0, top_k=1, seed=3), SamplingParams(temperature=2.0, top_p=1e-6),
+                   SamplingParams(temperature=1.0, top_p=5e-324)):
         assert {Chooser(params)(logits)[0] for _ in range(5)} == {best}
 
 

@@ -6,6 +6,7 @@
     lora_batch       every row's own LoRA in batched ops (BGMV: gathered A/B + bmm; SGMV: per segment)
     kv_pool          the upper layers' keys and values in one preallocated pool bounded by the budget
     batcher          continuous batching: join/leave between steps, KV budget, cancellation
+    engine           the one loop every caller submits to (generate, hkstore generate, the OpenAI routes)
     sampling         greedy, temperature, top-k, top-p, seeds, stop sequences, logprobs
     api              DecoderRuntime: what runtime.open returns for a decoder store
     commands         hkstore generate

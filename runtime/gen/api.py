@@ -5,18 +5,22 @@
                   "seed": 1}, {"prompt": "a base-model request"}])      # one result dict per request
     for event in rt.stream(requests): ...                 # {"index", "token", "text", "finished", ...}
 
-Every request of a call runs in one continuous batch (runtime.gen.batcher), each with its own
-tenant's PET (loaded once and kept); fields besides tenant and prompt are
-runtime.gen.sampling.SamplingParams'. A prompt is text (tokenized with the special tokens the
-tokenizer adds, a BOS for most) or a list of token ids (taken as they are). A completion's text
-is decoded in its prompt's context (runtime.gen.detok): prompt text + completion text is the
-text of all the tokens, its leading space included. A bad request (unknown tenant, an encoder
-tenant, bad sampling values, a prompt or max_tokens beyond the context, text that is not valid
-Unicode, token ids outside the vocabulary) raises before anything runs: BadRequest, or
-UnknownTenant.
+Every request runs in the runtime's one generation engine (runtime.gen.engine: one thread, a
+continuous batch per PLOT version), which hkstore generate and hkstore serve's OpenAI routes
+share: calls from several threads decode together. Each request has its own tenant's PET
+(loaded once and kept); fields besides tenant, prompt and version (a PLOT version by name;
+default the tenant's, else the root) are runtime.gen.sampling.SamplingParams'. A prompt is
+text (tokenized with the special tokens the tokenizer adds, a BOS for most) or a list of token
+ids (taken as they are). A completion's text is decoded in its prompt's context
+(runtime.gen.detok): prompt text + completion text is the text of all the tokens, its leading
+space included. A bad request (unknown tenant, an encoder tenant, bad sampling values, a prompt
+or max_tokens beyond the context, text that is not valid Unicode, token ids outside the
+vocabulary) raises before any request of the call runs: BadRequest, or UnknownTenant.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -63,8 +67,24 @@ class DecoderRuntime:
             raise
         self.kv_budget_bytes, self.max_running = kv_budget_bytes, max_running
         self._pets: dict[str, object] = {}
+        self._engine = None
+        self._engine_lock = threading.Lock()
+
+    def engine(self, queue_limit: int | None = None):
+        """The runtime's generation engine (runtime.gen.engine.GenEngine), made at first use;
+        queue_limit (sequences submitted and not yet answered; None: no limit) replaces its limit."""
+        from runtime.gen.engine import GenEngine
+
+        with self._engine_lock:
+            if self._engine is None:
+                self._engine = GenEngine(self)
+            if queue_limit is not None:
+                self._engine.queue_limit = int(queue_limit)
+            return self._engine
 
     def close(self):
+        if self._engine is not None:
+            self._engine.stop()
         self.store.close()
 
     def __enter__(self):
@@ -75,7 +95,7 @@ class DecoderRuntime:
 
     def parse(self, snap, request):
         """(version, prompt ids, SamplingParams, PET) of one request, or BadRequest / UnknownTenant
-        (what generate checks first; a server's own engine calls it per request)."""
+        (what the engine, runtime.gen.engine, checks of every request before any runs)."""
         return self._parse(snap, request)
 
     def batcher(self, snap, version):
@@ -99,8 +119,12 @@ class DecoderRuntime:
         self.store.refresh()
 
     def stats(self) -> dict:
-        """What the server's /metrics reports of this runtime (as Runtime.stats())."""
-        return {"device": self.device, "lm_pets_loaded": len(self._pets)}
+        """What the server's /metrics reports of this runtime (as Runtime.stats()), with its
+        generation engine's sequences, steps and tokens once it has run."""
+        out = {"device": self.device, "lm_pets_loaded": len(self._pets)}
+        if self._engine is not None:
+            out["engine"] = self._engine.stats()
+        return out
 
     def pet(self, tenant):
         """A decoder tenant's lm PET, loaded once and kept (what a Ray worker calls when it takes
@@ -138,7 +162,7 @@ class DecoderRuntime:
 
         if not isinstance(request, dict) or not isinstance(request.get("prompt"), (str, list)):
             raise BadRequest("each request is an object with a 'prompt': a string or a list of token ids")
-        unknown = set(request) - {"tenant", "prompt", *FIELDS}
+        unknown = set(request) - {"tenant", "prompt", "version", *FIELDS}
         if unknown:
             raise BadRequest(f"unknown request fields: {', '.join(sorted(unknown))}")
         tenant, pet, version = request.get("tenant"), None, snap.version_names[0]
@@ -151,6 +175,11 @@ class DecoderRuntime:
             if tenant not in self._pets:
                 self._pets[tenant] = load_lm_pet(self.store, tenant, self.decoder)
             pet, version = self._pets[tenant], meta.get("version", version)
+        if request.get("version") is not None:
+            version = request["version"]
+            if version not in snap.version_names:
+                raise BadRequest(f"unknown PLOT version {version!r}: the store holds "
+                                 f"{', '.join(snap.version_names)}")
         try:
             params = SamplingParams(**{k: request[k] for k in FIELDS if k in request}).check()
         except (TypeError, ValueError) as e:
@@ -202,32 +231,44 @@ class DecoderRuntime:
 
     def stream(self, requests):
         """Events as tokens are made: {"index", "token", "text" (the completion so far),
-        "finished", "finish_reason"}; the last event of each request has finished True."""
-        snap = self.store.snapshot()
-        parsed = [self._parse(snap, r) for r in requests]
-        by_version = {}
-        for i, (version, prompt, params, pet) in enumerate(parsed):
-            by_version.setdefault(version, []).append((i, prompt, params, pet))
-        for version, items in by_version.items():  # one batch per PLOT version
-            batcher = self.batcher(snap, version)
-            index = {batcher.submit(prompt, params, pet): i for i, prompt, params, pet in items}
-            while batcher.busy:
-                for e in batcher.step():
-                    yield {"index": index[e.id], "token": e.token, "text": e.text, "finished": e.finished,
-                           "finish_reason": e.finish_reason}
+        "finished", "finish_reason"}; the last event of each request has finished True.
+        Closing the iterator early cancels what is left."""
+        for e in self._events(requests):
+            yield {"index": e["index"], "token": e["token"], "text": e["text"], "finished": e["finished"],
+                   "finish_reason": e["finish_reason"]}
 
     def generate(self, requests) -> list[dict]:
         """One result per request, in order: ids, text, finish_reason, logprobs, usage."""
-        snap = self.store.snapshot()
-        parsed = [self._parse(snap, r) for r in requests]
-        results: list[dict | None] = [None] * len(parsed)
-        by_version = {}
-        for i, item in enumerate(parsed):
-            by_version.setdefault(item[0], []).append((i, *item[1:]))
-        for version, items in by_version.items():
-            batcher = self.batcher(snap, version)
-            index = {batcher.submit(prompt, params, pet): i for i, prompt, params, pet in items}
-            batcher.run()
-            for rid, i in index.items():
-                results[i] = batcher.result(rid)
+        results: list[dict | None] = [None] * len(requests)
+        for e in self._events(requests):
+            if e["finished"]:
+                results[e["index"]] = e["result"]
         return results
+
+    def _events(self, requests):
+        """The engine's token events of requests, one submission; its error raised here."""
+        from runtime.gen.engine import QueueFull
+
+        if not isinstance(requests, (list, tuple)):
+            from runtime.errors import BadRequest
+
+            raise BadRequest("requests is a list of request objects")
+        if not requests:
+            return
+        eng = self.engine()
+        h = eng.submit(list(requests))
+        if h is None:
+            raise QueueFull(f"the generation queue is full ({eng.queue_limit} sequences); retry later")
+        finished = False
+        try:
+            for e in h.events():
+                if e["type"] == "error":
+                    finished = True
+                    raise e["error"]
+                if e["type"] == "token":
+                    yield e
+            finished = True
+        finally:
+            if not finished:
+                eng.cancel(h)
+            eng.release(h)

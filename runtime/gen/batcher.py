@@ -7,10 +7,13 @@
             ...
     b.result(rid)                               # what PlotDecoder.generate returns
 
-Sequences join and leave between steps: a step first admits waiting requests (prefill: one
-lookup for the prompt, the upper layers into the sequence's own KV cache), then decodes every
-running sequence (one lookup for all their new windows, each sequence's upper layers with its
-own cache and PET), then retires the finished ones and frees their cache.
+A step is schedule → execute → update (vLLM's EngineCore.step): schedule decides, as data (a
+Schedule), which waiting requests join under the KV budget, which running ones decode and which
+leave cancelled; execute runs it (the joining prompts' prefill in one pass, one lookup and one
+batched upper-layer step for every decoding sequence's latest token, each with its own PET);
+update samples every running sequence's next token, detokenizes it in context, checks stops,
+makes the step's events and frees the finished sequences' KV pages. A token chosen in one step
+runs through the model at the next, so a sequence that ends or is cancelled costs no step.
 
 KV memory: a request reserves the upper layers' keys and values for prompt + max_tokens
 positions when admitted (2 x kv_heads x head_dim x 4 bytes x upper layers per position), so a
@@ -61,6 +64,16 @@ class _Request:
     finish: str | None = None
     submitted: float = 0.0
     last_token: float | None = None  # when its latest token was chosen
+    pending: int | None = None  # its latest token, chosen and not yet run through the model
+
+
+@dataclass
+class Schedule:
+    """One step's decision (what the executor runs and who leaves), made before anything runs."""
+
+    admitted: list = field(default_factory=list)  # (request, its KV pages): prefilled this step
+    decode: list = field(default_factory=list)  # running requests whose pending token runs this step
+    cancelled: list = field(default_factory=list)  # running requests that leave without running
 
 
 class Batcher:
@@ -123,7 +136,17 @@ class Batcher:
         return {"ids": r.ids, "text": r.text, "finish_reason": r.finish, "logprobs": r.logprobs,
                 "top_logprobs": r.top, "prompt_tokens": len(r.prompt), "completion_tokens": len(r.ids)}
 
-    def _admit(self) -> None:
+    def step(self) -> list[Event]:
+        """Schedule, execute, update: returns this step's events."""
+        plan = self.schedule()
+        self.execute(plan)
+        return self.update(plan)
+
+    def schedule(self) -> Schedule:
+        """Admit waiting requests, first come first served, while the KV budget, max_running and
+        the pool allow (each reserves prompt + max_tokens positions now); every running request
+        either decodes its pending token or, cancelled, leaves."""
+        plan = Schedule()
         if self.pool is None and self.waiting:
             from runtime.gen.kv_pool import KVPool
 
@@ -131,8 +154,12 @@ class Batcher:
             positions = min(self.budget // self.bytes_per_token, self.max_running * c.max_len)
             new_pool = getattr(self.gen, "new_pool", None)  # the device path's pool lives on the device
             self.pool = new_pool(positions) if new_pool else KVPool(self.gen.decoder, positions)
-        admitted = []
-        while self.waiting and len(self.running) + len(admitted) < self.max_running and \
+        for req in self.running:
+            if req.finish == "cancelled":
+                plan.cancelled.append(req)
+            elif req.pending is not None:
+                plan.decode.append(req)
+        while self.waiting and len(self.running) + len(plan.admitted) < self.max_running and \
                 self.reserved + self.waiting[0].reserve <= self.budget:
             req = self.waiting[0]
             slots = self.pool.alloc(len(req.prompt) + req.params.max_tokens)
@@ -141,34 +168,41 @@ class Batcher:
             self.waiting.popleft()
             self.reserved += req.reserve
             req.chooser = Chooser(req.params)
-            admitted.append((req, slots))
-        if not admitted:
-            return
-        if hasattr(self.gen, "prefill_many") and (getattr(self.gen, "prefills_any_pet", False) or
-                                                  all(lora_only(r.pet) for r, _ in admitted)):  # (FullGen: LoRA)
-            seqs = self.gen.prefill_many([r.prompt for r, _ in admitted], [r.pet for r, _ in admitted],
-                                         [s for _, s in admitted], self.pool)
-        else:  # other PETs: one prompt at a time, its cache then moved into the pool
-            seqs = [self.gen.prefill(r.prompt, r.pet) for r, _ in admitted]
-            for seq, (_, slots) in zip(seqs, admitted):
-                self.pool.adopt(seq, slots)
-        for seq, (req, _) in zip(seqs, admitted):
-            req.seq = seq
-            self.running.append(req)
+            plan.admitted.append((req, slots))
+        return plan
 
-    def step(self) -> list[Event]:
-        """Admit what fits, choose one token for every running sequence, look up and run the
-        upper layers for those that go on, retire the finished. Returns this step's events."""
-        self._admit()
-        events, go_on, tokens = [], [], []
+    def execute(self, plan: Schedule) -> None:
+        """Run the plan: the admitted prompts' prefill, then one decode step for the pending
+        tokens; every sequence that ran has its next-token logits (seq.logits)."""
+        admitted = plan.admitted
+        if admitted:
+            if hasattr(self.gen, "prefill_many") and (getattr(self.gen, "prefills_any_pet", False) or
+                                                      all(lora_only(r.pet) for r, _ in admitted)):  # (FullGen: LoRA)
+                seqs = self.gen.prefill_many([r.prompt for r, _ in admitted], [r.pet for r, _ in admitted],
+                                             [s for _, s in admitted], self.pool)
+            else:  # other PETs: one prompt at a time, its cache then moved into the pool
+                seqs = [self.gen.prefill(r.prompt, r.pet) for r, _ in admitted]
+                for seq, (_, slots) in zip(seqs, admitted):
+                    self.pool.adopt(seq, slots)
+            for seq, (req, _) in zip(seqs, admitted):
+                req.seq = seq
+                self.running.append(req)
+        if plan.decode:
+            self.gen.append([r.seq for r in plan.decode], [r.pending for r in plan.decode], self.pool)
+            for req in plan.decode:
+                req.pending = None
+
+    def update(self, plan: Schedule) -> list[Event]:
+        """Choose every running sequence's next token (one log-softmax and one argmax for all),
+        detokenize it, check EOS, max_tokens and stop sequences; retire the finished and the
+        cancelled, freeing their KV pages."""
+        events = [Event(r.id, None, r.text, True, r.finish) for r in plan.cancelled]
+        live = [r for r in self.running if r.finish is None]
         eos = self.gen.decoder.config.eos_id
-        if self.running:  # one log-softmax and one argmax for every sequence
-            logits = torch.stack([r.seq.logits for r in self.running]).float()
+        if live:
+            logits = torch.stack([r.seq.logits for r in live]).float()
             logprobs, argmax = torch.log_softmax(logits, -1), logits.argmax(-1).tolist()
-        for b, req in enumerate(self.running):
-            if req.finish == "cancelled":
-                events.append(Event(req.id, None, req.text, True, req.finish))
-                continue
+        for b, req in enumerate(live):
             token, logprob, top = req.chooser(logits[b], logprobs[b], argmax[b])
             if token == eos and not req.params.ignore_eos:
                 self._extend(req, req.detok.flush())
@@ -186,13 +220,12 @@ class Batcher:
             if not self._extend(req, req.detok.add(token) + (req.detok.flush() if last else "")) and last:
                 req.finish = "length"
             if req.finish is None:
-                go_on.append(req)
-                tokens.append(token)
+                req.pending = token
             events.append(Event(req.id, token, req.text, req.finish is not None, req.finish))
-        if go_on:
-            self.gen.append([r.seq for r in go_on], tokens, self.pool)
-        for req in [r for r in self.running if r.finish is not None]:
-            self.running.remove(req)
+        ended = [r for r in self.running if r.finish is not None]
+        if ended:
+            self.running = [r for r in self.running if r.finish is None]
+        for req in ended:
             self.reserved -= req.reserve
             self.pool.free(req.seq.slots)
             req.seq = None

@@ -66,28 +66,35 @@ class KVPool(Pages):
     def pages(self, seqs) -> torch.Tensor:
         """(B, longest + 1) page indices of each sequence's positions so far and the new one;
         shorter rows repeat their first page (masked by attend)."""
-        width = max(s.kv_len for s in seqs) + 1
-        rows = torch.empty(len(seqs), width, dtype=torch.long)
-        for b, s in enumerate(seqs):
-            n = s.kv_len + 1
-            rows[b, :n] = s.slots[:n]
-            rows[b, n:] = s.slots[0]
+        lengths = torch.tensor([s.kv_len for s in seqs])
+        width = int(lengths.max()) + 1
+        slots = torch.nn.utils.rnn.pad_sequence([s.slots for s in seqs], batch_first=True)[:, :width]
+        past = torch.arange(width)[None, :] > lengths[:, None]
+        rows = torch.where(past, slots[:, :1], slots)  # (a sequence reserved at least kv_len + 1 slots)
+        self._step = self._step_of(rows, lengths, past)
         return rows
+
+    @staticmethod
+    def _step_of(pages, lengths, past) -> tuple:
+        """What every layer's attend needs of a step, computed once: (pages, each sequence's new
+        page, the pages flat, the mask of the positions past each sequence's length)."""
+        return pages, pages[torch.arange(len(lengths)), lengths], pages.flatten(), past[:, None, None, :]
 
     def attend(self, i: int, seqs, pages: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
         """Layer i: write each sequence's new key and value (B, kv_heads, head_dim) at its next
         page, then attention of q (B, heads, head_dim) over its positions: (B, heads * head_dim)."""
         li, B = i - self.first, len(seqs)
-        lengths = torch.tensor([s.kv_len for s in seqs])
-        new = pages[torch.arange(B), lengths]
+        step = getattr(self, "_step", None)
+        if step is None or step[0] is not pages:  # (pages not from this pool's pages())
+            lengths = torch.tensor([s.kv_len for s in seqs])
+            step = self._step = self._step_of(pages, lengths, torch.arange(pages.shape[1])[None, :] > lengths[:, None])
+        _, new, flat, past = step  # (index_select: several times faster than advanced indexing here)
         self.k[li, new], self.v[li, new] = k, v
         KV, hd = k.shape[1], k.shape[2]
-        flat = pages.flatten()  # (index_select: several times faster than advanced indexing here)
         keys = self.k[li].index_select(0, flat).view(B, -1, KV, hd).permute(0, 2, 3, 1)  # (B, KV, hd, S)
         values = self.v[li].index_select(0, flat).view(B, -1, KV, hd).transpose(1, 2)  # (B, KV, S, hd)
         qg = q.reshape(B, KV, q.shape[1] // KV, hd)  # head h reads K/V head h // (heads / kv_heads)
         scores = (qg @ keys) / hd ** 0.5  # (B, KV, g, S)
-        real = torch.arange(pages.shape[1])[None, :] <= lengths[:, None]
-        scores = scores.masked_fill(~real[:, None, None, :], torch.finfo(scores.dtype).min)
+        scores = scores.masked_fill(past, torch.finfo(scores.dtype).min)
         return (scores.softmax(-1) @ values).reshape(B, -1)

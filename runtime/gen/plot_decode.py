@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from formats.backoff import windows as causal_windows
 from runtime.gen.lora_batch import lora_only
 from runtime.model.decoder import KVCache
 from runtime.model.stored import is_decoder_store
@@ -107,15 +106,20 @@ class PlotDecoder:
 
     def _step_inputs(self, seqs: list[Sequence]) -> torch.Tensor:
         """Upper-layer inputs (B, d) of each sequence's newest token: one lookup for all."""
-        keys = np.stack([causal_windows(np.asarray(s.ids[-self.n:]), self.n, "causal", self.pad_id)[-1]
-                         for s in seqs])
+        n = self.n
+        keys = np.full((len(seqs), n), self.pad_id, dtype=np.uint32)  # the newest causal window: the last n
+        for b, s in enumerate(seqs):                                       # ids, left-padded (formats.backoff)
+            tail = s.ids[-n:]
+            keys[b, n - len(tail):] = tail
         result = self.snapshot.lookup(self.version, keys)
         h = torch.from_numpy(np.asarray(result.values, dtype=np.float32)[:, -1].copy())
         for b, s in enumerate(seqs):
             s.orders.append(int(result.order[b]))
-            at = len(s.ids) - 1
-            if self.position is not None and at < len(self.position):
-                h[b] += torch.from_numpy(np.array(self.position[at]))
+        if self.position is not None:
+            at = np.array([len(s.ids) - 1 for s in seqs])
+            rows = np.flatnonzero(at < len(self.position))
+            if len(rows):
+                h[torch.from_numpy(rows)] += torch.from_numpy(np.asarray(self.position[at[rows]], dtype=np.float32))
         return h
 
     @torch.no_grad()

@@ -28,8 +28,10 @@ pieces concatenate to the same text.
 then ``assistant:``; the completion of that prompt is the assistant's answer (pass
 ``stop: ["\\nuser:"]`` to end it at the next turn). Content is a string or text parts.
 
-**Engine.** One thread runs a continuous batcher (runtime.gen.batcher, one per PLOT version)
-for every request of the server: requests join and leave between decoding steps. A request
+**Engine.** The store's runtime's one generation engine (runtime.gen.engine, which
+runtime.open(...).generate and hkstore generate use too) runs every request of the server in a
+continuous batch per PLOT version: requests join and leave between decoding steps; this module
+is only HTTP (schemas, validation, JSON and SSE answers). A request
 whose sequences (prompts x n) would bring the server's sequences (waiting and running) past
 its queue limit is answered 429 with Retry-After; one with more sequences than the limit, 400.
 ``stream: true`` answers server-sent events, one ``data: {chunk}`` per token carrying its
@@ -52,7 +54,6 @@ import json
 import threading
 import time
 import uuid
-from contextlib import asynccontextmanager
 from typing import Annotated, Union
 
 from fastapi import Depends, Request
@@ -60,7 +61,6 @@ from fastapi.responses import Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials
 from pydantic import BaseModel, ConfigDict, StringConstraints
 
-CHAT_DEFAULT_MAX_TOKENS = 256
 MAX_N = 128  # choices per prompt, OpenAI's bound
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -137,215 +137,6 @@ def chat_prompt(messages) -> str:
     return "".join(lines) + "assistant:"
 
 
-class _Handle:
-    """One HTTP request's sequences in the engine: requests[i] is choice i."""
-
-    __slots__ = ("cancelled", "keys", "prompt_logprobs", "released", "requests", "sink")
-
-    def __init__(self, requests, sink, prompt_logprobs):
-        self.requests, self.sink, self.prompt_logprobs = requests, sink, prompt_logprobs
-        self.keys, self.cancelled, self.released = [], False, False
-
-
-def _stale(batcher, snap) -> bool:
-    """An idle batcher over an older snapshot than snap: replaced by one on snap. One over the
-    newest stays, with its KV pool (allocating and zeroing a pool per request cost tens of
-    milliseconds of time to first token)."""
-    return not batcher.busy and batcher.gen.snapshot.manifest.get("generation") != snap.manifest.get("generation")
-
-
-class GenEngine:
-    """One thread, one continuous batcher per PLOT version, for every generation request.
-
-    submit(requests, sink, prompt_logprobs=None) -> handle, or None (the queue is full): one
-    sequence per request dict (a choice); sink(event) is called from the engine thread:
-    {"type": "accepted", "prompts": [ids per choice], "prompt_logprobs": [per choice, when
-    asked: runtime.gen.api's prompt_logprobs with that many alternatives]}, then
-    {"type": "token", "index": choice, ...} per token (a choice's last with finished True), or
-    {"type": "error", "error": exception} instead. A choice with max_tokens 0 makes no token:
-    its one event is finished at once."""
-
-    def __init__(self, rt, metrics, queue_limit: int):
-        self.rt, self.queue_limit = rt, queue_limit
-        self.cond = threading.Condition()
-        self.inbox: list[_Handle] = []
-        self.cancels: list[_Handle] = []
-        self.live = 0  # sequences submitted and not finished (inbox, waiting, running)
-        self.batchers: dict[str, object] = {}
-        self.handles: dict[tuple[str, int], tuple[_Handle, int]] = {}  # (version, id) -> (handle, choice)
-        self.stopping = False
-        self.m = metrics
-        self.thread = threading.Thread(target=self._run, name="hkstore-gen", daemon=True)
-        self.thread.start()
-
-    def submit(self, requests: list[dict], sink, prompt_logprobs: int | None = None):
-        with self.cond:
-            if self.live + len(requests) > self.queue_limit:
-                return None
-            self.live += len(requests)
-            h = _Handle(list(requests), sink, prompt_logprobs)
-            self.inbox.append(h)
-            self.cond.notify()
-            return h
-
-    def cancel(self, h: _Handle):
-        with self.cond:
-            if not h.cancelled:
-                h.cancelled = True
-                self.cancels.append(h)
-                self.cond.notify()
-
-    def stop(self):
-        with self.cond:
-            self.stopping = True
-            self.cond.notify()
-        self.thread.join(30)
-
-    def release(self, h: _Handle):
-        """The request's HTTP answer is over (sent, refused or abandoned): its places in the queue
-        free. A stream holds them until its client has read it all or gone away."""
-        with self.cond:
-            if not h.released:
-                h.released = True
-                self.live -= len(h.requests)
-
-    def _admit(self, h: _Handle):
-        import runtime
-
-        rt = self.rt
-        submitted = []
-        try:
-            snap = rt.store.snapshot()
-            c = rt.decoder.config
-            ids_of = {}  # the n choices of a prompt share its object: tokenized once
-            parsed = []
-            for request in h.requests:
-                text = request["prompt"]
-                if id(text) not in ids_of:
-                    ids_of[id(text)] = rt.prompt_ids(text)
-                prompt = ids_of[id(text)]
-                if not c.rotary and len(prompt) >= c.max_len:
-                    raise runtime.BadRequest(f"the prompt is {len(prompt)} tokens, the model's context holds "
-                                             f"{c.max_len}")
-                max_tokens = request.get("max_tokens")
-                if max_tokens is None:
-                    max_tokens = max(1, min(CHAT_DEFAULT_MAX_TOKENS, c.max_len - len(prompt))) \
-                        if not c.rotary else CHAT_DEFAULT_MAX_TOKENS
-                scoring = max_tokens == 0  # echo's prompt logprobs only: nothing to generate
-                version, prompt, params, pet = rt.parse(snap, dict(request, prompt=prompt,
-                                                                   max_tokens=1 if scoring else max_tokens))
-                parsed.append((version, prompt, None if scoring else params, pet))
-            prompt_lps = [None] * len(parsed)
-            if h.prompt_logprobs is not None:
-                memo = {}
-                for i, (version, prompt, _, pet) in enumerate(parsed):
-                    key = (version, id(pet), tuple(prompt))
-                    if key not in memo:
-                        memo[key] = rt.prompt_logprobs(snap, version, prompt, pet, h.prompt_logprobs)
-                    prompt_lps[i] = memo[key]
-            for i, (version, prompt, params, pet) in enumerate(parsed):
-                if params is None:
-                    continue
-                batcher = self.batchers.get(version)
-                if batcher is None or _stale(batcher, snap):
-                    batcher = self.batchers[version] = rt.batcher(snap, version)
-                try:
-                    submitted.append(((version, batcher.submit(prompt, params, pet)), i))
-                except ValueError as e:
-                    raise runtime.BadRequest(str(e)) from None
-        except Exception as e:  # noqa: BLE001 - the request's answer (4xx or 500), the engine goes on
-            for (version, rid), _ in submitted:  # (still waiting: none has run)
-                self.batchers[version].cancel(rid)
-                self.batchers[version].done.pop(rid, None)
-            h.sink({"type": "error", "error": e})
-            return
-        for key, i in submitted:
-            h.keys.append(key)
-            self.handles[key] = (h, i)
-        h.sink({"type": "accepted", "prompts": [p for _, p, _, _ in parsed], "prompt_logprobs": prompt_lps})
-        for i, (_, _, params, _) in enumerate(parsed):
-            if params is None:
-                h.sink({"type": "token", "index": i, "token": None, "text": "", "finished": True,
-                        "finish_reason": "length", "completion_tokens": 0})
-
-    def _run(self):
-        while True:
-            with self.cond:
-                while not (self.inbox or self.cancels or self.stopping or any(b.busy for b in self.batchers.values())):
-                    self.cond.wait()
-                if self.stopping:
-                    break
-                inbox, self.inbox = self.inbox, []
-                cancels, self.cancels = self.cancels, []
-            for h in inbox:
-                if not h.cancelled:
-                    self._admit(h)
-            for h in cancels:
-                for key in h.keys:
-                    entry = self.handles.get(key)
-                    if entry is None or entry[0] is not h:  # finished (batchers' ids recur)
-                        continue
-                    del self.handles[key]
-                    version, rid = key
-                    b = self.batchers.get(version)
-                    if b is not None:
-                        b.cancel(rid)
-                        b.done.pop(rid, None)  # a waiting one is done at once; a running one at its next step
-            newest = self.rt.store.snapshot()
-            for version, b in list(self.batchers.items()):
-                if b.busy:
-                    self._step(version, b)
-                if _stale(b, newest):
-                    del self.batchers[version]
-            self._gauges()
-        told = set()
-        for h, _ in list(self.handles.values()):
-            if id(h) not in told:
-                told.add(id(h))
-                h.sink({"type": "error", "error": RuntimeError("the server is shutting down")})
-
-    def _step(self, version, b):
-        try:
-            events = b.step()
-        except Exception as e:  # noqa: BLE001 - every sequence of the batcher gets the error, the engine goes on
-            told = set()
-            for key in [k for k in self.handles if k[0] == version]:
-                h, _ = self.handles.pop(key)
-                if id(h) not in told:
-                    told.add(id(h))
-                    h.sink({"type": "error", "error": e})
-            del self.batchers[version]
-            return
-        running = {r.id: r for r in b.running}
-        for e in events:
-            entry = self.handles.get((version, e.id))
-            req = running.get(e.id) or b.done.get(e.id)
-            if e.finished:
-                b.done.pop(e.id, None)
-            if entry is None:  # cancelled
-                continue
-            h, index = entry
-            out = {"type": "token", "index": index, "token": e.token, "text": e.text, "finished": e.finished,
-                   "finish_reason": e.finish_reason, "completion_tokens": len(req.ids) if req else 0}
-            if e.token is not None and req is not None:
-                out["logprob"], out["top"] = req.logprobs[-1], req.top[-1]
-                self.m["tokens"].inc()
-            if e.finished:
-                del self.handles[(version, e.id)]
-            h.sink(out)
-        for x in b.ttft:
-            self.m["ttft"].observe(x)
-        for x in b.itl:
-            self.m["itl"].observe(x)
-        b.ttft.clear()
-        b.itl.clear()
-
-    def _gauges(self):
-        self.m["running"].set(sum(len(b.running) for b in self.batchers.values()))
-        self.m["waiting"].set(sum(len(b.waiting) for b in self.batchers.values()) +
-                              sum(len(h.requests) for h in self.inbox))
-
-
 def _metrics(registry):
     from prometheus_client import Counter, Gauge, Histogram
 
@@ -361,6 +152,18 @@ def _metrics(registry):
                                 ["route", "status"], registry=registry)}
 
 
+def _observe(m, turn):
+    """One engine turn into the Prometheus metrics."""
+    m["running"].set(turn["running"])
+    m["waiting"].set(turn["waiting"])
+    if turn["tokens"]:
+        m["tokens"].inc(turn["tokens"])
+    for x in turn["ttft"]:
+        m["ttft"].observe(x)
+    for x in turn["itl"]:
+        m["itl"].observe(x)
+
+
 def add_openai_routes(app, svc, bearer, HTTPError):
     """Mount /v1/completions, /v1/chat/completions and /v1/models on app (runtime.serve.app's
     create_app calls it with its Service, bearer scheme and HTTPError)."""
@@ -368,27 +171,18 @@ def add_openai_routes(app, svc, bearer, HTTPError):
     from runtime import BadRequest
 
     metrics = _metrics(svc.metrics.registry)
-    state = {"engine": None}
+    observed = set()  # ids of the engines whose turns feed this app's metrics
     lock = threading.Lock()
 
-    def engine() -> GenEngine:
+    def engine():
+        """The runtime's generation engine (it stops when the runtime closes), with the server's
+        queue limit and this app's metrics."""
+        eng = svc.rt.engine(queue_limit=svc.queue_limit)
         with lock:
-            if state["engine"] is None:
-                state["engine"] = GenEngine(svc.rt, metrics, svc.queue_limit)
-            return state["engine"]
-
-    inner = app.router.lifespan_context
-
-    @asynccontextmanager
-    async def lifespan(a):
-        async with inner(a) as value:
-            try:
-                yield value
-            finally:
-                if state["engine"] is not None:
-                    await asyncio.to_thread(state["engine"].stop)
-
-    app.router.lifespan_context = lifespan
+            if id(eng) not in observed:
+                observed.add(id(eng))
+                eng.observe(lambda turn: _observe(metrics, turn))
+        return eng
 
     def base_names():
         from hkstore.model_name import accepted_names
@@ -428,8 +222,7 @@ def add_openai_routes(app, svc, bearer, HTTPError):
                "top_p": 1.0 if body.top_p is None else body.top_p, "stop": stop, "logprobs": logprobs}
         if tenant is not None:
             req["tenant"] = tenant
-        if max_tokens is not None:
-            req["max_tokens"] = max_tokens
+        req["max_tokens"] = max_tokens  # None: what is left of the context (runtime.gen.engine)
         if body.top_k is not None:
             req["top_k"] = 0 if body.top_k == -1 else body.top_k  # vLLM's -1: no cut
         if body.ignore_eos:
@@ -456,7 +249,8 @@ def add_openai_routes(app, svc, bearer, HTTPError):
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         eng = engine()
-        h = eng.submit(subs, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev), prompt_logprobs)
+        h = eng.submit(subs, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev), prompt_logprobs,
+                       zero_tokens=True)
         if h is None:
             metrics["requests"].labels(route, "429").inc()
             svc.metrics.rejected.labels("queue_full").inc()
