@@ -329,6 +329,19 @@ class Store:
     def lookup(self, version, windows):
         return self._snapshot.lookup(version, windows)
 
+    def warm(self):
+        """Map and check every value row of the current snapshot's segments now (Segment.warm),
+        so lookups skip the first-return check and page faults; returns the rows that failed.
+        A segment in another file's slot is skipped: lookups that reach it raise anyway."""
+        seen, failed = set(), 0
+        snap = self._snapshot
+        for v in range(len(snap.version_names)):
+            for seg in snap.version_segments(v):
+                if id(seg) not in seen and not isinstance(seg, _NotTheFile):
+                    seen.add(id(seg))
+                    failed += seg.warm()
+        return failed
+
     # -- writing ---------------------------------------------------------------------------
 
     def _require_writable(self):
