@@ -955,7 +955,11 @@ static PyObject *py_gather(PyObject *self, PyObject *args) {
                 const uint8_t *nx = vbase + (size_t)ent[i + GATHER_AHEAD] * rb;
                 for (size_t l = 0; l < GATHER_LINES * 64 && l < rb; l += 64) GATHER_PREFETCH(nx + l);
                 if (sbase) HK_PREFETCH(sbase + (size_t)ent[i + GATHER_AHEAD] * 4 * (size_t)n);
-                if (ok) HK_PREFETCH(ok + ent[i + GATHER_AHEAD]);
+                if (ok) {
+                    HK_PREFETCH(ok + ent[i + GATHER_AHEAD]);
+                    /* a row's first return reads its rowsum: a random miss otherwise */
+                    HK_PREFETCH(rsum + 8 * (size_t)ent[i + GATHER_AHEAD]);
+                }
             }
             const uint64_t e = (uint64_t)ent[i];
             const uint8_t *src = vbase + e * rb;
