@@ -466,6 +466,15 @@ def test_store_warm_then_lookups_identical(tmp_path):
             got = s.lookup("root", windows)
             np.testing.assert_array_equal(got.values, ref.values)
             np.testing.assert_array_equal(got.order, ref.order)
+            # in a thread, beside lookups
+            s = hkstore.open(tmp_path / "s")
+            t = s.warm(background=True)
+            got = s.lookup("root", windows)
+            t.join(30)
+            assert not t.is_alive()
+            assert s.snapshot().version_segments("root")[0]._row_ok.all()
+            np.testing.assert_array_equal(got.values, ref.values)
+            np.testing.assert_array_equal(s.lookup("root", windows).values, ref.values)
 
 
 @needs_accel
