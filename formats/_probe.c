@@ -14,6 +14,8 @@
  *                                                  the whole lookup rule of FORMAT.md section 4
  *   gather(values, count, n, entries, out, out_rows, scales, rowsums, row_ok, hashes) -> int
  *                                                  Segment.read_values / _check_rows
+ *   verify_rows(values, keys, n, rowsums, row_ok, scales, populate) -> int
+ *                                                  Segment.warm: check every unchecked row now
  *
  * On-disk arrays (index, keys, flags, rowsums, scales) are little-endian; queries, windows and
  * the output arrays are native (NumPy's uint32/int64/... on this machine).
@@ -25,8 +27,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__unix__) || defined(__APPLE__)
+#include <sys/mman.h>
+#include <unistd.h>
+#endif
 
-#define HK_API_VERSION 1
+#define HK_API_VERSION 2
 
 /* Tuning knobs, all optional -D flags: HK_NO_PREFETCH (measure without software prefetch),
  * PF_INDEX / PF_KEYS (probe pipeline distances), GATHER_AHEAD / GATHER_LINES / GATHER_LOCALITY. */
@@ -426,6 +432,9 @@ typedef struct {
     int8_t *order;
     int64_t *res;
     char *used;
+    Py_ssize_t *rep;   /* m: the first window with the same key (dedupe) */
+    Py_ssize_t *table; /* tsize slots of window numbers, -1 empty */
+    Py_ssize_t tsize;  /* a power of two >= 2m */
     Py_ssize_t need, misses, bad_seg; /* results */
     uint64_t bad;
 } rctx;
@@ -456,24 +465,51 @@ HK_INLINE void resolve_core(rctx *c, const int n) {
     Py_ssize_t need = -1, misses = 0, bad_seg = -1;
     uint64_t bad = 0;
     Py_ssize_t L = m;
+    Py_ssize_t *rep = c->rep, *table = c->table;
+    const uint64_t tmask = (uint64_t)c->tsize - 1;
     memcpy(cur, w_in, sizeof(uint32_t) * (size_t)m * (size_t)n);
+    for (Py_ssize_t i = 0; i < c->tsize; i++) table[i] = -1;
+    /* Dedupe: a batch repeats keys (a Zipf draw: half the windows or more), and equal windows
+     * get equal answers, so only the first window of each key is searched; the others copy its
+     * answer at the end. A small open-addressing table (2m slots, fits L2) on the key hash. */
+    L = 0;
     for (Py_ssize_t i = 0; i < m; i++) {
         const uint32_t *k = cur + i * n;
         int o = 1;
         for (int j = 0; j < n; j++) o += (j != center) && (k[j] != pad);
         order[i] = (int8_t)o;
-        pending[i] = i;
         o_seg[i] = -1;
         o_ent[i] = -1;
         o_hash[i] = 0;
         o_ver[i] = -1;
         o_ord[i] = 0;
-    }
-    while (L > 0 && need < 0 && bad_seg < 0) {
-        for (Py_ssize_t i = 0; i < L; i++) {
-            Py_ssize_t w = pending[i];
-            hash[w] = key_hash(cur + w * n, n);
+        const uint64_t h = key_hash(k, n);
+        hash[i] = h;
+        rep[i] = i;
+        uint64_t t = h & tmask;
+        for (;;) {
+            const Py_ssize_t j = table[t];
+            if (j < 0) {
+                table[t] = i;
+                pending[L++] = i;
+                break;
+            }
+            if (hash[j] == h && memcmp(cur + j * n, k, sizeof(uint32_t) * (size_t)n) == 0) {
+                rep[i] = j;
+                break;
+            }
+            t = (t + 1) & tmask;
         }
+    }
+    int first = 1; /* the first round's hashes are computed above */
+    while (L > 0 && need < 0 && bad_seg < 0) {
+        if (!first) {
+            for (Py_ssize_t i = 0; i < L; i++) {
+                Py_ssize_t w = pending[i];
+                hash[w] = key_hash(cur + w * n, n);
+            }
+        }
+        first = 0;
         /* rem: the windows of this round not served yet, version after version */
         memcpy(rem, pending, sizeof(Py_ssize_t) * (size_t)L);
         Py_ssize_t R = L;
@@ -539,6 +575,18 @@ HK_INLINE void resolve_core(rctx *c, const int n) {
         }
         L = L2;
     }
+    if (need < 0 && bad_seg < 0) {
+        for (Py_ssize_t i = 0; i < m; i++) {
+            const Py_ssize_t j = rep[i];
+            if (j == i) continue;
+            o_seg[i] = o_seg[j];
+            o_ent[i] = o_ent[j];
+            o_hash[i] = o_hash[j];
+            o_ver[i] = o_ver[j];
+            o_ord[i] = o_ord[j];
+            misses += o_ord[j] == 0;
+        }
+    }
     c->need = need;
     c->misses = misses;
     c->bad_seg = bad_seg;
@@ -600,6 +648,7 @@ static PyObject *py_resolve(PyObject *self, PyObject *args) {
     int8_t *order = NULL;
     int64_t *res = NULL;
     char *used = NULL;
+    Py_ssize_t *rep = NULL, *table = NULL;
 
     if (n > HK_MAX_N) {
         PyErr_Format(PyExc_ValueError, "n > %d is not supported", HK_MAX_N);
@@ -689,7 +738,11 @@ static PyObject *py_resolve(PyObject *self, PyObject *args) {
     hash = (uint64_t *)PyMem_Malloc(sizeof(uint64_t) * (size_t)(m + 1));
     order = (int8_t *)PyMem_Malloc((size_t)(m + 1));
     res = (int64_t *)PyMem_Malloc(sizeof(int64_t) * (size_t)(m + 1));
-    if (!lists || !cur || !hash || !order || !res) {
+    Py_ssize_t tsize = 16;
+    while (tsize < 2 * m) tsize *= 2;
+    rep = (Py_ssize_t *)PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(m + 1));
+    table = (Py_ssize_t *)PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)tsize);
+    if (!lists || !cur || !hash || !order || !res || !rep || !table) {
         PyErr_NoMemory();
         goto done;
     }
@@ -717,6 +770,9 @@ static PyObject *py_resolve(PyObject *self, PyObject *args) {
     c.order = order;
     c.res = res;
     c.used = used;
+    c.rep = rep;
+    c.table = table;
+    c.tsize = tsize;
     Py_BEGIN_ALLOW_THREADS
     resolve_run(&c, n);
     Py_END_ALLOW_THREADS
@@ -766,6 +822,8 @@ done:
     PyMem_Free(hash);
     PyMem_Free(order);
     PyMem_Free(res);
+    PyMem_Free(rep);
+    PyMem_Free(table);
     Py_DECREF(segs);
     return result;
 }
@@ -897,7 +955,11 @@ static PyObject *py_gather(PyObject *self, PyObject *args) {
                 const uint8_t *nx = vbase + (size_t)ent[i + GATHER_AHEAD] * rb;
                 for (size_t l = 0; l < GATHER_LINES * 64 && l < rb; l += 64) GATHER_PREFETCH(nx + l);
                 if (sbase) HK_PREFETCH(sbase + (size_t)ent[i + GATHER_AHEAD] * 4 * (size_t)n);
-                if (ok) HK_PREFETCH(ok + ent[i + GATHER_AHEAD]);
+                if (ok) {
+                    HK_PREFETCH(ok + ent[i + GATHER_AHEAD]);
+                    /* a row's first return reads its rowsum: a random miss otherwise */
+                    HK_PREFETCH(rsum + 8 * (size_t)ent[i + GATHER_AHEAD]);
+                }
             }
             const uint64_t e = (uint64_t)ent[i];
             const uint8_t *src = vbase + e * rb;
@@ -933,6 +995,90 @@ done:
     return PyLong_FromSsize_t(bad);
 }
 
+/* Map the pages of [p, p + len) into this process now, so the reads that follow take no page
+ * faults: MADV_POPULATE_READ (Linux 5.14+) maps them in one call; elsewhere, or where the kernel
+ * refuses it, a read of one byte a page does the same one fault (and fault-around) at a time. */
+static void populate_range(const uint8_t *p, size_t len) {
+    if (!len) return;
+#if defined(__unix__) || defined(__APPLE__)
+    long page = sysconf(_SC_PAGESIZE);
+    if (page <= 0) page = 4096;
+    uintptr_t start = (uintptr_t)p & ~((uintptr_t)page - 1);
+#ifdef MADV_POPULATE_READ
+    if (madvise((void *)start, (size_t)((uintptr_t)p + len - start), MADV_POPULATE_READ) == 0) return;
+#endif
+#else
+    long page = 4096;
+#endif
+    volatile uint8_t sink = 0;
+    for (size_t o = 0; o < len; o += (size_t)page) sink ^= p[o];
+    sink ^= p[len - 1];
+    (void)sink;
+}
+
+/* verify_rows(values, keys, n, rowsums, row_ok, scales, populate) -> int
+ *
+ * Check, now, every row whose row_ok is 0, the check gather does on a row's first return:
+ * XXH64 of the row's value bytes seeded with its key's hash (computed here from keys), then of
+ * its scale bytes seeded with that, against its rowsum; a row that passes is marked. values:
+ * (k, slots, d) any item type; keys: (k, n) uint32; rowsums (k,) uint64; row_ok (k,) bool;
+ * scales (k, slots) float32 or None. populate: map the value pages first (populate_range).
+ * Returns how many rows failed (left unmarked, so a lookup that returns one raises). */
+static PyObject *py_verify_rows(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *values_o, *keys_o, *rowsums_o, *rowok_o, *scales_o;
+    int n, populate;
+    if (!PyArg_ParseTuple(args, "OOiOOOp", &values_o, &keys_o, &n, &rowsums_o, &rowok_o, &scales_o, &populate))
+        return NULL;
+    if (n <= 0 || n > HK_MAX_N) return PyErr_Format(PyExc_ValueError, "n must be in 1..%d, got %d", HK_MAX_N, n);
+    Py_buffer values = {0}, keys = {0}, rowsums = {0}, rowok = {0}, scales = {0};
+    int got = 0;
+    Py_ssize_t failed = 0;
+    if (PyObject_GetBuffer(values_o, &values, PyBUF_C_CONTIGUOUS) < 0) goto done;
+    got = 1;
+    if (get_buffer(keys_o, &keys, 4, 0, "keys") < 0) goto done;
+    got = 2;
+    if (get_buffer(rowsums_o, &rowsums, 8, 0, "rowsums") < 0) goto done;
+    got = 3;
+    if (get_buffer(rowok_o, &rowok, 1, 1, "row_ok") < 0) goto done;
+    got = 4;
+    if (scales_o != Py_None) {
+        if (get_buffer(scales_o, &scales, 4, 0, "scales") < 0) goto done;
+        got = 5;
+    }
+    {
+        const Py_ssize_t k = rowok.len;
+        if (keys.len != k * 4 * (Py_ssize_t)n || rowsums.len != 8 * k || (k && values.len % k) ||
+            (got == 5 && k && scales.len % k)) {
+            PyErr_SetString(PyExc_ValueError, "values (k, ...), keys (k, n), rowsums (k,), row_ok (k,), scales (k, ...)");
+            goto done;
+        }
+        const size_t rb = k ? (size_t)(values.len / k) : 0, sb = (got == 5 && k) ? (size_t)(scales.len / k) : 0;
+        const uint8_t *v = (const uint8_t *)values.buf, *sc = got == 5 ? (const uint8_t *)scales.buf : NULL;
+        const uint8_t *rs = (const uint8_t *)rowsums.buf;
+        const uint32_t *kk = (const uint32_t *)keys.buf;
+        uint8_t *ok = (uint8_t *)rowok.buf;
+        Py_BEGIN_ALLOW_THREADS
+        if (populate) populate_range(v, (size_t)values.len);
+        for (Py_ssize_t i = 0; i < k; i++) {
+            if (ok[i]) continue;
+            uint64_t digest = xxh64_any(v + (size_t)i * rb, rb, key_hash(kk + (size_t)i * (size_t)n, n));
+            if (sc) digest = xxh64_any(sc + (size_t)i * sb, sb, digest);
+            if (digest == read64(rs + 8 * (size_t)i)) ok[i] = 1;
+            else failed++;
+        }
+        Py_END_ALLOW_THREADS
+    }
+done:
+    if (got >= 1) PyBuffer_Release(&values);
+    if (got >= 2) PyBuffer_Release(&keys);
+    if (got >= 3) PyBuffer_Release(&rowsums);
+    if (got >= 4) PyBuffer_Release(&rowok);
+    if (got >= 5) PyBuffer_Release(&scales);
+    if (PyErr_Occurred()) return NULL;
+    return PyLong_FromSsize_t(failed);
+}
+
 static PyMethodDef methods[] = {
     {"xxh64", (PyCFunction)(void (*)(void))py_xxh64, METH_VARARGS | METH_KEYWORDS, "xxh64(data, seed=0) -> int"},
     {"hash_keys", py_hash_keys, METH_VARARGS, "hash_keys(keys, n, out): key hash of each (m, n) uint32 row"},
@@ -943,6 +1089,8 @@ static PyMethodDef methods[] = {
      "out_version, out_order) -> (need, misses, used): the lookup rule"},
     {"gather", py_gather, METH_VARARGS,
      "gather(values, count, n, entries, out, out_rows, scales, rowsums, row_ok, hashes) -> -1 or first bad position"},
+    {"verify_rows", py_verify_rows, METH_VARARGS,
+     "verify_rows(values, keys, n, rowsums, row_ok, scales, populate) -> rows that failed: check unchecked rows now"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -16,7 +16,7 @@ import contextlib
 import os
 import sys
 
-API_VERSION = 1  # must match HK_API_VERSION in formats/_probe.c: a stale build is ignored
+API_VERSION = 2  # must match HK_API_VERSION in formats/_probe.c: a stale build is ignored
 
 try:
     from formats import _probe as _compiled

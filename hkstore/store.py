@@ -329,6 +329,25 @@ class Store:
     def lookup(self, version, windows):
         return self._snapshot.lookup(version, windows)
 
+    def warm(self, background=False):
+        """Map and check every value row of the current snapshot's segments now (Segment.warm),
+        so lookups skip the first-return check and page faults; returns the rows that failed.
+        A segment in another file's slot is skipped: lookups that reach it raise anyway.
+        background=True runs it in a daemon thread (the C path releases the GIL, so lookups go
+        on meanwhile, checking the rows they reach first themselves) and returns the thread."""
+        if background:
+            t = threading.Thread(target=self.warm, name="hkstore-warm", daemon=True)
+            t.start()
+            return t
+        seen, failed = set(), 0
+        snap = self._snapshot
+        for v in range(len(snap.version_names)):
+            for seg in snap.version_segments(v):
+                if id(seg) not in seen and not isinstance(seg, _NotTheFile):
+                    seen.add(id(seg))
+                    failed += seg.warm()
+        return failed
+
     # -- writing ---------------------------------------------------------------------------
 
     def _require_writable(self):

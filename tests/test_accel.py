@@ -410,3 +410,91 @@ def test_bad_window_shape_is_rejected_on_both_paths(tmp_path):
         with accel.using(enabled):
             with pytest.raises(ValueError, match="windows must have shape"):
                 st_.lookup("root", np.zeros((3, 4), np.uint32))
+
+
+# -- warm: every row checked up front ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "int8"])
+def test_warm_checks_rows_like_first_return_on_both_paths(tmp_path, dtype):
+    """Segment.warm marks exactly the rows a lookup would accept, on both paths; a damaged row
+    stays unmarked, so a lookup that returns it still raises, and the other rows are served."""
+    rng = np.random.default_rng(5)
+    keys = np.unique(rng.integers(0, 60, (300, 3)).astype(np.uint32), axis=0)
+    values = rng.standard_normal((len(keys), 3, 19)).astype(np.float32)
+    path = str(tmp_path / "w.seg")
+    sg.write_segment(path, keys, values, dtype=dtype)
+    bad = int(rng.integers(0, len(keys)))
+    seg = sg.Segment(path)
+    off = seg.sections["values"][0] + bad * seg.values[0].nbytes + 3
+    ref = seg.read_values(np.arange(len(keys)), hash_keys(keys))  # before the damage
+    del seg
+    with open(path, "r+b") as f:
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ 0x04]))
+    good = np.setdiff1d(np.arange(len(keys)), [bad])
+    for enabled in ([False, True] if accel.BUILT else [False]):
+        with accel.using(enabled):
+            seg = sg.Segment(path)
+            assert seg.warm(chunk=64) == 1
+            assert seg._row_ok.sum() == len(keys) - 1 and not seg._row_ok[bad]
+            assert seg.warm() == 1  # idempotent: checked rows are not checked again
+            np.testing.assert_array_equal(seg.read_values(good, hash_keys(keys[good])), ref[good])
+            with pytest.raises(hkstore.CorruptError, match=f"value row {bad} fails"):
+                seg.read_values(np.array([bad]), hash_keys(keys[[bad]]))
+
+
+def test_store_warm_then_lookups_identical(tmp_path):
+    """Store.warm changes no answer: lookups after it equal the reference path's."""
+    rng = np.random.default_rng(9)
+    st_ = hkstore.create(tmp_path / "s", d=4, vocab_size=16)
+    uni = np.zeros((16, 3), np.uint32)
+    uni[:, 1] = np.arange(16)
+    tri = np.unique(rng.integers(1, 16, (80, 3)).astype(np.uint32), axis=0)
+    keys = np.concatenate([uni, tri])
+    st_.add_segment("root", keys, rng.standard_normal((len(keys), 3, 4)).astype(np.float16))
+    st_.close()
+    windows = rng.integers(0, 16, (500, 3)).astype(np.uint32)
+    with accel.using(False):
+        ref = hkstore.open(tmp_path / "s").lookup("root", windows)
+    for enabled in ([False, True] if accel.BUILT else [False]):
+        with accel.using(enabled):
+            s = hkstore.open(tmp_path / "s")
+            assert s.warm() == 0
+            got = s.lookup("root", windows)
+            np.testing.assert_array_equal(got.values, ref.values)
+            np.testing.assert_array_equal(got.order, ref.order)
+            # in a thread, beside lookups
+            s = hkstore.open(tmp_path / "s")
+            t = s.warm(background=True)
+            got = s.lookup("root", windows)
+            t.join(30)
+            assert not t.is_alive()
+            assert s.snapshot().version_segments("root")[0]._row_ok.all()
+            np.testing.assert_array_equal(got.values, ref.values)
+            np.testing.assert_array_equal(s.lookup("root", windows).values, ref.values)
+
+
+@needs_accel
+@SETTINGS
+@given(n=st.integers(2, 4), kind=st.sampled_from(["centered", "causal"]), pad=st.sampled_from([0, 1]),
+       vocab=st.integers(3, 8), versions=st.integers(1, 3), with_misses=st.booleans(), pool=st.integers(1, 12),
+       m=st.integers(1, 300), seed=st.integers(0, 2**32 - 1))
+def test_dedupe_of_repeated_windows_matches_reference(n, kind, pad, vocab, versions, with_misses, pool, m, seed):
+    """The C resolve searches each distinct window once and copies its answer to the repeats: a
+    batch drawn with heavy repetition (Zipf-like, hits, backoffs and misses alike) gets, window
+    for window, the reference path's answer."""
+    rng = np.random.default_rng(seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        st_, names, rand_keys = build_store(tmp + "/s", rng, n, kind, "fp16", pad, vocab, versions, 2, with_misses)
+        distinct = np.concatenate([rand_keys(pool), rng.integers(0, vocab, (pool, n)).astype(np.uint32)])
+        weights = 1.0 / np.arange(1, len(distinct) + 1) ** 1.1
+        windows = distinct[rng.choice(len(distinct), m, p=weights / weights.sum())]
+        for version in names:
+            ref, got = both_paths(lambda: hkstore.open(tmp + "/s").lookup(version, windows))
+            np.testing.assert_array_equal(got.values.view(np.uint8), ref.values.view(np.uint8))
+            np.testing.assert_array_equal(got.version, ref.version)
+            np.testing.assert_array_equal(got.order, ref.order)
+        st_.close()
