@@ -1,7 +1,7 @@
-"""The load the scheduler sees: what is queued and how fast requests arrive.
+"""The load the engine sees: what is queued and how fast requests arrive.
 
-A batch's decider (e.g. runtime.student.serve's pruning policy) reads a ``Load`` when the
-batch is about to run: the requests still waiting (this batch's included), their tokens, how
+The engine's routing (e.g. runtime.student.serve's pruning policy) reads a ``Load`` as a
+batch leaves the queue: the requests still waiting (this batch's included), their tokens, how
 long the oldest of them has waited, and the arrival rate in tokens per second over the last
 ``window_s`` seconds. A front end that queues requests before the runtime sees them adds its
 backlog (``LoadMeter.backlog``, set by ``Runtime.set_backlog``), so a burst held there counts.
@@ -54,3 +54,9 @@ class LoadMeter:
             wait = load.oldest_wait_s if first is None else max(load.oldest_wait_s, now - first)
             load = Load(load.queued + queued, load.queued_tokens + queued_tokens, wait, rate, now)
         return load
+
+    def left(self, tokens: list[int]) -> None:
+        """Requests that left the queue without running (cancelled, expired)."""
+        with self._lock:
+            self._queued -= len(tokens)
+            self._tokens -= sum(tokens)
