@@ -45,8 +45,9 @@ def open(store_path, device: str = "auto", **options) -> Runtime:  # noqa: A001 
     """A Runtime serving the store at store_path; options as Runtime's (max_len, max_batch,
     pet_cache_bytes, pipeline, prefetch, hot_tier_rows, host_cache_bytes, dtype, lora_kernel,
     students_target_s: the students' pruning policy's latency target, length_buffer: batches of
-    similar lengths from what waits, False for first come first served; batching: fifo, length or
-    coordinated, PetS's coordinated batching, overrides length_buffer).
+    similar lengths from what waits, False for first come first served; batching: fifo, length,
+    coordinated (PetS's coordinated batching) or tenant (one tenant a batch), overrides length_buffer;
+    max_wait_s: how long a batch waits for company, 0 by default).
     A decoder store opens as a runtime.gen.api.DecoderRuntime (generate / stream)."""
     from runtime.gen.api import DecoderRuntime, is_decoder_store_path
 

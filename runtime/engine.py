@@ -4,8 +4,10 @@
   configured batching: ``fifo`` (first come, first served), ``length`` (Student Parallelism's
   length-aware buffer, runtime.student.buffer: the oldest request's length bin first) or
   ``coordinated`` (PetS's coordinated batching, runtime.sched.coordinated: the queue, up to a
-  window, cut into planned batches that run in order). Cancelled work leaves the queue here,
-  and work whose deadline its batch could not meet is answered ``Expired``.
+  window, cut into planned batches that run in order); ``tenant`` batches one tenant at a time
+  (the dedicated-model baseline of hkstore serve). With ``max_wait_s`` a batch waits for
+  company until it is full or its oldest request has waited that long. Cancelled work leaves
+  the queue at once; work whose deadline its batch could not meet is answered ``Expired``.
 * **route**: each request's row of the batch plan (runtime.exec.rows.Row), decided as data
   from the tenant's record, the request's policy and the load (runtime.sched.load): policy
   exact reads the full-context lower layers (``context``); a tenant with students is answered
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import math
 import threading
 import time
@@ -59,7 +62,8 @@ from runtime.level import dispatch
 from runtime.level.serve import rerouted, send_up, single
 from runtime.sched.load import LoadMeter
 
-BATCHING = ("fifo", "length", "coordinated")
+BATCHING = ("fifo", "length", "coordinated", "tenant")
+log = logging.getLogger("hkstore.engine")
 
 
 @dataclass
@@ -116,12 +120,13 @@ class Step:
     works: list
     rows: list
     level: object = None  # the pruning policy's choice ("teacher" or k); None: nothing to choose
+    started: float = 0.0  # perf_counter when the batch left the queue
 
 
 class Engine:
     def __init__(self, executor, snapshot_fn, *, max_batch: int = 64, pipeline: bool = True,
                  batching: str | None = "length", batcher=None, students=None, window: int | None = None,
-                 name: str = "hkstore"):
+                 max_wait_s: float = 0.0, name: str = "hkstore"):
         if max_batch < 1:
             raise ValueError(f"max_batch must be positive, got {max_batch}")
         if batching is not None and batching not in BATCHING:
@@ -132,6 +137,7 @@ class Engine:
         self.pipeline = bool(pipeline)
         self.students = students
         self.window = int(window or 4 * max_batch)
+        self.max_wait_s = float(max_wait_s)
         self.batching = batching or "fifo"
         self.batcher = batcher  # coordinated: a runtime.sched.coordinated.CoordinatedBatcher
         if self.batching == "coordinated" and batcher is None:
@@ -140,7 +146,10 @@ class Engine:
             self.batcher = CoordinatedBatcher(max_batch=self.max_batch)
         self.load = LoadMeter()
         self.batch_seconds = 0.0  # EWMA of a batch's preparation + compute: the deadline check's
-        self.observers: list = []  # f(works, seconds) after each batch (hkstore serve's metrics)
+        # hkstore serve's: f(step) before a batch computes (the dedicated baseline's model swaps),
+        # f(step, seconds) after it ran or failed (its metrics), both on the compute thread
+        self.before: list = []
+        self.observers: list = []
         # OpenMP thread counts are per thread and new threads start from the default: the
         # compute thread takes the caller's setting (e.g. a server's torch.set_num_threads).
         self.torch_threads = torch.get_num_threads()
@@ -182,7 +191,19 @@ class Engine:
                 self.load.arrived([len(w.ids) for w in works], now)
                 self._queue.extend(works)
                 self._cond.notify_all()
+        for w in works:
+            w.future.add_done_callback(lambda f, w=w: f.cancelled() and self._forget(w))
         return [w.future for w in works]
+
+    def _forget(self, work):
+        """A cancelled request leaves the queue at once (a server's queue depth and limit see it)."""
+        with self._cond:
+            try:
+                self._queue.remove(work)
+            except ValueError:  # taken into a batch meanwhile: the schedule drops it
+                return
+            self.load.left([len(work.ids)])
+            self._cond.notify_all()
 
     @property
     def depth(self) -> int:
@@ -206,6 +227,10 @@ class Engine:
         with self._cond:
             while True:
                 if self._queue or self._planned:
+                    wait = self._company()
+                    if wait > 0:
+                        self._cond.wait(wait)
+                        continue
                     batch = self._take()
                     if batch:
                         self._inflight += 1
@@ -215,6 +240,15 @@ class Engine:
                     self._cond.notify_all()
                     return None
                 self._cond.wait()
+
+    def _company(self) -> float:
+        """Seconds the next batch still waits for company (max_wait_s): 0 once it is full, its
+        oldest request waited long enough, the engine closes, or Tabi's level 2 is waiting."""
+        if self.max_wait_s <= 0 or self._closed or self._planned or len(self._queue) >= self.max_batch:
+            return 0.0
+        if any(w.first is not None for w in self._queue):
+            return 0.0
+        return self._queue[0].submitted + self.max_wait_s - time.perf_counter()
 
     def _take(self) -> list:
         if self.batching == "coordinated":
@@ -243,6 +277,11 @@ class Engine:
             chosen = set(buffer.pop(self.max_batch))
             batch = [w for j, w in enumerate(self._queue) if j in chosen]
             self._queue = collections.deque(w for j, w in enumerate(self._queue) if j not in chosen)
+        elif self.batching == "tenant":
+            key = self._queue[0].pet.key
+            batch = [w for w in self._queue if w.pet.key == key][:self.max_batch]
+            taken = set(map(id, batch))
+            self._queue = collections.deque(w for w in self._queue if id(w) not in taken)
         else:
             batch = [self._queue.popleft() for _ in range(min(self.max_batch, len(self._queue)))]
         return self._live(batch)
@@ -271,7 +310,7 @@ class Engine:
         if self.students is not None and any(w.row is None and w.ask.students is not None
                                              and w.ask.students.asked is None for w in works):
             level = self.students.choose(load)
-        return Step(works, [w.row if w.row is not None else _row(w.ask, level) for w in works], level)
+        return Step(works, [w.row if w.row is not None else _row(w.ask, level) for w in works], level, now)
 
     @staticmethod
     def gate(rows, served, n: int) -> list:
@@ -337,11 +376,18 @@ class Engine:
             if step is None:
                 continue
             try:
+                for f in self.before:
+                    f(step)
                 t0 = time.perf_counter()
                 logits = self.executor.compute(prepared)
                 self.update(step, prepared, logits, time.perf_counter() - t0)
             except BaseException as exc:  # noqa: BLE001
                 self._fail(step.works, exc)
+            for f in self.observers:
+                try:
+                    f(step, time.perf_counter() - step.started)
+                except Exception:  # noqa: BLE001 - a broken metric must not stop the serving
+                    log.exception("an engine observer failed")
 
     def _fail(self, works, exc):
         for w in works:
@@ -390,8 +436,6 @@ class Engine:
             kept, dropped = up
             row2 = Row([w.ask.ids[j] for j in kept], w.ask.pet, row.version, "context")
             again.append(Work(w.ask, row2, w.future, end, w.deadline, answer, kept, dropped))
-        for f in self.observers:
-            f(step.works, seconds)
         with self._cond:
             if again:  # Tabi's level 2: new work of the next step, ahead of what arrived since
                 self.load.arrived([len(w.ids) for w in again], end)

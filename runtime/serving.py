@@ -77,7 +77,8 @@ class Runtime:
                  pet_cache_bytes: int = DEFAULT_PET_CACHE_BYTES, pipeline: bool = True, prefetch: bool = True,
                  hot_tier_rows: int = DEFAULT_HOT_TIER_ROWS, host_cache_bytes: int = DEFAULT_HOST_CACHE_BYTES,
                  dtype: str = "fp32", lora_kernel: str = "auto", encoder=None, truncate: bool = False,
-                 students_target_s: float = 0.5, length_buffer: bool = True, batching: str | None = None):
+                 students_target_s: float = 0.5, length_buffer: bool = True, batching: str | None = None,
+                 max_wait_s: float = 0.0):
         import hkstore
 
         device = _resolve_device(device)
@@ -91,13 +92,13 @@ class Runtime:
         self.store = hkstore.open(store_path)
         try:
             self._setup(device, encoder, pet_cache_bytes, pipeline, prefetch, hot_tier_rows, host_cache_bytes,
-                        dtype, lora_kernel, students_target_s, batching)
+                        dtype, lora_kernel, students_target_s, batching, max_wait_s)
         except BaseException:
             self.store.close()
             raise
 
     def _setup(self, device, encoder, pet_cache_bytes, pipeline, prefetch, hot_tier_rows, host_cache_bytes, dtype,
-               lora_kernel, students_target_s, batching):
+               lora_kernel, students_target_s, batching, max_wait_s):
         from runtime.engine import Engine
         from runtime.exec.context import ContextInputs
         from runtime.model import stored
@@ -132,7 +133,7 @@ class Runtime:
         # tenants with students: the engine routes a batch to the teacher or k students under the load
         self.students = StudentServing(encoder.config.d, students_target_s)
         self.engine = Engine(self.executor, self.store.snapshot, max_batch=self.max_batch, pipeline=pipeline,
-                             batching=batching, students=self.students)
+                             batching=batching, students=self.students, max_wait_s=max_wait_s)
         tok = encoder.tokenizer
         self._cls, self._sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
 
@@ -157,13 +158,6 @@ class Runtime:
         """Serve the store's newest manifest (new or updated tenants, new versions)."""
         with self._refresh_lock:
             self.store.refresh()
-
-    def set_backlog(self, backlog) -> None:
-        """Count a front end's queue as load: backlog() -> (requests, tokens, enqueue time of the
-        oldest, time.perf_counter, or None), called as each batch starts. hkstore serve's
-        dispatcher batches texts before they reach the runtime; without this, load-aware choices
-        (the students' pruning policy) would see at most one batch of a burst."""
-        self.engine.load.backlog = backlog
 
     @property
     def tenants(self) -> list:

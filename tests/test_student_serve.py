@@ -232,45 +232,39 @@ def test_the_engine_measures_the_queue_and_the_arrivals_for_its_routing():
     assert meter.take([4, 6], oldest=0.0, now=1.5) == Load(3, 15, 1.5, 5.0, 1.5)  # the first arrivals aged out
 
 
-def test_the_dispatchers_queue_counts_as_load_for_the_policy(env):
-    """hkstore serve's dispatcher holds texts before the runtime sees them; the load a batch's
-    decider reads includes them (requests, tokens, the oldest one's wait)."""
+def test_the_servers_texts_wait_in_the_engines_queue(env):
+    """hkstore serve submits its texts to the engine's one queue: the load the routing reads
+    counts them (requests and tokens), a text whose caller gives up leaves it, and a request
+    that would overfill it is refused before anything is queued."""
     import asyncio
 
     from runtime.serve.dispatcher import Dispatcher
     from runtime.serve.metrics import Metrics
 
     texts = short_texts(env)[:5]
-    with runtime.open(env["store"], device="cpu") as rt:
+    # batches wait 30 s for company: nothing runs while the test reads the queue
+    with runtime.open(env["store"], device="cpu", max_wait_s=30.0) as rt:
         tokens = [len(ids) for ids in rt.encoder.tokenize(texts, max_len=rt.max_len)]
 
-        async def offer_and_read():
-            d = Dispatcher(rt, Metrics(None), max_batch=8, max_wait_s=1.0, queue_limit=100)  # not started: nothing runs
-            assert rt.engine.load.backlog == d.backlog
-            first = d.offer("cls", texts[:3])
-            d.offer("tag", texts[3:])
+        def queued():
             now = time.perf_counter()
-            rt.engine.load.arrived([7], now)  # an item of the runtime's own queue
-            load = rt.engine.load.take([7], oldest=now, now=now + 2.0)
-            assert (load.queued, load.queued_tokens) == (1 + 5, 7 + sum(tokens))  # the runtime's own item too
-            assert 2.0 <= load.oldest_wait_s < 3.0  # the dispatcher's oldest text, not the runtime's item
+            load = rt.engine.load.take([], oldest=now, now=now)
+            return load.queued, load.queued_tokens
+
+        async def offer_and_read():
+            d = Dispatcher(rt, Metrics(None), queue_limit=8)
+            first = await d.offer("cls", texts[:3])
+            rest = await d.offer("tag", texts[3:])
+            assert d.depth == 5 and queued() == (5, sum(tokens))
             d.drop(first[:2])
-            assert d.backlog()[:2] == (3, sum(tokens[2:]))
-            for e in d.pending:
-                if not e.future.done():
-                    e.future.cancel()
+            assert d.depth == 3 and queued() == (3, sum(tokens[2:]))
+            assert await d.offer("cls", texts + texts[:1]) is None  # 3 + 6 > 8: refused, nothing queued
+            assert d.depth == 3
+            d.drop(first[2:] + rest)
+            assert d.depth == 0 and queued() == (0, 0)
+            await d.stop()
 
         asyncio.run(offer_and_read())
-        rt.engine.load.backlog = None
-
-
-def test_a_backlog_adds_to_the_meters_load():
-    meter = LoadMeter(window_s=1.0)
-    meter.arrived([4, 6], now=0.0)
-    meter.backlog = lambda: (2, 30, -1.0)
-    assert meter.take([4], oldest=0.0, now=1.0) == Load(4, 40, 2.0, 10.0, 1.0)
-    meter.backlog = lambda: (0, 0, None)
-    assert meter.take([6], oldest=0.5, now=1.0) == Load(1, 6, 0.5, 10.0, 1.0)
 
 
 # -- over HTTP ------------------------------------------------------------------------------------
