@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from hkstore.errors import StoreError, UnknownTenant
 from runtime.errors import BadRequest, EmptyText, Expired, IncompatiblePet, TextTooLong
-from runtime.serving import Request, Result, Runtime, _cuda_available, _resolve_device
+from runtime.serving import Request, Result, Runtime, _cuda_available, _resolve_device  # noqa: F401 - hkstore serve reads _cuda_available
 
 __all__ = [
     "BadRequest", "EmptyText", "Expired", "IncompatiblePet", "Request", "Result", "Runtime", "StoreError",

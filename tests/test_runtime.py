@@ -18,7 +18,6 @@ import re
 import shutil
 import tempfile
 import threading
-import time
 
 import numpy as np
 import pytest

@@ -16,13 +16,10 @@ it is not among the ``dedicated_resident`` most recent ones and runs its lower l
 
 import asyncio
 import collections
-import logging
 from concurrent.futures import Future
 
 from hkstore.errors import CorruptError, StoreError
 from runtime.errors import Expired
-
-log = logging.getLogger("hkstore.serve")
 
 __all__ = ["Dispatcher", "Expired"]
 
