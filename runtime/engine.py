@@ -155,7 +155,11 @@ class Engine:
         self.torch_threads = torch.get_num_threads()
         self._queue: collections.deque = collections.deque()
         self._planned: list = []  # coordinated: the batches cut from the queue that have not run
-        self._cond = threading.Condition()
+        # one lock, two conditions: the preparing side waits on _cond (work, room ahead), the
+        # compute thread on _readied (a prepared batch), so neither wakes the other for nothing
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)
+        self._readied = threading.Condition(lock)
         self._ready: collections.deque = collections.deque()  # prepared batches for the compute thread
         self._inflight = 0  # batches scheduled and not yet updated
         self._closed = False
@@ -215,7 +219,7 @@ class Engine:
             if self._closed:
                 return
             self._closed = True
-            self._cond.notify_all()
+            self._wake()
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(timeout)
@@ -237,7 +241,7 @@ class Engine:
                         return batch
                     continue
                 if self._closed and not self._inflight and not self._queue:
-                    self._cond.notify_all()
+                    self._wake()
                     return None
                 self._cond.wait()
 
@@ -354,16 +358,16 @@ class Engine:
                 continue
             with self._cond:
                 self._ready.append(got)
-                self._cond.notify_all()
+                self._readied.notify_all()
                 while len(self._ready) > 1 and not self._closed:  # one batch ahead of the compute thread
                     self._cond.wait()
 
     def _ready_batch(self):
-        with self._cond:
+        with self._readied:
             while not self._ready:
                 if self._closed and not self._inflight and not self._queue:
                     return None
-                self._cond.wait()
+                self._readied.wait()
             got = self._ready.popleft()
             self._cond.notify_all()
             return got
@@ -395,7 +399,12 @@ class Engine:
                 w.future.set_exception(exc)
         with self._cond:
             self._inflight -= 1
-            self._cond.notify_all()
+            self._wake()
+
+    def _wake(self):
+        """Under the lock: both sides re-check (the queue, the ready batches, closing)."""
+        self._cond.notify_all()
+        self._readied.notify_all()
 
     # -- update --------------------------------------------------------------------------------
 
@@ -441,7 +450,7 @@ class Engine:
                 self.load.arrived([len(w.ids) for w in again], end)
                 self._queue.extendleft(reversed(again))
             self._inflight -= 1
-            self._cond.notify_all()
+            self._wake()
 
 
 def _row(ask: Ask, level) -> Row:

@@ -111,10 +111,17 @@ def test_the_mixed_store_routes_every_way(mixed_store):
     """The property test's store reaches every route: students, level 1, the coverage gate's
     level 2, exact, and re-routed answers with pruned words."""
     rt, texts = mixed_store
-    got = rt.infer([{"tenant": "cls", "text": t, "policy": "auto", "students": 0} for t in texts[:8]]
-                   + [{"tenant": "tag", "text": t, "policy": "auto", "students": 0} for t in texts[:8]]
-                   + [{"tenant": "tag", "text": texts[0], "students": 2}])
+    gated = [{"tenant": "cls", "text": t, "policy": "auto", "students": 0} for t in texts[:8]]
+    requests = gated + [{"tenant": "tag", "text": t, "policy": "auto", "students": 0} for t in texts[:8]] + \
+        [{"tenant": "tag", "text": texts[0], "students": 2}]
+    got = rt.infer(requests)
     cls, tag, students = got[:8], got[8:16], got[16]
     assert {r.level for r in cls} == {1, 2}  # the gate sent some to level 2, in the same batch
     assert {r.level for r in tag} == {2} and any(r.pruned for r in tag)  # re-routed, words pruned
     assert students.students == 2 and students.level == 1
+    # plot rows the gate sent to level 2 read the full-context lower layers, as policy exact does,
+    # in a batch of gated rows alone too (every row of its plan was a plot row when it was looked up)
+    exact = rt.infer([dict(q, policy="exact") for q in gated])
+    fast = rt.infer([dict(q, policy="fast") for q in gated])
+    for r, e, f in zip(cls + rt.infer(gated), exact + exact, fast + fast):
+        np.testing.assert_allclose(r.logits, (e if r.level == 2 else f).logits, rtol=1e-4, atol=1e-4)

@@ -345,7 +345,8 @@ def test_one_submit_is_never_split_across_batches(monkeypatch, max_batch, count)
 
     monkeypatch.setattr(engine.threading, "Condition", _WatchedCondition)
     monkeypatch.setattr(_WatchedCondition, "waiting", threading.Event())
-    eng = engine.Engine(_EchoExecutor(), lambda: None, max_batch=max_batch, batching="fifo")
+    # one thread, which waits on the queue's condition for work
+    eng = engine.Engine(_EchoExecutor(), lambda: None, max_batch=max_batch, batching="fifo", pipeline=False)
     try:
         assert _WatchedCondition.waiting.wait(10), "the worker never waited on the queue"
         outs = eng.run([Row([k], None, "root") for k in range(count)])

@@ -91,13 +91,17 @@ def assemble(gathered: Gathered, rows, context, d: int):
     where = {b: j for j, b in enumerate(gathered.plot)}
     teacher = teacher_rows(rows)
     lengths = np.array([len(rows[b].ids) for b in teacher], dtype=np.int64)
-    inputs = torch.zeros(len(teacher), int(lengths.max()) if len(teacher) else 0, d)
     by_version: dict = {}
-    for t, b in enumerate(teacher):
-        if rows[b].source == "plot":
-            inputs[t, :lengths[t]] = gathered.inputs[where[b], :lengths[t]]
-        else:
-            by_version.setdefault(rows[b].version, []).append(t)
+    if teacher == gathered.plot and all(rows[b].source == "plot" for b in teacher):
+        # every row a plot row still (the common plan; the gate may have made some context): the lookup's inputs
+        inputs = gathered.inputs
+    else:
+        inputs = torch.zeros(len(teacher), int(lengths.max()) if len(teacher) else 0, d)
+        for t, b in enumerate(teacher):
+            if rows[b].source == "plot":
+                inputs[t, :lengths[t]] = gathered.inputs[where[b], :lengths[t]]
+            else:
+                by_version.setdefault(rows[b].version, []).append(t)
     t0 = time.perf_counter()
     for version, ts in by_version.items():
         if context is None:
