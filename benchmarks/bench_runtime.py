@@ -9,7 +9,7 @@
         adapter-only  one model, the lower layers computed, adapters + heads per tenant
                       (the mixed-tenant executor over all layers);
         hPLM          PLOT retrieval instead of the lower layers + adapters on the upper
-                      layers: the runtime's scheduler (pipelined retrieval, layer-wise
+                      layers: the runtime's engine (pipelined retrieval, layer-wise
                       prefetch) and executor;
       plus hPLM@10K / hPLM@1 and hPLM / dedicated at 16 tenants.
   (b) HMI Table 6: hPLM pipelined vs without pipelined retrieval vs without layer-wise
@@ -322,17 +322,18 @@ def hplm_executor(w, gpu, prefetch=True, hot_tier_rows=None):
 
 
 def hplm(w, executor, reqs, pipeline=True):
-    """The runtime's path: scheduler (retrieval thread when pipelining) + executor."""
-    from runtime.sched.scheduler import Item, Scheduler
+    """The runtime's path: the engine (preparation thread when pipelining) + executor."""
+    from runtime.engine import Engine
+    from runtime.exec.rows import Row
 
-    items = [Item(s, w.pet("adapter", t), "root") for t, s in reqs]
-    sched = Scheduler(executor, w.store.snapshot, max_batch=w.args.batch, pipeline=pipeline)
+    rows = [Row(s, w.pet("adapter", t), "root") for t, s in reqs]
+    engine = Engine(executor, w.store.snapshot, max_batch=w.args.batch, pipeline=pipeline, batching="fifo")
     try:
         t0 = time.perf_counter()
-        outs = sched.run(items)
+        outs = engine.run(rows)
         wall = time.perf_counter() - t0
     finally:
-        sched.close()
+        engine.close()
     stages = {k: sum(o.timings[k] for o in outs[:: w.args.batch]) for k in ("retrieval", "transfer", "compute")}
     return wall, stages
 

@@ -15,7 +15,7 @@ Students must exist (`hkstore students create`; best k was chosen on dev there).
   actually delivered (each answer scored against its label).
 * fig13 (--fig13, instead of the sections above): HMI Fig. 13's burst through the real serving
   path (--http: `hkstore serve STORE` in its own process, driven by an asyncio client; else
-  client threads calling runtime.open(STORE).infer) (the scheduler measures the load, the pruning policy picks
+  client threads calling runtime.open(STORE).infer) (the engine measures the load, the pruning policy picks
   teacher or k students per batch, runtime/student/serve.py): --burst-threads clients started
   --burst-stagger s apart, each sending one request every --burst-period s (waiting for the
   answer first, like a thread), --burst-count each (HMI: 250, 0.05 s, 1.2 s, 50); teacher-only
@@ -282,7 +282,7 @@ def run_fig13(store_path, reqs, mode, args, seed) -> dict:
         for t in threads:
             t.join()
         wall = time.perf_counter() - t_start
-        padding = 1 - rt.scheduler.tokens / max(rt.scheduler.padded_tokens, 1)
+        padding = 1 - rt.engine.tokens / max(rt.engine.padded_tokens, 1)
     flat = sorted(x for rs in records for x in rs)
 
     class _A:

@@ -7,7 +7,7 @@ Callers submit from any thread; one engine thread takes a batch from the length-
 asks the policy how to serve it (mode "adaptive": runtime.student.policy; "teacher": always
 the teacher; an int k: always the first k students) and computes it: the PLOT inputs of each
 tenant's requests (runtime.plot.retrieve), then either the teacher (upper layers + PET + head)
-or every tenant's students in ONE virtually stacked step (runtime.student.stack.ensembles) and
+or every tenant's students in ONE virtually stacked step (runtime.exec.students.ensembles) and
 the pruning head. The engine steps, the policy decides, stack computes. `timeline` records
 (time, level, queued requests, batch size) per batch for the benchmark's figure.
 """
@@ -26,7 +26,8 @@ from runtime.construct.manager import load_tenant
 from runtime.model import pet as petlib
 from runtime.model.stored import base_encoder
 from runtime.plot.retrieve import retrieve
-from runtime.student import model, stack
+from runtime.exec import students as stack
+from runtime.model import student as model
 from runtime.student.buffer import LengthBuffer
 from runtime.student.policy import PruningPolicy
 from runtime.student.record import load_group, stale

@@ -14,14 +14,14 @@ writes the tenant's levels record into the store):
    stored with the tenant; the same with the gate fixed at 0 (confidence alone);
 3. test (--test, never seen before): every query answered one at a time under each system
    (fast, exact, auto with the coverage-aware candidate, auto with the confidence-only one),
-   the systems interleaved in rotating order, through runtime.level.serve.answer (the path
+   the systems interleaved in rotating order, through the runtime's engine (Engine.serve: the path
    runtime.infer takes after tokenizing: tagging queries keep their CoNLL words); accuracy /
    entity F1 and mean, p50, p99 latency; the share re-routed; returned vs re-routed queries
    scored under each level (Tabi §7.3.2); word pruning per alpha (share of tokens dropped,
    level-2 seconds, metric loss; Tabi Table 3); reliability diagrams before/after calibration
    (PNG). Results: OUT/<task>.json (a finished task is not redone: resume), OUT/summary.md.
 4. --poisson RATE[,RATE...]: fast, exact and auto under the same Poisson arrivals of the tasks'
-   test queries (tenants mixed, concurrent callers batched by the scheduler), taking turns, at
+   test queries (tenants mixed, concurrent callers batched by the engine), taking turns, at
    each offered rate; with several rates, throughput and p99 against the offered rate
    (saturation) in FIGURES/tabi_saturation.png.
 """
@@ -98,10 +98,18 @@ def part_metric(queries, idx, probs) -> float:
     return queries.metric(np.sum([queries.stats(probs[q], q) for q in idx], 0))
 
 
+def answer(rt, tenant, ids, pos, pet, policy):
+    """One query's answer through the runtime's engine, at `policy` with `pet`'s levels record."""
+    from runtime.engine import Ask
+    from runtime.level.serve import policy_of
+
+    name, chosen = policy_of(pet, policy)
+    (a,) = rt.engine.serve([Ask(tenant, list(ids), pos, pet, name, chosen)])
+    return a
+
+
 def serve_one_at_a_time(rt, pet, tenant, queries, systems, limit):
     """Per system: answers and latencies (seconds), each query alone, systems interleaved."""
-    from runtime.level.serve import answer
-
     out = {name: {"answers": [], "seconds": []} for name in systems}
     names = list(systems)
     n = min(len(queries), limit) if limit else len(queries)
@@ -111,9 +119,8 @@ def serve_one_at_a_time(rt, pet, tenant, queries, systems, limit):
         order = names[q % len(names):] + names[:q % len(names)]
         for name in order:
             policy, use = systems[name]
-            request = (tenant, ids, pos, use, use.version, policy)
             t = time.perf_counter()
-            (a,) = answer(rt.scheduler, [request])
+            a = answer(rt, tenant, ids, pos, use, policy)
             out[name]["seconds"].append(time.perf_counter() - t)
             out[name]["answers"].append(a)
         if (q + 1) % 100 == 0 or q + 1 == n:
@@ -160,13 +167,13 @@ def run_task(task, args):
         n = rt.meta["n"]
         print(f"[{task}] calibration {len(qc)}, dev {len(qd)}, test {len(qt)} queries; {uptime()}", flush=True)
         t = time.perf_counter()
-        saved_c = profile.collect(rt.scheduler, pet, qc.pairs(), alphas=[0.0], n=n, batch=args.batch)
+        saved_c = profile.collect(rt.engine, pet, qc.pairs(), alphas=[0.0], n=n, batch=args.batch)
         cal_targets = qc.targets
         calib_out = profile.calibrate(saved_c, cal_targets)
         temps = calib_out["temperature"]
         print(f"  calibrated in {time.perf_counter() - t:.0f} s: T = {temps}, ECE {calib_out['ece']}", flush=True)
         t = time.perf_counter()
-        saved_d = profile.collect(rt.scheduler, pet, qd.pairs(), alphas=args.alphas, n=n, batch=args.batch)
+        saved_d = profile.collect(rt.engine, pet, qd.pairs(), alphas=args.alphas, n=n, batch=args.batch)
         grid = dict(profile.GRID, alpha=args.alphas)
         # as `hkstore levels profile` chooses (its default assurance)
         chosen = profile.choose(saved_d, temps, qd.stats, qd.metric, args.target, grid, assurance=profile.ASSURANCE)
@@ -189,7 +196,7 @@ def run_task(task, args):
 
         # test: saved outputs (per-level scores, pruning, reliability), then served one at a time
         t = time.perf_counter()
-        saved_t = profile.collect(rt.scheduler, pet, qt.pairs(), alphas=args.alphas, n=n, batch=args.batch)
+        saved_t = profile.collect(rt.engine, pet, qt.pairs(), alphas=args.alphas, n=n, batch=args.batch)
         p1 = [cal.softmax(z, temps["1"]) for z in saved_t.logits1]
         p2 = [cal.softmax(z, temps["2"]) for z in saved_t.logits2[0.0]]
         pruning = []
@@ -306,8 +313,6 @@ def poisson_rate(args, rt, pool, rate: float) -> dict:
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    from runtime.level.serve import answer
-
     rng = np.random.default_rng(args.seed)
     picks = rng.choice(len(pool), size=args.poisson_count)
     gaps = rng.exponential(1.0 / rate, size=args.poisson_count)
@@ -321,7 +326,7 @@ def poisson_rate(args, rt, pool, rate: float) -> dict:
             def one(j, name=name, lat=lat):
                 tenant, ids, pos, pet = pool[j]
                 t = time.perf_counter()
-                answer(rt.scheduler, [(tenant, ids, pos, pet, pet.version, name)])
+                answer(rt, tenant, ids, pos, pet, name)
                 with lock:
                     lat.append(time.perf_counter() - t)
 

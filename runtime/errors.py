@@ -18,3 +18,7 @@ class TextTooLong(BadRequest):
 class IncompatiblePet(StoreError):
     """The tenant's PET was trained for another base model or a PLOT version this store does
     not hold, or its tensors do not fit the model."""
+
+
+class Expired(RuntimeError):
+    """A queued request whose deadline would pass before its batch could finish."""

@@ -1,5 +1,5 @@
 """PET-aware batching (runtime.sched.coordinated): the DP against brute force, the policies'
-invariants, the latency model file, and the scheduler hook.
+invariants, the latency model file, and the engine's coordinated batching.
 
 Properties: dp_split's cut is the cheapest contiguous cut (all 2^(n-1) of them) for any
 cost; for costs nondecreasing in the length it is also the cheapest of all set partitions
@@ -145,34 +145,53 @@ def test_latency_model_file_and_interpolation(tmp_path):
     assert noisy.monotone().alpha == [[3.0, 3.0], [3.0, 5.0]] and noisy.monotone().meta["monotone"]
 
 
-def test_scheduler_runs_the_batcher(tmp_path):
+def test_the_engine_runs_the_batcher(tmp_path):
     import itertools as it
 
-    from runtime.sched.scheduler import Item, Scheduler
+    from runtime.engine import Engine
+    from runtime.exec.rows import Gathered, Prepared, Row
 
     class Pet:
         def __init__(self, key):
             self.key, self.parts = key, {("adapter", 0, "o"): ()}
 
-    class Echo:  # an executor that returns each item's length and records the batches
+    class Echo:  # an executor that returns each row's length and records the batches
         def __init__(self):
             self.batches = []
 
-        def prepare(self, snapshot, items):
-            from runtime.exec.plan import Prepared
-            return Prepared(items, {}, items)
+        def gather(self, snapshot, rows):
+            return Gathered([], None, [None] * len(rows))
+
+        def prepare(self, gathered, rows):
+            return Prepared(rows)
 
         def compute(self, prepared):
-            self.batches.append([len(i.ids) for i in prepared.payload])
-            return [np.array([len(i.ids)]) for i in prepared.payload]
+            self.batches.append([len(r.ids) for r in prepared.rows])
+            return [np.array([len(r.ids)]) for r in prepared.rows]
 
     ex = Echo()
     lengths = [5, 90, 7, 88, 6, 91, 8, 89]
-    items = [Item(list(range(n)), Pet(k % 2), "root") for k, n in zip(it.count(), lengths)]
+    rows = [Row(list(range(n)), Pet(k % 2), "root") for k, n in zip(it.count(), lengths)]
     batcher = cb.CoordinatedBatcher(cb.LatencyModel.linear(per_token=1e-3, overhead=1.0), "alpha_only", 4)
-    sched = Scheduler(ex, lambda: None, max_batch=4, pipeline=False, batcher=batcher)
-    futures = sched.submit(items)
+    engine = Engine(ex, lambda: None, max_batch=4, pipeline=False, batching="coordinated", batcher=batcher)
+    futures = engine.submit(rows=rows)
     outs = [f.result(timeout=10) for f in futures]
-    sched.close()
+    engine.close()
     assert [int(o.logits[0]) for o in outs] == lengths
     assert sorted(map(sorted, ex.batches)) == [[5, 6, 7, 8], [88, 89, 90, 91]]
+
+
+def test_the_runtime_serves_with_coordinated_batching():
+    """batching="coordinated" (PetS) in the product's engine answers as FIFO batching does."""
+    import runtime
+    from test_runtime import requests_for, shared_tiny_store
+
+    tiny = shared_tiny_store()
+    reqs = requests_for(tiny, 12)
+    with runtime.open(tiny[0], device="cpu", max_len=48, batching="fifo") as rt:
+        expected = [r.logits for r in rt.infer(reqs)]
+    with runtime.open(tiny[0], device="cpu", max_len=48, max_batch=4, batching="coordinated") as rt:
+        assert rt.engine.batcher is not None
+        got = rt.infer(reqs)
+    for e, r in zip(expected, got):
+        np.testing.assert_allclose(r.logits, e, rtol=1e-4, atol=1e-5)

@@ -14,7 +14,7 @@ Two halves:
 * Always (skipped only without g++ >= 12): the same executor, unchanged, on the CuPy stand-in
   with runtime.exec.ops_gpu launching the real .cu kernels through the CPU emulation
   (runtime.exec.emu): random models and every PET type, a real store through the pipelined
-  scheduler with and without the hot tier, and the property that a mixed batch equals each
+  engine with and without the hot tier, and the property that a mixed batch equals each
   request run alone.  Only CuPy itself, timing and the real device are left to the GPU half.
 """
 
@@ -32,7 +32,8 @@ from hypothesis import strategies as st
 from runtime.exec.cpu import CpuExecutor
 from runtime.exec.gpu import GpuExecutor
 from benchmarks.host_device import HostGpuExecutor as NumpyGpuExecutor
-from runtime.sched.scheduler import Item, Scheduler
+from runtime.engine import Engine
+from runtime.exec.rows import Row
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # sibling test modules, any import mode
 from test_executor_cpu import pet_zoo, tiny_encoder  # noqa: E402
@@ -89,19 +90,19 @@ def test_numpy_stand_in_matches_cpu_executor(zoo_setup, dtype, prefetch):
     assert stats["hits"] > 0 and stats["evictions"] > 0
 
 
-def _scheduler_outputs(executor, snapshot, items, max_batch):
-    sched = Scheduler(executor, lambda: snapshot, max_batch=max_batch, pipeline=True)
+def _engine_outputs(executor, snapshot, rows, max_batch):
+    engine = Engine(executor, lambda: snapshot, max_batch=max_batch, pipeline=True, batching="fifo")
     try:
-        return sched.run(items)
+        return engine.run(rows)
     finally:
-        sched.close()
+        engine.close()
 
 
 def _store_items(tiny, rt, count):
     from test_runtime import requests_for
 
     reqs = requests_for(tiny, count)
-    return [Item(rt.encoder.tokenize([q["text"]])[0], rt.pet(q["tenant"]), rt.pet(q["tenant"]).version) for q in reqs]
+    return [Row(rt.encoder.tokenize([q["text"]])[0], rt.pet(q["tenant"]), rt.pet(q["tenant"]).version) for q in reqs]
 
 
 @pytest.fixture(scope="module")
@@ -119,10 +120,10 @@ def test_numpy_stand_in_hot_tier_on_a_real_store(store_setup):
     tiny, rt = store_setup
     items = _store_items(tiny, rt, 16)
     snap = rt.store.snapshot()
-    ref = _scheduler_outputs(rt.executor, snap, items, 5)
+    ref = _engine_outputs(rt.executor, snap, items, 5)
     gpu = NumpyGpuExecutor(rt.encoder, hot_tier_rows=64, hot_rebuild_every=1, max_batch=5, max_len=48)
     for rounds in range(3):  # the tier warms up after the first batch, then serves hits
-        got = _scheduler_outputs(gpu, snap, items, 5)
+        got = _engine_outputs(gpu, snap, items, 5)
         for r, o in zip(ref, got):
             assert rel_err(o.logits, r.logits) <= 1e-5
             np.testing.assert_array_equal(o.served[0], r.served[0])  # served versions
@@ -152,13 +153,13 @@ def test_hot_tier_rebuilds_look_up_only_keys_new_to_it(store_setup):
     tiny, rt = store_setup
     items = _store_items(tiny, rt, 6)
     snap = rt.store.snapshot()
-    ref = _scheduler_outputs(rt.executor, snap, items, 3)
+    ref = _engine_outputs(rt.executor, snap, items, 3)
     gpu = NumpyGpuExecutor(rt.encoder, hot_tier_rows=4096, hot_rebuild_every=1, max_batch=3, max_len=48)
     for _ in range(2):  # every key seen, and in the tier after the next rebuild
-        _scheduler_outputs(gpu, snap, items, 3)
+        _engine_outputs(gpu, snap, items, 3)
     seen = gpu.hot.stats()
     for _ in range(2):
-        got = _scheduler_outputs(gpu, snap, items, 3)
+        got = _engine_outputs(gpu, snap, items, 3)
         for r, o in zip(ref, got):
             assert rel_err(o.logits, r.logits) <= 1e-5
     hot = gpu.hot.stats()
@@ -166,13 +167,13 @@ def test_hot_tier_rebuilds_look_up_only_keys_new_to_it(store_setup):
     assert hot["rebuild_lookups"] - seen["rebuild_lookups"] == 0 < hot["rows"]
 
 
-def test_numpy_stand_in_without_hot_tier_through_the_scheduler(store_setup):
+def test_numpy_stand_in_without_hot_tier_through_the_engine(store_setup):
     tiny, rt = store_setup
     items = _store_items(tiny, rt, 11)
     snap = rt.store.snapshot()
-    ref = _scheduler_outputs(rt.executor, snap, items, 4)
+    ref = _engine_outputs(rt.executor, snap, items, 4)
     gpu = NumpyGpuExecutor(rt.encoder, hot_tier_rows=0, max_batch=4, max_len=48)
-    got = _scheduler_outputs(gpu, snap, items, 4)
+    got = _engine_outputs(gpu, snap, items, 4)
     for r, o in zip(ref, got):
         assert rel_err(o.logits, r.logits) <= 1e-5
 
@@ -232,15 +233,15 @@ def test_emulated_gpu_matches_cpu_executor(zoo_setup, standin, dtype, prefetch):
 @emulated
 @pytest.mark.parametrize("options", [{"hot_tier_rows": 0}, {"hot_tier_rows": 64, "hot_rebuild_every": 1}])
 def test_emulated_gpu_on_a_real_store(store_setup, standin, options):
-    """Real store data through the scheduler (pipelined): retrieval, the hot tier's device
+    """Real store data through the engine (pipelined): retrieval, the hot tier's device
     probe / gather / aggregation and every layer's kernels, against the CPU executor."""
     tiny, rt = store_setup
     items = _store_items(tiny, rt, 10)
     snap = rt.store.snapshot()
-    ref = _scheduler_outputs(rt.executor, snap, items, 4)
+    ref = _engine_outputs(rt.executor, snap, items, 4)
     gpu = emulated_executor(rt.encoder, max_batch=4, max_len=48, **options)
     for _ in range(2 if options["hot_tier_rows"] else 1):  # with the tier: misses, then hits
-        got = _scheduler_outputs(gpu, snap, items, 4)
+        got = _engine_outputs(gpu, snap, items, 4)
         for r, o in zip(ref, got):
             assert rel_err(o.logits, r.logits) <= 1e-5
             np.testing.assert_array_equal(o.served[0], r.served[0])

@@ -24,15 +24,17 @@ ROOM_ARROWS = {
     "model": set(),
     "plot": {"model"},
     "exec": {"model", "plot"},
-    "sched": {"exec"},
+    "sched": set(),
     "construct": {"model", "plot"},
-    # profiling reads labelled held-out files with construction's readers
-    "level": {"model", "plot", "exec", "sched", "construct"},
-    "api": {"model", "plot", "exec", "sched", "gen", "level", "student"},
+    # profiling reads labelled held-out files with construction's readers, and runs exec's rows
+    "level": {"model", "exec", "construct"},
+    # the serving loop: schedules (sched, student's buffer), routes (level, student), runs exec's plans
+    "engine": {"exec", "level", "sched", "student"},
+    "api": {"model", "plot", "exec", "sched", "gen", "level", "student", "engine"},
     "serve": {"api", "model", "construct"},
     "demo": {"api", "construct"},
     "gen": {"model", "plot", "exec"},
-    # construction reads the teacher through construct's manager; serving hands exec's Prepared to the scheduler
+    # construction reads the teacher through construct's manager; evaluation runs exec's stacked students
     "student": {"model", "plot", "exec", "construct"},
 }
 # serve reaches construct only through the manager's public functions (the manage jobs)
@@ -86,6 +88,8 @@ def room(module: str) -> str:
     parts = module.split(".")
     if module == "runtime.errors":
         return "errors"
+    if module == "runtime.engine":  # the serving loop: a room of its own, between the API and the rest
+        return "engine"
     return parts[1] if len(parts) > 1 and (REPO / "runtime" / parts[1]).is_dir() else "api"
 
 
@@ -168,17 +172,39 @@ def test_mounted_commands_resolve():
         assert getattr(importlib.import_module(module), attr).name == name
 
 
+def test_no_executor_in_the_policy_rooms():
+    """level/ and student/ keep policy and construction: their input sources and math run in
+    exec's plans, so neither room holds an executor class (nor one that wraps another)."""
+    found = []
+    for name in ("level", "student"):
+        for path in (REPO / "runtime" / name).rglob("*.py"):
+            found += [f"{path.relative_to(REPO)}: {node.name}" for node in ast.walk(ast.parse(path.read_text()))
+                      if isinstance(node, ast.ClassDef) and node.name.endswith("Executor")]
+    assert not found, found
+
+
+def test_the_engine_drives_exec_one_way():
+    """The engine imports exec's executors and plans; nothing in exec imports the engine."""
+    g = graph(extra=mounted())
+    assert any(room(d) == "exec" for d in g["runtime.engine"])
+    assert not [m for m, deps in g.items() if room(m) == "exec" and "runtime.engine" in deps]
+    assert "engine" not in ROOM_ARROWS["exec"]
+
+
 def test_a_forbidden_arrow_fails_the_checks(tmp_path):
     """A store module that imports the runtime (lazily, inside a function), a model-room module that
-    imports the scheduler, and a mounted command string that points into the lab all fail."""
-    for package in ("hkstore", "runtime/model", "runtime/sched", "benchmarks"):
+    imports the scheduling room, an exec module that imports the engine, and a mounted command
+    string that points into the lab all fail."""
+    for package in ("hkstore", "runtime/model", "runtime/sched", "runtime/exec", "benchmarks"):
         (tmp_path / package).mkdir(parents=True)
         (tmp_path / package / "__init__.py").write_text("")
     (tmp_path / "hkstore" / "x.py").write_text("def f():\n    from runtime.model import m\n")
     (tmp_path / "runtime" / "model" / "m.py").write_text("from runtime.sched.s import S\n")
     (tmp_path / "runtime" / "sched" / "s.py").write_text("S = 1\n")
+    (tmp_path / "runtime" / "exec" / "e.py").write_text("def f():\n    from runtime.engine import Engine\n")
+    (tmp_path / "runtime" / "engine.py").write_text("X = 1\n")
     g = graph(tmp_path, ("hkstore", "runtime", "benchmarks"), extra={"hkstore.cli": {"benchmarks"}})
     assert violations(g) == ["hkstore.cli -> benchmarks", "hkstore.x -> runtime.model", "hkstore.x -> runtime.model.m",
-                             "runtime.model.m -> runtime.sched.s"]
+                             "runtime.exec.e -> runtime.engine", "runtime.model.m -> runtime.sched.s"]
     g["runtime.sched.s"] = {"runtime.model.m"}
     assert cycles(g) == ["runtime.model.m -> runtime.sched.s -> runtime.model.m"]

@@ -291,7 +291,7 @@ def test_profile_on_saved_outputs(tiny, store_copy):
         pet = rt.pet("adapter-cls")
         parsed = rt._normalize([{"tenant": "adapter-cls", "text": t} for t in texts])
         queries = [(p[1], None) for p in parsed]
-        saved = profile.collect(rt.scheduler, pet, queries, alphas=[0.0, 0.5], n=rt.meta["n"])
+        saved = profile.collect(rt.engine, pet, queries, alphas=[0.0, 0.5], n=rt.meta["n"])
         fast = rt.infer([{"tenant": "adapter-cls", "text": t, "policy": "fast"} for t in texts])
         exact = rt.infer([{"tenant": "adapter-cls", "text": t, "policy": "exact"} for t in texts])
     for z, f in zip(saved.logits1, fast):
@@ -523,35 +523,41 @@ def test_calibration_eval_tool(tiny, store_copy, tmp_path):
 
 
 def test_levels_on_the_emulated_gpu_executor_equal_the_cpu_ones(tiny):
-    """LevelExecutor over the GPU executor (the real kernels on the CUDA-on-CPU emulation):
-    level-1, level-2 and gated items of several tenants in one batch give the CPU executor's
-    logits, the attention each token receives (word pruning) and the same coverage gating."""
+    """The GPU executor (the real kernels on the CUDA-on-CPU emulation) runs a plan of plot,
+    context and gated rows of several tenants in one batch as the CPU executor does: the same
+    logits, attention each token receives (word pruning), coverage and gating."""
     from runtime.exec.emu.module import compiler_missing_reason
 
     if compiler_missing_reason() is not None:
         pytest.skip(f"CUDA emulation unavailable: {compiler_missing_reason()}")
+    from runtime.engine import Engine
     from runtime.exec import ops_gpu
+    from runtime.exec.context import ContextInputs
     from runtime.exec.emu import cupy_standin
     from runtime.exec.gpu import GpuExecutor
-    from runtime.level.executor import LevelExecutor, LevelTag
-    from runtime.sched.scheduler import Item, Scheduler
+    from runtime.exec.rows import Row
+    from runtime.level.dispatch import coverage
 
     store, info = tiny
     tenants = ("adapter-cls", "lora-cls", "bitfit-tag", "diff-cls")
     with runtime.open(store, device="cpu", max_len=48) as rt, ops_gpu.use_cupy(cupy_standin):
         seqs = [rt._normalize([{"tenant": "x", "text": t}])[0][1] for t in info["texts"][:8]]
-        gpu = GpuExecutor(rt.encoder, _cupy=cupy_standin, _ops=ops_gpu, hot_tier_rows=0, max_batch=8, max_len=48)
+        gpu = GpuExecutor(rt.encoder, _cupy=cupy_standin, _ops=ops_gpu, hot_tier_rows=0, max_batch=8, max_len=48,
+                          context=ContextInputs(rt.store, rt.encoder))
+        n = rt.meta["n"]
         out = {}
-        for name, inner in (("cpu", rt.executor), ("gpu", gpu)):
-            ex = LevelExecutor(inner, rt.store, rt.encoder)
+        for name, ex in (("cpu", rt.executor), ("gpu", gpu)):
             pets = {t: ex.load_pet(manager.load_tenant(rt.store, t, rt.encoder)[1], key=t) for t in tenants}
-            tags = [LevelTag(level=1 + j % 2, attention=j % 2 == 0, gate=0.5 if j == 4 else 0.0)
-                    for j in range(len(seqs))]
-            items = [Item(seq, pets[tenants[j % 4]], rt.pet(tenants[j % 4]).version, tag=tag)
-                     for j, (seq, tag) in enumerate(zip(seqs, tags))]
-            sched = Scheduler(ex, rt.store.snapshot, max_batch=8, pipeline=False)
-            outputs = sched.run(items)
-            out[name] = ([o.logits for o in outputs], [(t.level, t.coverage, t.received) for t in tags])
+            rows = [Row(seq, pets[tenants[j % 4]], rt.pet(tenants[j % 4]).version, "plot" if j % 2 == 0 else "context",
+                        gate=0.5 if j == 4 else 0.0, attention=j % 2 == 0) for j, seq in enumerate(seqs)]
+            engine = Engine(ex, rt.store.snapshot, max_batch=8, pipeline=False)
+            try:
+                outputs = engine.run(rows)
+            finally:
+                engine.close()
+            out[name] = ([o.logits for o in outputs],
+                         [(o.source, None if o.served is None else coverage(o.served[1], n), o.received)
+                          for o in outputs])
         for a, b in zip(out["cpu"][0], out["gpu"][0]):
             np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-4)
         for (l1, c1, r1), (l2, c2, r2) in zip(out["cpu"][1], out["gpu"][1]):
@@ -560,7 +566,8 @@ def test_levels_on_the_emulated_gpu_executor_equal_the_cpu_ones(tiny):
                 assert r2 is None
             else:
                 np.testing.assert_allclose(r2, r1, rtol=1e-4, atol=1e-5)
-        assert any(r is not None for _, _, r in out["gpu"][1]) and {lv for lv, _, _ in out["gpu"][1]} == {1, 2}
+        assert any(r is not None for _, _, r in out["gpu"][1])
+        assert {s for s, _, _ in out["gpu"][1]} == {"plot", "context"}
 
 
 # -- choosing with assurance ------------------------------------------------------------------------

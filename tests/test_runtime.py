@@ -14,12 +14,10 @@ import functools
 import inspect
 import json
 import pathlib
-import queue
 import re
 import shutil
 import tempfile
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -329,47 +327,48 @@ def test_pipeline_off_and_small_batches_agree(tiny, rt):
 
 
 class _EchoExecutor:
-    """The layer below the scheduler, faked: logits = the item's position in its batch."""
+    """The layer below the engine, faked: logits = the row's position in its batch, its first id."""
 
-    def prepare(self, snapshot, items):
-        from runtime.exec.plan import Prepared
+    def gather(self, snapshot, rows):
+        from runtime.exec.rows import Gathered
 
-        return Prepared(items=items)
+        return Gathered([], None, [None] * len(rows))
+
+    def prepare(self, gathered, rows):
+        from runtime.exec.rows import Prepared
+
+        return Prepared(rows)
 
     def compute(self, prepared):
-        return [np.array([float(j), float(item)]) for j, item in enumerate(prepared.items)]
+        return [np.array([float(j), float(row.ids[0])]) for j, row in enumerate(prepared.rows)]
 
 
-class _SlowQueue(queue.Queue):
-    """A queue whose put yields for a while afterwards, so a waiting worker wakes in between;
-    `waiting` is set once a getter blocks on it."""
+class _WatchedCondition(threading.Condition):
+    """The engine's condition, with `waiting` set once a thread waits on it."""
 
     waiting = None
 
-    def get(self, block=True, timeout=None):
-        if block and self.maxsize == 0 and self.empty():  # the scheduler's inbox
-            type(self).waiting.set()
-        return super().get(block, timeout)
-
-    def put(self, item, block=True, timeout=None):
-        super().put(item, block, timeout)
-        time.sleep(0.02)
+    def wait(self, timeout=None):
+        type(self).waiting.set()
+        return super().wait(timeout)
 
 
 @pytest.mark.parametrize("max_batch, count", [(64, 18), (4, 10), (1, 3)])
 def test_one_submit_is_never_split_across_batches(monkeypatch, max_batch, count):
-    """A worker already waiting when a call submits must still see all of its items (a
+    """A worker already waiting when a call submits must still see all of its rows (a
     per-item put let it wake after the first one: a flaky 1 + 17 split)."""
-    from runtime.sched import scheduler
+    from runtime import engine
+    from runtime.exec.rows import Row
 
-    monkeypatch.setattr(scheduler.queue, "Queue", _SlowQueue)
-    monkeypatch.setattr(_SlowQueue, "waiting", threading.Event())
-    sched = scheduler.Scheduler(_EchoExecutor(), lambda: None, max_batch=max_batch)
+    monkeypatch.setattr(engine.threading, "Condition", _WatchedCondition)
+    monkeypatch.setattr(_WatchedCondition, "waiting", threading.Event())
+    # one thread, which waits on the queue's condition for work
+    eng = engine.Engine(_EchoExecutor(), lambda: None, max_batch=max_batch, batching="fifo", pipeline=False)
     try:
-        assert _SlowQueue.waiting.wait(10), "the worker never waited on its inbox"
-        outs = sched.run(list(range(count)))
+        assert _WatchedCondition.waiting.wait(10), "the worker never waited on the queue"
+        outs = eng.run([Row([k], None, "root") for k in range(count)])
     finally:
-        sched.close()
+        eng.close()
     # Items go in order, in batches as full as max_batch allows.
     sizes = [min(max_batch, count - start) for start in range(0, count, max_batch)]
     assert [o.batch_size for o in outs] == [size for size in sizes for _ in range(size)]

@@ -468,6 +468,23 @@ def test_queue_full_429_and_timeout_504(server, env):
         s.stop()
 
 
+def test_dedicated_mode_batches_one_tenant_at_a_time_and_swaps(server, tenants, env):
+    """--mode dedicated (the per-tenant full-model baseline): the engine batches one tenant at a
+    time and, before a batch computes, swaps in its tenant's emulated model when it is not resident."""
+    s = Server(env["main"], env["token_file"], "--mode", "dedicated", "--dedicated-resident", 1, "--max-wait-ms", 20)
+    try:
+        h = auth(ADMIN)
+        for tenant in ("base", "alpha", "base"):
+            r = s.client.post(f"/v1/tenants/{tenant}/infer", json={"texts": ["Return the sum.", "Join two paths."]},
+                              headers=h)
+            assert r.status_code == 200, r.text
+            assert [x["batch_size"] for x in r.json()["results"]] == [2, 2]
+        assert s.client.get("/healthz").json()["mode"] == "dedicated"
+        assert "hkstore_dedicated_swaps_total 3.0" in s.client.get("/metrics", headers=h).text
+    finally:
+        s.stop()
+
+
 # -- hardening ---------------------------------------------------------------------------------------------
 
 

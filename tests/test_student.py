@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 import hkstore
 from runtime.construct import manager
 from runtime.model.tiny import make_tiny_model
-from runtime.student import model, prune, stack
+from runtime.exec import students as stack
+from runtime.model import student as model
+from runtime.student import prune
 from runtime.student.build import _record, students_create
 from runtime.student.record import load_group
 from runtime.student.train import (
@@ -307,7 +309,7 @@ def test_students_cli_scores_removes_and_fails_in_one_line(env, tag_students):
 
 @pytest.mark.parametrize("task,layers", [("tagging", 1), ("classification", 2)])
 def test_device_students_equal_virtual_stacking(task, layers):
-    """runtime.student.device_stack on the GPU executor's device (the CUDA-on-CPU emulation, the
+    """runtime.exec.students_gpu on the GPU executor's device (the CUDA-on-CPU emulation, the
     fused GELU kernel included) equals stack.ensemble + model.head, for every k."""
     from runtime.exec.emu.module import compiler_missing_reason
 
@@ -317,7 +319,7 @@ def test_device_students_equal_virtual_stacking(task, layers):
 
     from runtime.exec import ops_gpu
     from runtime.exec.emu import cupy_standin
-    from runtime.student.device_stack import DeviceStudents
+    from runtime.exec.students_gpu import DeviceStudents
 
     group = random_group(4, layers, 16, 2, 32, seed=3)
     group.meta["task"] = task

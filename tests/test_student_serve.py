@@ -15,13 +15,11 @@ import hkstore
 import runtime
 from runtime.construct import manager
 from runtime.model.tiny import make_tiny_model
+from runtime.model import student as model
 from runtime.sched.load import Load, LoadMeter
-from runtime.sched.scheduler import Item, Scheduler
-from runtime.student import model
 from runtime.student.build import students_create
-from runtime.student.executor import StudentTag
 from runtime.student.record import load_group
-from runtime.student.serve import StudentServing
+from runtime.student.serve import Students, StudentServing
 from tests.test_manager import make_data
 
 
@@ -140,11 +138,6 @@ def test_under_policy_auto_students_answer_a_burst_and_tabi_the_rest(env, tmp_pa
 # -- the policy under a simulated queue (unit) ----------------------------------------------------
 
 
-def _tagged(group, n, length, asked=None):
-    best = int(group.meta["best_k"])
-    return [Item(list(range(length)), None, "root", StudentTag(group, best, asked, asked)) for _ in range(n)]
-
-
 def test_the_policy_prices_a_batch_as_a_fixed_part_plus_its_tokens():
     """Small batches are mostly fixed cost: at low load the teacher must not look dearer per
     token than it is at the margin (the average of 1-3 request batches priced it at 2-5x)."""
@@ -178,97 +171,100 @@ def test_the_policy_gives_fewer_students_as_the_queue_grows_and_the_full_group_w
     serving.policy.cost.update({"teacher": 1e-3, 2: 4e-4, 1: 2e-4})  # seconds per padded token
 
     def served(queued_tokens, rate, wait=0.0):
-        items = _tagged(group, 4, 10) + _tagged(group, 1, 10, asked=1)
-        chosen = serving.decide(items, Load(queued_tokens // 10, queued_tokens, wait, rate, 0.0))
-        assert items[-1].tag.students == 1  # a pinned request keeps its k whatever the load
-        return chosen, {it.tag.students for it in items[:-1]}
+        asks = [Students(group, 2)] * 4 + [Students(group, 2, asked=1)]
+        chosen = serving.choose(Load(queued_tokens // 10, queued_tokens, wait, rate, 0.0))
+        assert asks[-1].k(chosen) == 1  # a pinned request keeps its k whatever the load
+        return chosen, {a.k(chosen) for a in asks[:-1]}
 
-    assert served(40, 0.0) == ("teacher", {None})  # idle: the teacher answers
+    assert served(40, 0.0) == ("teacher", {0})  # idle: the teacher answers
     assert served(1000, 0.0) == (2, {2})  # 1000 tokens x 1 ms > 0.5 s: the full group
     assert served(2000, 0.0) == (1, {1})  # more queued: one student
     assert served(100, 3000.0) == (1, {1})  # arrivals 3000 tok/s: only k=1 keeps up (0.6 < 0.8)
-    assert served(40, 10.0) == ("teacher", {None})  # the burst passed: the teacher again
-    serving.observe(1, _tagged(group, 2, 10), 0.02)  # 20 padded tokens in 20 ms: k=1 costs more now
+    assert served(40, 10.0) == ("teacher", {0})  # the burst passed: the teacher again
+    serving.observe(1, [10, 10], 0.02)  # 20 padded tokens in 20 ms: k=1 costs more now
     assert serving.policy.cost[1] > 2e-4
 
 
-def test_the_scheduler_measures_the_queue_and_the_arrivals_for_its_decider():
-    class Echo:
-        def prepare(self, snapshot, items):
-            from runtime.exec.plan import Prepared
+def test_the_engine_measures_the_queue_and_the_arrivals_for_its_routing():
+    from types import SimpleNamespace
 
-            return Prepared(items, {}, items)
+    from runtime.engine import Ask, Engine
+    from runtime.exec.rows import Gathered, Prepared
+
+    class Echo:
+        def gather(self, snapshot, rows):
+            return Gathered([], None, [None] * len(rows))
+
+        def prepare(self, gathered, rows):
+            return Prepared(rows)
 
         def compute(self, prepared):
-            return [np.zeros(1) for _ in prepared.payload]
+            return [np.zeros(1) for _ in prepared.rows]
 
-    class Recorder:
+    class Recorder:  # the students' serving, as the engine sees it
         def __init__(self):
             self.loads, self.observed = [], []
 
-        def decide(self, items, load):
+        def choose(self, load):
             self.loads.append(load)
             return len(self.loads)
 
-        def observe(self, chosen, items, seconds):
-            self.observed.append((chosen, len(items)))
+        def observe(self, level, lengths, seconds):
+            self.observed.append((level, len(lengths)))
 
     rec = Recorder()
-    sched = Scheduler(Echo(), lambda: None, max_batch=3, pipeline=False, decider=rec)
+    pet = SimpleNamespace(meta={}, task="classification", version="root")
+    group = SimpleNamespace(meta={"version": "root"})
+    engine = Engine(Echo(), lambda: None, max_batch=3, pipeline=False, batching="fifo", students=rec)
     try:
-        items = [Item(list(range(5)), None, "root") for _ in range(7)]
-        sched.run(items)
+        answers = engine.serve([Ask("t", list(range(5)), None, pet, "fast", None, Students(group, 3))
+                                for _ in range(7)])
     finally:
-        sched.close()
-    # one submit of 7 items: batches of 3, 3, 1; each sees what is still queued, its own included
+        engine.close()
+    # one submit of 7 asks: batches of 3, 3, 1; each sees what is still queued, its own included
     assert [ld.queued for ld in rec.loads] == [7, 4, 1] and [ld.queued_tokens for ld in rec.loads] == [35, 20, 5]
     assert all(ld.arrival_rate == 35.0 for ld in rec.loads)  # 35 tokens in the last second
     assert rec.observed == [(1, 3), (2, 3), (3, 1)]
+    assert [a.students for a in answers] == [1, 1, 1, 2, 2, 2, 3]  # the level chosen for each batch
     meter = LoadMeter(window_s=1.0)
     meter.arrived([4, 6], now=0.0)
     meter.arrived([5], now=0.9)
     assert meter.take([4, 6], oldest=0.0, now=1.5) == Load(3, 15, 1.5, 5.0, 1.5)  # the first arrivals aged out
 
 
-def test_the_dispatchers_queue_counts_as_load_for_the_policy(env):
-    """hkstore serve's dispatcher holds texts before the runtime sees them; the load a batch's
-    decider reads includes them (requests, tokens, the oldest one's wait)."""
+def test_the_servers_texts_wait_in_the_engines_queue(env):
+    """hkstore serve submits its texts to the engine's one queue: the load the routing reads
+    counts them (requests and tokens), a text whose caller gives up leaves it, and a request
+    that would overfill it is refused before anything is queued."""
     import asyncio
 
     from runtime.serve.dispatcher import Dispatcher
     from runtime.serve.metrics import Metrics
 
     texts = short_texts(env)[:5]
-    with runtime.open(env["store"], device="cpu") as rt:
+    # batches wait 30 s for company: nothing runs while the test reads the queue
+    with runtime.open(env["store"], device="cpu", max_wait_s=30.0) as rt:
         tokens = [len(ids) for ids in rt.encoder.tokenize(texts, max_len=rt.max_len)]
 
-        async def offer_and_read():
-            d = Dispatcher(rt, Metrics(None), max_batch=8, max_wait_s=1.0, queue_limit=100)  # not started: nothing runs
-            assert rt.scheduler.load.backlog == d.backlog
-            first = d.offer("cls", texts[:3])
-            d.offer("tag", texts[3:])
+        def queued():
             now = time.perf_counter()
-            rt.scheduler.load.arrived([7], now)  # an item of the runtime's own queue
-            load = rt.scheduler.load.take([7], oldest=now, now=now + 2.0)
-            assert (load.queued, load.queued_tokens) == (1 + 5, 7 + sum(tokens))  # the runtime's own item too
-            assert 2.0 <= load.oldest_wait_s < 3.0  # the dispatcher's oldest text, not the runtime's item
+            load = rt.engine.load.take([], oldest=now, now=now)
+            return load.queued, load.queued_tokens
+
+        async def offer_and_read():
+            d = Dispatcher(rt, Metrics(None), queue_limit=8)
+            first = await d.offer("cls", texts[:3])
+            rest = await d.offer("tag", texts[3:])
+            assert d.depth == 5 and queued() == (5, sum(tokens))
             d.drop(first[:2])
-            assert d.backlog()[:2] == (3, sum(tokens[2:]))
-            for e in d.pending:
-                if not e.future.done():
-                    e.future.cancel()
+            assert d.depth == 3 and queued() == (3, sum(tokens[2:]))
+            assert await d.offer("cls", texts + texts[:1]) is None  # 3 + 6 > 8: refused, nothing queued
+            assert d.depth == 3
+            d.drop(first[2:] + rest)
+            assert d.depth == 0 and queued() == (0, 0)
+            await d.stop()
 
         asyncio.run(offer_and_read())
-        rt.scheduler.load.backlog = None
-
-
-def test_a_backlog_adds_to_the_meters_load():
-    meter = LoadMeter(window_s=1.0)
-    meter.arrived([4, 6], now=0.0)
-    meter.backlog = lambda: (2, 30, -1.0)
-    assert meter.take([4], oldest=0.0, now=1.0) == Load(4, 40, 2.0, 10.0, 1.0)
-    meter.backlog = lambda: (0, 0, None)
-    assert meter.take([6], oldest=0.5, now=1.0) == Load(1, 6, 0.5, 10.0, 1.0)
 
 
 # -- over HTTP ------------------------------------------------------------------------------------
@@ -336,7 +332,7 @@ def test_students_of_an_updated_pet_are_stale_until_distilled_again(env):
         with pytest.raises(runtime.BadRequest, match="stale"):
             rt.infer([{"tenant": "upd", "text": text, "students": 1}])
         snap = rt.store.snapshot()
-        assert rt.students.tag(snap, "upd", rt.pet("upd").meta, None, "fast") is None  # the policy never gets it
+        assert rt.students.ask(snap, "upd", rt.pet("upd").meta, None, "fast") is None  # the policy never gets it
         assert rt.infer([{"tenant": "upd", "text": text}])[0].students == 0
         # distilled again with the stored settings (no --dev): served again
         again = cli(main, ["students", "create", store, "upd", "-q", "--json"])
@@ -350,17 +346,17 @@ def test_students_of_an_updated_pet_are_stale_until_distilled_again(env):
 
 @pytest.mark.parametrize("tenant", ["cls", "tag"])
 def test_students_under_the_emulated_gpu_executor_equal_the_cpu_ones(env, tenant):
-    """StudentExecutor over the GPU executor (runtime.student.device_stack, the CUDA-on-CPU
-    emulation) answers student items as it does over the CPU executor, for every k."""
+    """The GPU executor (runtime.exec.students_gpu, the CUDA-on-CPU emulation) answers students
+    rows as the CPU executor does, for every k."""
     from runtime.exec.emu.module import compiler_missing_reason
 
     if compiler_missing_reason() is not None:
         pytest.skip(f"CUDA emulation unavailable: {compiler_missing_reason()}")
+    from runtime.engine import Engine
     from runtime.exec import ops_gpu
     from runtime.exec.emu import cupy_standin
     from runtime.exec.gpu import GpuExecutor
-    from runtime.level.executor import LevelExecutor
-    from runtime.student.executor import StudentExecutor
+    from runtime.exec.rows import Row
 
     texts = short_texts(env)[:5]
     with runtime.open(env["store"], device="cpu", max_len=32) as rt, ops_gpu.use_cupy(cupy_standin):
@@ -369,12 +365,15 @@ def test_students_under_the_emulated_gpu_executor_equal_the_cpu_ones(env, tenant
         ids = [rt.encoder.tokenizer.encode(t).ids for t in texts]
         gpu = GpuExecutor(rt.encoder, _cupy=cupy_standin, _ops=ops_gpu, hot_tier_rows=0, max_batch=8, max_len=32)
         out = {}
-        for name, inner in (("cpu", rt.executor), ("gpu", gpu)):
-            ex = StudentExecutor(LevelExecutor(inner, rt.store, rt.encoder))
-            assert (ex.device is not None) == (name == "gpu")
-            for k in (1, 2):
-                items = [Item(s, None, "root", StudentTag(group, 2, k, k)) for s in ids]
-                out[(name, k)] = ex.compute(ex.prepare(snap, items))
+        for name, ex in (("cpu", rt.executor), ("gpu", gpu)):
+            engine = Engine(ex, rt.store.snapshot, max_batch=8, pipeline=False)
+            try:
+                for k in (1, 2):
+                    rows = [Row(s, None, group.meta["version"], "students", group=group, k=k) for s in ids]
+                    out[(name, k)] = [o.logits for o in engine.run(rows)]
+            finally:
+                engine.close()
+        assert gpu.students is not None  # the students ran on the (emulated) device
         for k in (1, 2):
             for a, b in zip(out[("cpu", k)], out[("gpu", k)]):
                 np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4)

@@ -38,18 +38,20 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from runtime.exec import cpu_batched, ops_cpu
+from runtime.exec import cpu_batched, ops_cpu, students
 from runtime.exec.int8 import Int8Upper
-from runtime.exec.plan import BatchPlan, Prepared, plan_batch, prepare_pet, stack_group
+from runtime.exec.plan import BatchPlan, plan_batch, prepare_pet, stack_group
+from runtime.exec.rows import (Gathered, Prepared, assemble, attention_rows, gather_host, received_rows,
+                               student_logits)
 from runtime.exec.threads import helper_thread_setup
-from runtime.plot.mixed import retrieve_mixed
+from runtime.model import student
 
 
 class CpuExecutor:
     device = "cpu"
 
     def __init__(self, encoder, *, lora_kernel: str = "auto", prefetch: bool = True, kernels: str = "batched",
-                 int8: bool = False):
+                 int8: bool = False, context=None):
         if lora_kernel not in ("auto", "sgmv", "bgmv"):
             raise ValueError(f"lora_kernel must be auto, sgmv or bgmv, got {lora_kernel!r}")
         if kernels not in ("batched", "reference"):
@@ -64,6 +66,7 @@ class CpuExecutor:
         self.profile_clock = time.perf_counter
         self.encoder = encoder
         self.config = encoder.config
+        self.context = context  # level 2's input source (runtime.exec.context.ContextInputs), for context rows
         self.lora_kernel = lora_kernel
         self.prefetch = bool(prefetch)
         self.layers = list(range(encoder.lower_layers, encoder.config.num_layers))
@@ -88,18 +91,36 @@ class CpuExecutor:
         plan.perm = order[plan.perm]
         return plan
 
-    # -- the scheduler's interface ---------------------------------------------------------
+    # -- a batch plan's rows (runtime.exec.rows) -----------------------------------------
 
-    def prepare(self, snapshot, items) -> Prepared:
+    def gather(self, snapshot, rows) -> Gathered:
+        return gather_host(snapshot, rows)
+
+    def prepare(self, gathered: Gathered, rows) -> Prepared:
         t0 = time.perf_counter()
-        inputs, mask, served = retrieve_mixed(snapshot, [it.ids for it in items], [it.version for it in items])
-        retrieval = time.perf_counter() - t0
-        plan = self.plan([it.pet for it in items])
-        return Prepared(items, {"retrieval": retrieval, "transfer": 0.0}, (inputs, mask, plan), served)
+        teacher, inputs, lengths, parts, lower = assemble(gathered, rows, self.context, self.config.d)
+        plan = self.plan([rows[b].pet for b in teacher]) if teacher else None
+        if plan is not None and attention_rows(rows, teacher):
+            plan.received = torch.zeros(inputs.shape[:2])
+        mask = torch.from_numpy(np.arange(inputs.shape[1])[None, :] < lengths[:, None])
+        timings = dict(gathered.timings, transfer=0.0, lower=lower)
+        timings["retrieval"] += time.perf_counter() - t0 - lower
+        return Prepared(rows, timings, (teacher, inputs, mask, plan, parts), gathered.served)
 
+    @torch.no_grad()
     def compute(self, prepared: Prepared) -> list:
-        inputs, mask, plan = prepared.payload
-        return [y.numpy() for y in self.forward(inputs, mask, plan)]
+        teacher, inputs, mask, plan, parts = prepared.payload
+        out = [None] * len(prepared.rows)
+        if teacher:
+            for b, y in zip(teacher, self.forward(inputs, mask, plan)):
+                out[b] = y.numpy()
+            if plan.received is not None:
+                prepared.received = received_rows(prepared.rows, teacher, plan, len(self.layers))
+        for (group, _, idx, _, mask_s), h in zip(parts, students.ensembles([(g, k, x, m) for g, k, _, x, m in parts])):
+            logits = student.head(group, h)
+            for j, b in enumerate(idx):
+                out[b] = student_logits(group, logits, mask_s, j).numpy()
+        return out
 
     # -- the computation -------------------------------------------------------------------
 

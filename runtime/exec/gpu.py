@@ -1,7 +1,7 @@
 """The GPU executor (CuPy): runtime.exec.cpu's computation on one CUDA device.
 
-Same interface as ``CpuExecutor`` (``load_pet``, ``plan``, ``prepare``/``compute`` for the
-scheduler, ``run`` for a batch in hand) and the same results within fp32 rounding (fp16:
+Same interface as ``CpuExecutor`` (``load_pet``, ``plan``, ``gather``/``prepare``/``compute`` of a
+batch plan's rows for the engine, ``run`` for a batch in hand) and the same results within fp32 rounding (fp16:
 within 1e-2 relative; tests/test_executor_gpu.py). What is different:
 
 * **Shared weights resident on the device** (fp32 or fp16), transposed once so that every
@@ -19,7 +19,7 @@ within 1e-2 relative; tests/test_executor_gpu.py). What is different:
   roofline time onto ``lanes`` extra streams, compute- and memory-bound ones alternating;
   events order the lanes after the stage's GEMMs and the compute stream after the lanes.
 * **Pinned, preallocated, reused host buffers** (cupy.cuda.alloc_pinned_memory), two of them
-  in turn, so the retrieval of batch i+1 is copied while batch i computes (the scheduler runs
+  in turn, so the retrieval of batch i+1 is copied while batch i computes (the engine runs
   ``prepare`` on its own thread when pipelining).
 * **Layer-wise prefetch** (``prefetch=True``): the stacked PET weights of layer i+1 are built
   (and, for tenants not resident, uploaded) on the pets stream while layer i computes;
@@ -54,8 +54,9 @@ import torch
 
 from runtime.exec.device_cache import DevicePetCache
 from runtime.exec.hot_tier import HotTier
-from runtime.exec.plan import BatchPlan, Prepared, plan_batch, prepare_pet
-from runtime.plot.mixed import retrieve_mixed
+from runtime.exec.plan import BatchPlan, plan_batch, prepare_pet
+from runtime.exec.rows import Gathered, Prepared, assemble, attention_rows, gather_host, received_rows, student_logits
+from runtime.exec.students_gpu import DeviceStudents
 
 _F32_MIN = float(np.finfo(np.float32).min)
 # Alg. 2's roofline for the lanes (fp32, H100-class): only the ridge point and the order matter
@@ -85,7 +86,8 @@ class GpuExecutor:
 
     def __init__(self, encoder, *, dtype: str = "fp32", pet_cache_bytes: int = 512 << 20, prefetch: bool = True,
                  hot_tier_rows: int = 65536, hot_rebuild_every: int = 32, max_batch: int = 64, max_len: int = 128,
-                 lora_kernel: str = "auto", device_id: int | None = None, lanes: int = 1, _cupy=None, _ops=None):
+                 lora_kernel: str = "auto", device_id: int | None = None, lanes: int = 1, context=None, _cupy=None,
+                 _ops=None):
         if dtype not in ("fp32", "fp16"):
             raise ValueError(f"dtype must be fp32 or fp16, got {dtype!r}")
         if lora_kernel not in ("auto", "sgmv", "bgmv"):
@@ -97,6 +99,8 @@ class GpuExecutor:
             from runtime.exec import ops_gpu as _ops
         self.ops = _ops
         self.encoder = encoder
+        self.context = context  # level 2's input source (runtime.exec.context.ContextInputs), for context rows
+        self.students = None  # runtime.exec.students_gpu.DeviceStudents, made for the first students row
         self.config = c = encoder.config
         self.dtype = np.float32 if dtype == "fp32" else np.float16
         self.prefetch = bool(prefetch)
@@ -158,7 +162,7 @@ class GpuExecutor:
         self._slot = 0
 
     def _ensure_capacity(self, tokens: int):
-        if tokens > self.capacity:  # only outside the scheduler (run): nothing is in flight
+        if tokens > self.capacity:  # only outside the engine (run): nothing is in flight
             with self._device():
                 for s in (self.compute_stream, self.input_stream, self.pet_stream):
                     s.synchronize()
@@ -197,29 +201,55 @@ class GpuExecutor:
     def plan(self, pets, keys=None) -> BatchPlan:
         return plan_batch(pets, keys, self.lora_kernel)
 
-    # -- the scheduler's interface ---------------------------------------------------------
+    # -- a batch plan's rows (runtime.exec.rows) -----------------------------------------
 
-    def prepare(self, snapshot, items) -> Prepared:
-        """Retrieval (hot tier + host lookups, or runtime.plot.retrieve) and the async
-        host-to-device copy of the inputs; runs on the scheduler's preparation thread."""
-        seqs = [it.ids for it in items]
-        versions = [it.version for it in items]
-        plan = self.plan([it.pet for it in items])  # before staging: nothing can fail after it
-        with self._device():
-            if self.hot is not None:
-                staged, served, timings = self._retrieve_hot(snapshot, seqs, versions)
-            else:
-                t0 = time.perf_counter()
-                inputs, _, served = retrieve_mixed(snapshot, seqs, versions)
-                retrieval = time.perf_counter() - t0
-                staged, transfer = self.stage(inputs.numpy())
-                staged["lengths"] = np.array([len(q) for q in seqs], dtype=np.int64)
-                timings = {"retrieval": retrieval, "transfer": transfer}
-        return Prepared(items, timings, (staged, plan), served)
+    def gather(self, snapshot, rows) -> Gathered:
+        """The PLOT lookups: a plan of plain plot rows is looked up through the hot tier and its
+        inputs copied to the device here (the staging overlaps the previous batch's compute);
+        any other plan reads the host store, and prepare stages what it assembles."""
+        if self.hot is not None and all(r.source == "plot" and not r.gate and not r.attention for r in rows):
+            with self._device():
+                staged, served, timings = self._retrieve_hot(snapshot, [r.ids for r in rows],
+                                                             [r.version for r in rows])
+            return Gathered(list(range(len(rows))), staged, served, timings)
+        return gather_host(snapshot, rows)
+
+    def prepare(self, gathered: Gathered, rows) -> Prepared:
+        """The PET plan, and the host-assembled inputs (level 2's included) staged to the device
+        (async, input stream); runs on the engine's preparation thread."""
+        if isinstance(gathered.inputs, dict):  # staged by the hot tier
+            plan = self.plan([r.pet for r in rows])
+            return Prepared(rows, dict(gathered.timings), (list(range(len(rows))), gathered.inputs, plan, []),
+                            gathered.served)
+        t0 = time.perf_counter()
+        teacher, inputs, lengths, parts, lower = assemble(gathered, rows, self.context, self.config.d)
+        timings = dict(gathered.timings, transfer=0.0, lower=lower)
+        staged = plan = None
+        if teacher:
+            plan = self.plan([rows[b].pet for b in teacher])  # before staging: nothing can fail after it
+            if attention_rows(rows, teacher):
+                plan.received = torch.zeros(inputs.shape[:2])
+            with self._device():
+                staged, timings["transfer"] = self.stage(inputs.numpy())
+            staged["lengths"] = lengths
+        timings["retrieval"] += time.perf_counter() - t0 - lower - timings["transfer"]
+        return Prepared(rows, timings, (teacher, staged, plan, parts), gathered.served)
 
     def compute(self, prepared: Prepared) -> list:
-        staged, plan = prepared.payload
-        return self.forward(staged, plan)
+        teacher, staged, plan, parts = prepared.payload
+        out = [None] * len(prepared.rows)
+        if teacher:
+            for b, y in zip(teacher, self.forward(staged, plan)):
+                out[b] = y
+            if plan.received is not None:
+                prepared.received = received_rows(prepared.rows, teacher, plan, len(self.layers))
+        if parts and self.students is None:
+            self.students = DeviceStudents(self)
+        for group, k, idx, x, mask in parts:  # one batched computation per tenant's k students
+            logits = self.students.logits(group, k, x.numpy(), mask.numpy())
+            for j, b in enumerate(idx):
+                out[b] = student_logits(group, logits, mask, j)
+        return out
 
     def stage(self, inputs: np.ndarray):
         """Copy (B, L, d) fp32 host inputs into the next pinned buffer and on to the device

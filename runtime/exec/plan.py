@@ -13,8 +13,7 @@
   ``stack_group`` builds the stacked weights of a group with torch (ranks and bottlenecks
   zero-padded to the group's largest, which changes nothing).
 
-Executors implement ``prepare(snapshot, items) -> Prepared`` and ``compute(prepared) ->
-list[np.ndarray]`` (logits per item, in item order); the scheduler (runtime.sched) drives them.
+Executors run a batch plan's rows (runtime.exec.rows); the engine (runtime.engine) drives them.
 """
 
 from __future__ import annotations
@@ -222,16 +221,6 @@ def stack_group(plan: BatchPlan, group: Group, dtype=torch.float32) -> dict:
         return {"weight": torch.stack([a[0] for a in arrays]).to(dtype),
                 "bias": torch.stack([a[1] for a in arrays]).to(dtype)}
     raise ValueError(f"unknown part kind {group.kind!r}")
-
-
-@dataclass
-class Prepared:
-    """What an executor's prepare hands to its compute."""
-
-    items: list
-    timings: dict = field(default_factory=dict)
-    payload: object = None
-    served: list | None = None
 
 
 def pad_ids(seqs: list, pad_id: int) -> tuple[np.ndarray, np.ndarray]:

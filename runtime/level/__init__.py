@@ -9,7 +9,8 @@ Rooms of the idea: ``runtime.model.calibrate`` (Eq. 3, a temperature per tenant 
 ECE: model math, so that construction fits a tenant's temperatures when it is created),
 ``dispatch`` (Eq. 4 and the coverage gate), ``prune`` (Eq. 5, words by level-1 attention),
 ``ensemble`` (Eq. 6), ``profile`` (§5: choose c, k, alpha, w and the coverage gate on
-held-out data from saved level outputs; the tenant's ``levels`` record), ``executor``
-(level-1 and level-2 items in the same mixed-tenant batches) and ``serve`` (the policies
-``fast`` | ``auto`` | ``exact`` behind ``runtime.Runtime.infer``).
+held-out data from saved level outputs; the tenant's ``levels`` record) and ``serve`` (the
+policies ``fast`` | ``auto`` | ``exact`` behind ``runtime.Runtime.infer``). Level 2's inputs are
+an input source of the executor's batch plans (runtime.exec.context); the engine
+(runtime.engine) routes each request to its level and re-routes what the dispatcher sends up.
 """

@@ -1,8 +1,9 @@
 """Profiling (Tabi §5): calibrate each level and choose a tenant's policy on held-out data by
 re-using saved level outputs, then record it with the tenant.
 
-``collect`` runs the held-out queries once per level through the scheduler (level 1 with its
-attention and coverage; level 2 on the full text and on the text pruned at each alpha) and
+``collect`` runs the held-out queries once per level through the engine, as rows it routes
+itself (level 1 with its attention and coverage; level 2 on the full text and on the text
+pruned at each alpha), and
 keeps the logits and the measured seconds. Everything after that is arithmetic on the saved
 outputs, as in Tabi: ``calibrate`` fits the temperatures (runtime.model.calibrate), and
 ``choose`` scores every candidate (c, k, alpha, w, gate) by its *expected* metric and cost:
@@ -28,11 +29,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from runtime.exec.rows import Row
 from runtime.level import dispatch, ensemble
-from runtime.level.executor import LevelTag
 from runtime.level.prune import prune, word_spans
 from runtime.model import calibrate as cal
-from runtime.sched.scheduler import Item
 
 # profile_tenant's default share of dev resamples the chosen policy must hold its target in
 # (choose): the usual one-sided 90%. On the six tasks' test splits it cut the (task, target)
@@ -57,13 +57,13 @@ class Saved:
     seconds: dict = field(default_factory=dict)  # level1, retrieval, level2 (full text)
 
 
-def _timed(scheduler, items):
+def _timed(engine, rows):
     t0 = time.perf_counter()
-    outs = scheduler.run(items)
+    outs = engine.run(rows)
     return outs, time.perf_counter() - t0
 
 
-def collect(scheduler, pet, queries, alphas=GRID["alpha"], n: int = 3, batch: int = 32) -> Saved:
+def collect(engine, pet, queries, alphas=GRID["alpha"], n: int = 3, batch: int = 32) -> Saved:
     """Saved level outputs of queries: (ids, positions) each; positions as serve.answer takes
     them (None for classification). Chunk by chunk of `batch` queries: level 1, then level 2
     at each alpha, so that the levels' seconds are measured interleaved (a shared machine's
@@ -74,8 +74,7 @@ def collect(scheduler, pet, queries, alphas=GRID["alpha"], n: int = 3, batch: in
                   {"level1": 0.0, "retrieval": 0.0, **{f"level2@{a}": 0.0 for a in alphas}})
     for start in range(0, len(queries), batch):
         chunk = queries[start:start + batch]
-        tags = [LevelTag(level=1, attention=True) for _ in chunk]
-        outs, s1 = _timed(scheduler, [Item(list(ids), pet, pet.version, t) for (ids, _), t in zip(chunk, tags)])
+        outs, s1 = _timed(engine, [Row(list(ids), pet, pet.version, "plot", attention=True) for ids, _ in chunk])
         saved.seconds["level1"] += s1
         saved.seconds["retrieval"] += sum(o.timings.get("retrieval", 0.0) / max(o.batch_size, 1) for o in outs)
         for j, (o, (_, pos)) in enumerate(zip(outs, chunk)):
@@ -84,12 +83,11 @@ def collect(scheduler, pet, queries, alphas=GRID["alpha"], n: int = 3, batch: in
             saved.coverage[start + j] = dispatch.coverage(o.served[1], n)
         for alpha in alphas:
             kept_all = []
-            for (ids, pos), t in zip(chunk, tags):
+            for (ids, pos), o in zip(chunk, outs):
                 firsts = None if pos is None or (len(pos) == len(ids) and pos[0] == 0) else pos
-                kept_all.append(prune(t.received, word_spans(firsts, len(ids)), alpha)[0])
-            runs = [Item([ids[j] for j in kept], pet, pet.version, LevelTag(level=2))
-                    for (ids, _), kept in zip(chunk, kept_all)]
-            outs2, s2 = _timed(scheduler, runs)
+                kept_all.append(prune(o.received, word_spans(firsts, len(ids)), alpha)[0])
+            runs = [Row([ids[j] for j in kept], pet, pet.version, "context") for (ids, _), kept in zip(chunk, kept_all)]
+            outs2, s2 = _timed(engine, runs)
             saved.seconds[f"level2@{alpha}"] += s2
             saved.kept_tokens[alpha] += [len(k) for k in kept_all]
             for o, kept, (_, pos) in zip(outs2, kept_all, chunk):
@@ -244,9 +242,9 @@ def profile_tenant(rt, store_path, tenant: str, dev_path, calibration_path=None,
     if fitted:  # fitted at tenant create / update on held-out training examples (Tabi's way)
         temps = {"temperature": fitted["temperature"], "ece": fitted["ece"]}
     else:
-        saved_c = collect(rt.scheduler, pet, calib.pairs(), alphas=[0.0], n=n, batch=batch)
+        saved_c = collect(rt.engine, pet, calib.pairs(), alphas=[0.0], n=n, batch=batch)
         temps = calibrate(saved_c, calib.targets)
-    saved_d = collect(rt.scheduler, pet, dev.pairs(), alphas=list(alphas), n=n, batch=batch)
+    saved_d = collect(rt.engine, pet, dev.pairs(), alphas=list(alphas), n=n, batch=batch)
     result = choose(saved_d, temps["temperature"], dev.stats, dev.metric, target, dict(GRID, alpha=list(alphas)),
                     assurance=assurance)
     levels = record(temps["temperature"], temps["ece"], result["chosen"], result, target, len(dev), assurance)

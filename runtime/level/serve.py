@@ -1,12 +1,11 @@
 """The policies behind runtime.Runtime.infer: ``fast`` (level 1 only), ``auto`` (Tabi's
 dispatcher with the tenant's profiled policy), ``exact`` (level 2 only).
 
-The engine steps, the scheduler decides the batches, the executor computes: ``answer`` hands
-every request of a call to the scheduler at once (level-1 and level-2 items of all tenants
-batch together; runtime.level.executor), dispatches the level-1 answers of ``auto``
-requests (runtime.level.dispatch), prunes the re-routed ones' words with the attention
-level 1 returned (runtime.level.prune), sends all re-routed requests back as one more
-submission at level 2, and ensembles (runtime.level.ensemble).
+The engine (runtime.engine) routes and steps; these are the decisions and answers it asks
+for: ``policy_of`` (which policy a request is served at), ``single`` (an answer from one
+level's logits, calibrated), ``send_up`` (Tabi's dispatcher on a level-1 answer,
+runtime.level.dispatch, and the words level 2 reads, runtime.level.prune) and ``rerouted``
+(level 2's answer ensembled with level 1's, runtime.level.ensemble).
 
 A tenant's levels record (its PET meta ``levels``, FORMAT.md §5; runtime.level.profile
 writes it) gives the temperatures and the policy; a tenant without one is served with
@@ -21,10 +20,8 @@ import numpy as np
 
 from runtime.errors import BadRequest
 from runtime.level import dispatch, ensemble
-from runtime.level.executor import LevelTag
 from runtime.level.prune import prune, word_spans
 from runtime.model.calibrate import softmax
-from runtime.sched.scheduler import Item
 
 POLICIES = ("fast", "auto", "exact")
 
@@ -83,52 +80,16 @@ def policy_of(pet, asked):
     return asked, chosen
 
 
-def answer(scheduler, requests, tags=None) -> list:
-    """Answers of requests: (tenant, ids, positions, pet, version, asked policy) each;
-    positions: the token positions a tagging request reports (None: classification).
-    tags: per request, the tag of its item when it is served at policy fast or auto (e.g. a
-    runtime.student StudentTag: students may answer it, its ``students`` says how many did; under
-    auto its ``teacher`` is set to the level tag the dispatcher gives the request, and an answer
-    by students is returned as it is, never re-routed)."""
-    items, plans = [], []
-    for i, (tenant, ids, positions, pet, version, asked) in enumerate(requests):
-        name, chosen = policy_of(pet, asked)
-        tag = tags[i] if tags is not None and name != "exact" else None
-        if name == "exact":
-            tag = LevelTag(level=2)
-        elif name == "auto":
-            gate = float(chosen.get("gate", 0.0))
-            # a gate above 1 sends every request to level 2: no lookup to measure coverage
-            level_tag = LevelTag(level=2) if gate > 1 else LevelTag(level=1, gate=gate,
-                                                                      attention=float(chosen.get("alpha", 0)) > 0)
-            if tag is None:
-                tag = level_tag
-            else:  # students may answer it (under load); the teacher serves it as Tabi's tag says
-                tag.teacher = level_tag
-        items.append(Item(list(ids), pet, version, tag))
-        plans.append((name, chosen))
-    outs = scheduler.run(items)
-    answers, again, later = [], [], []
-    for b, ((tenant, ids, positions, pet, version, _), (name, chosen), item, out) in enumerate(
-            zip(requests, plans, items, outs)):
-        students = getattr(item.tag, "students", None) or 0
-        tag = getattr(item.tag, "teacher", None) or item.tag  # the level tag the teacher was served with
-        level = 2 if not students and isinstance(tag, LevelTag) and tag.level == 2 else 1
-        a = _single(pet, out, level, positions, students)
-        answers.append(a)
-        # students answer only under load: re-routing their answers would add the work they save
-        if name != "auto" or level == 2 or students:
-            continue
-        if dispatch.reroute(tenant, ids, a.confidence, float(chosen["c"]), float(chosen["k"])):
-            spans = word_spans(_firsts(positions, len(ids)), len(ids))
-            received = tag.received if tag.received is not None else np.zeros(len(ids))
-            kept, dropped = prune(received, spans, float(chosen.get("alpha", 0.0)))
-            again.append(Item([ids[j] for j in kept], pet, version, LevelTag(level=2)))
-            later.append((b, kept, len(dropped), float(chosen.get("w", 0.0))))
-    if again:
-        for (b, kept, n_dropped, w), out in zip(later, scheduler.run(again)):
-            answers[b] = _rerouted(answers[b], requests[b], out, kept, n_dropped, w)
-    return answers
+def send_up(tenant, ids, positions, first: Answer, chosen: dict, received) -> tuple | None:
+    """Tabi's dispatcher on a level-1 answer of an ``auto`` request: None keeps it; else (the
+    token positions level 2 reads, words pruned): the words by the attention level 1 gave
+    them (received: per token, None when level 1 did not report it)."""
+    if not dispatch.reroute(tenant, ids, first.confidence, float(chosen["c"]), float(chosen["k"])):
+        return None
+    spans = word_spans(_firsts(positions, len(ids)), len(ids))
+    received = received if received is not None else np.zeros(len(ids))
+    kept, dropped = prune(received, spans, float(chosen.get("alpha", 0.0)))
+    return kept, len(dropped)
 
 
 def _firsts(positions, length):
@@ -138,7 +99,9 @@ def _firsts(positions, length):
     return list(positions)
 
 
-def _single(pet, out, level, positions, students: int = 0) -> Answer:
+def single(pet, out, level, positions, students: int = 0) -> Answer:
+    """The answer of one level's output (logits, timings, batch_size): probabilities calibrated
+    at the level's temperature, the reported positions'."""
     logits = np.asarray(out.logits, dtype=np.float32)
     # the temperatures were calibrated on the teacher's logits, not on the students' head
     probs = softmax(logits, 1.0 if students else temperature(pet, level))
@@ -148,8 +111,8 @@ def _single(pet, out, level, positions, students: int = 0) -> Answer:
                   students)
 
 
-def _rerouted(first: Answer, request, out, kept, n_dropped, w) -> Answer:
-    _, _, positions, pet, _, _ = request
+def rerouted(first: Answer, pet, positions, out, kept, n_dropped, w) -> Answer:
+    """A re-routed request's answer: level 2's output on the kept tokens ensembled with level 1's."""
     logits = np.asarray(out.logits, dtype=np.float32)
     p2 = softmax(logits, temperature(pet, 2))
     if positions is None:

@@ -26,7 +26,7 @@ queue indices, at most ``max_batch`` requests each):
 ``dp_split`` is the DP both levels use: the optimal cut of a sequence sorted by length into
 contiguous groups (optimal among all partitions too, for costs nondecreasing in the length;
 tests/test_coordinated.py checks it against brute force). ``CoordinatedBatcher`` plugs a
-policy into the scheduler (``Scheduler(..., batcher=...)``).
+policy into the engine (``runtime.open(..., batching="coordinated")``, runtime.engine).
 """
 
 from __future__ import annotations
@@ -248,13 +248,14 @@ def predicted_cost(queue, batches, model) -> float:
     return total
 
 
-# -- the scheduler hook ---------------------------------------------------------------------------
+# -- the engine's batching ------------------------------------------------------------------------
 
 
 class CoordinatedBatcher:
-    """Scheduler hook: items (runtime.sched.scheduler.Item) -> batches, as lists of indices
-    into items, by a policy. The scheduler hands it what is queued (up to its window) and
-    runs the batches in the order returned (shortest first for the length-sorted policies)."""
+    """The engine's coordinated batching: queued work (anything with ``pet`` and ``ids``, e.g.
+    runtime.engine.Work) -> batches, as lists of indices into it, by a policy. The engine hands
+    it what is queued (up to its window) and runs the batches in the order returned (shortest
+    first for the length-sorted policies)."""
 
     def __init__(self, model: LatencyModel | None = None, policy: str = "coordinated", max_batch: int = 32,
                  cv_threshold: float = 1.0):

@@ -1,10 +1,10 @@
-"""The load the scheduler sees: what is queued and how fast requests arrive.
+"""The load the engine sees: what is queued and how fast requests arrive.
 
-A batch's decider (e.g. runtime.student.serve's pruning policy) reads a ``Load`` when the
-batch is about to run: the requests still waiting (this batch's included), their tokens, how
+The engine's routing (e.g. runtime.student.serve's pruning policy) reads a ``Load`` as a
+batch leaves the queue: the requests still waiting (this batch's included), their tokens, how
 long the oldest of them has waited, and the arrival rate in tokens per second over the last
-``window_s`` seconds. A front end that queues requests before the runtime sees them adds its
-backlog (``LoadMeter.backlog``, set by ``Runtime.set_backlog``), so a burst held there counts.
+``window_s`` seconds. Every request, the HTTP server's included, waits in the engine's one
+queue, so this is all the load there is.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Load:
-    queued: int  # requests submitted and not yet run, this batch's included (and a front end's backlog)
+    queued: int  # requests submitted and not yet run, this batch's included
     queued_tokens: int
     oldest_wait_s: float  # of this batch's oldest request
     arrival_rate: float  # tokens per second over the last window
@@ -26,9 +26,6 @@ class Load:
 class LoadMeter:
     def __init__(self, window_s: float = 1.0):
         self.window_s = float(window_s)
-        # Requests a front end holds before they reach the runtime (hkstore serve's dispatcher
-        # batches texts first): () -> (requests, tokens, enqueue time of the oldest or None).
-        self.backlog = None
         self._arrivals: collections.deque = collections.deque()  # (time, tokens)
         self._queued = 0
         self._tokens = 0
@@ -49,8 +46,10 @@ class LoadMeter:
             load = Load(self._queued, self._tokens, now - oldest, rate, now)
             self._queued -= len(tokens)
             self._tokens -= sum(tokens)
-        if self.backlog is not None:
-            queued, queued_tokens, first = self.backlog()
-            wait = load.oldest_wait_s if first is None else max(load.oldest_wait_s, now - first)
-            load = Load(load.queued + queued, load.queued_tokens + queued_tokens, wait, rate, now)
         return load
+
+    def left(self, tokens: list[int]) -> None:
+        """Requests that left the queue without running (cancelled, expired)."""
+        with self._lock:
+            self._queued -= len(tokens)
+            self._tokens -= sum(tokens)

@@ -5,10 +5,10 @@
 
 **Infer.** ``POST /v1/tenants/{tenant}/infer`` with ``{"text": ...}`` or ``{"texts": [...]}``
 answers ``{"tenant", "results": [...]}``, one result per text: the label (classification) or
-the tags per word (tagging), with probabilities. The dispatcher appends each text to the open
-batch until it holds ``max_batch`` texts or its first text has waited ``max_wait_ms``, then
-hands the batch, mixed across tenants, to ``runtime.Runtime.infer`` in a worker thread and
-routes each result back to its caller. A request that would push the queue past
+the tags per word (tagging), with probabilities. The dispatcher puts each text on the
+runtime's one queue (runtime.engine, through ``runtime.Runtime.submit``); a batch, mixed across
+tenants, forms once it holds ``max_batch`` texts or its first text has waited ``max_wait_ms``,
+and each result goes back to its caller. A request that would push the queue past
 ``queue_limit`` texts is answered 429 with Retry-After; one that is not answered within
 ``request_timeout_s`` gets 504 (its texts leave the queue if not yet started; under overload,
 texts that could no longer finish in time are answered 504 when their batch forms, rather than
@@ -71,7 +71,7 @@ base64): ``model`` the base model (``base`` or its names) or a tenant; ``policy`
 whole encoder: the base model's own embedding, its default) or fast (the PLOT: a tenant's
 default); ``dimensions``; token-id inputs (runtime.Runtime.embed).
 
-Modules of runtime/serve/: dispatcher.py (batching, the dedicated baseline), metrics.py,
+Modules of runtime/serve/: dispatcher.py (the door to the engine's queue, the dedicated baseline), metrics.py,
 jobs.py (durable jobs and their worker), tokens.py (tenant tokens), files.py (atomic small
 files), schemas.py (request and response bodies), cli.py (the command); this one holds the
 HTTP layer.
@@ -175,11 +175,14 @@ class Service:
             torch.set_num_threads(self.torch_threads)
         options = dict(self.runtime_options)
         options.setdefault("max_batch", max(self.max_batch, 1))
+        # one queue, the engine's: it batches the server's texts (max_batch, max_wait_s)
+        options.setdefault("max_wait_s", self.max_wait_s)
+        if self.mode == "dedicated":
+            options["batching"] = "tenant"
         self.rt = await asyncio.to_thread(runtime.open, self.store_path, self.device, max_len=self.max_len, **options)
         self._current = self._read_current()
         await asyncio.to_thread(self._warm_up)
-        self.dispatcher = Dispatcher(self.rt, self.metrics, max_batch=self.max_batch, max_wait_s=self.max_wait_s,
-                                     queue_limit=self.queue_limit, mode=self.mode,
+        self.dispatcher = Dispatcher(self.rt, self.metrics, queue_limit=self.queue_limit, mode=self.mode,
                                      dedicated_resident=self.dedicated_resident)
         self.dispatcher.start()
         await asyncio.to_thread(self.jobs.start)
@@ -686,7 +689,7 @@ def create_app(store_path, *, admin_token, max_batch=32, max_wait_ms=5, queue_li
             texts = body.all_texts()
             if len(texts) > svc.queue_limit:
                 raise HTTPError(422, f"{len(texts)} texts, more than the queue holds ({svc.queue_limit})")
-            entries = svc.dispatcher.offer(tenant, texts, t0 + svc.request_timeout_s, truncate=body.truncate,
+            entries = await svc.dispatcher.offer(tenant, texts, t0 + svc.request_timeout_s, truncate=body.truncate,
                                            policy=body.policy, students=body.students)
             if entries is None:
                 m.rejected.labels("queue_full").inc()

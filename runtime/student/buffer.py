@@ -40,7 +40,7 @@ class LengthBuffer:
 
 def length_batches(lengths: list[int], max_batch: int, bin_width: int = 8) -> list[list[int]]:
     """A queue (its requests' lengths, oldest first) cut into batches as the buffer pops them:
-    lists of queue indices, the scheduler's batcher (runtime.sched.scheduler)."""
+    lists of queue indices (the engine pops one batch at a time, runtime.engine)."""
     buffer = LengthBuffer(bin_width)
     for i, n in enumerate(lengths):
         buffer.add(n, i)

@@ -39,7 +39,7 @@ from runtime.construct.manager import (
 )
 from runtime.model.stored import base_encoder
 from runtime.plot.retrieve import retrieve_list
-from runtime.student.model import LINEARS, NORMS
+from runtime.model.student import LINEARS, NORMS
 from runtime.student.prune import best_k, cumulative, scores_by_k, train_head
 from runtime.student.train import StudentConfig, boost, teacher_logits, teacher_states
 

@@ -1,7 +1,7 @@
 """A tenant's students and its teacher scored on a labeled file (`hkstore students eval`).
 
 Both read the same PLOT inputs (runtime.plot.retrieve); the students run virtually stacked
-(runtime.student.stack), every k read off one forward, the teacher through the upper
+(runtime.exec.students), every k read off one forward, the teacher through the upper
 layers with its PET. The metric is tenant_eval's: accuracy, or entity-level F1 for tagging.
 """
 
@@ -14,7 +14,8 @@ from runtime.construct.manager import _subsample, encode_eval, load_tenant, read
 from runtime.model import pet as petlib
 from runtime.model.stored import base_encoder
 from runtime.plot.retrieve import retrieve
-from runtime.student import model, stack
+from runtime.exec import students as stack
+from runtime.model import student as model
 from runtime.student.build import _scorer
 from runtime.student.record import load_group
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from runtime.student.model import Group, check_group
+from runtime.model.student import Group, check_group
 
 
 def load_group(snap, tenant, d: int) -> Group:

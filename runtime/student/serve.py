@@ -2,14 +2,13 @@
 
 A request of a tenant with a servable group (complete and fresh, runtime.student.record) that
 is served at the PLOT level (policy fast, or auto: Tabi's dispatcher when the teacher answers,
-runtime.level.serve) gets a StudentTag; its `students` field (the
-request's) pins the answer: 0 the teacher, k the first k students (1 <= k <= M); None (the
-default) leaves it to the pruning policy. The scheduler calls ``decide`` as each batch is
-about to run, with the load it measured (runtime.sched.load): the policy
-(runtime.student.policy) picks the most accurate level that holds the latency target, the
-teacher or k students (at most each tenant's best k, chosen on dev), for every undecided
-tagged item of the batch; ``observe`` then learns what the level cost per padded token. The
-scheduler decides, runtime.student.executor computes.
+runtime.level.serve) gets a ``Students`` record; the request's `students` field pins the
+answer: 0 the teacher, k the first k students (1 <= k <= M); None (the default) leaves it to
+the pruning policy. The engine calls ``choose`` as it routes a batch, with the load it
+measured (runtime.sched.load): the policy (runtime.student.policy) picks the most accurate
+level that holds the latency target, the teacher or k students (``k`` caps it at each tenant's
+best, chosen on dev), for every unpinned request of the batch; ``observe`` then learns what
+the level cost per padded token. The engine routes, runtime.exec.students computes.
 
 A request that asks for students (k >= 1) of a tenant without a servable group, more than its
 group holds, or at policy exact is a BadRequest with the reason.
@@ -18,11 +17,26 @@ group holds, or at policy exact is a BadRequest with the reason.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
 from runtime.errors import BadRequest
-from runtime.student.executor import StudentTag
 from runtime.student.policy import PruningPolicy
 from runtime.student.record import load_group, stale
+
+
+@dataclass(frozen=True)
+class Students:
+    """A request students may answer: its tenant's group, the most the policy gives it, its pin."""
+
+    group: object  # runtime.model.student.Group
+    best: int  # the most students the policy gives this tenant (best_k, chosen on dev)
+    asked: int | None = None  # the client's pin: k the first k students; None: the policy's
+
+    def k(self, level) -> int:
+        """How many students answer under the policy's level for the batch (0: the teacher)."""
+        if self.asked is not None:
+            return self.asked
+        return 0 if level in (None, "teacher") else min(level, self.best)
 
 
 class StudentServing:
@@ -58,8 +72,8 @@ class StudentServing:
             self.policy.levels = levels  # a deeper group than any before: the policy may give it more
         return group, None
 
-    def tag(self, snap, tenant, pet_meta, asked, policy: str):
-        """The StudentTag of a request (None: the teacher answers it), see the module doc."""
+    def ask(self, snap, tenant, pet_meta, asked, policy: str):
+        """The request's Students record (None: the teacher answers it), see the module doc."""
         if asked == 0 or (asked is None and tenant not in snap.students):
             return None
         group, why = self.group(snap, tenant, pet_meta)
@@ -72,21 +86,15 @@ class StudentServing:
                 raise BadRequest("students answer at the PLOT level (policy fast or auto), not at policy exact")
         if group is None or policy == "exact":
             return None
-        best = int(group.meta.get("best_k") or group.size)
-        return StudentTag(group, best, asked, asked)
+        return Students(group, int(group.meta.get("best_k") or group.size), asked)
 
-    # -- the scheduler's decider -------------------------------------------------------------
+    # -- the engine's per-batch decision -----------------------------------------------------
 
-    def decide(self, items, load):
-        open_tags = [it.tag for it in items if isinstance(it.tag, StudentTag) and it.tag.asked is None]
-        if not open_tags:
-            return None
-        level = self.policy.choose(load.queued_tokens, load.oldest_wait_s, load.now, rate=load.arrival_rate)
-        for tag in open_tags:
-            tag.students = None if level == "teacher" else min(level, tag.best)
-        return level
+    def choose(self, load):
+        """The level for a batch with unpinned requests: "teacher" or k, under the load."""
+        return self.policy.choose(load.queued_tokens, load.oldest_wait_s, load.now, rate=load.arrival_rate)
 
-    def observe(self, level, items, seconds: float) -> None:
+    def observe(self, level, lengths: list, seconds: float) -> None:
+        """A batch served at `level` (its requests' token counts) took `seconds`."""
         if level is not None:
-            self.policy.observe(level, len(items) * max(len(it.ids) for it in items), seconds,
-                                tokens=sum(len(it.ids) for it in items))
+            self.policy.observe(level, len(lengths) * max(lengths), seconds, tokens=sum(lengths))

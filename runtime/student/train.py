@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from runtime.construct.train import TrainConfig, _fit, _pad_inputs, loss_ends
 from runtime.model import pet as petlib
-from runtime.student.model import init_student, student_forward
+from runtime.model.student import init_student, student_forward
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from runtime.student.model import Group
+from runtime.model.student import Group
 
 
 def _linear(w: dict, name: str, x: torch.Tensor) -> torch.Tensor:

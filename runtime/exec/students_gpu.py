@@ -1,4 +1,4 @@
-"""Virtual stacking on the GPU executor's device (runtime.student.stack's math, CuPy).
+"""Virtual stacking on the GPU executor's device (runtime.exec.students's math, CuPy).
 
 Under the GPU executor a tenant's first k students run on the device as one batched
 computation: their weights, uploaded once per group and kept (transposed so every projection
@@ -19,7 +19,7 @@ import weakref
 
 import numpy as np
 
-from runtime.student.model import LINEARS, Group
+from runtime.model.student import LINEARS, Group
 
 _F32_MIN = float(np.finfo(np.float32).min)
 
