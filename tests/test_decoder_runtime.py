@@ -93,7 +93,7 @@ def test_concurrent_generate_calls_share_one_batch(store):
     with runtime.open(store) as rt:
         alone = [rt.generate([{"tenant": "acme", "prompt": p, "max_tokens": 12, "ignore_eos": True}])[0]
                  for p in prompts]
-        assert rt.engine().stats()["widest_batch"] == 1
+        assert rt.generation_engine().stats()["widest_batch"] == 1
         start, got = threading.Barrier(len(prompts)), [None] * len(prompts)
 
         def call(i):
@@ -119,7 +119,7 @@ def test_stream_closed_early_cancels_the_rest(store):
         first = next(events)
         assert first["token"] is not None and not first["finished"]
         events.close()
-        eng = rt.engine()
+        eng = rt.generation_engine()
         for _ in range(200):
             if eng.stats()["running"] == 0:
                 break

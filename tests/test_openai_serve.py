@@ -378,7 +378,7 @@ def test_the_engine_keeps_an_idle_batcher_until_a_commit_lands(env, tmp_path):
     path = tmp_path / "s"
     shutil.copytree(env["store"], path)
     rt = runtime.open(str(path), device="cpu")
-    engine = rt.engine(queue_limit=8)
+    engine = rt.generation_engine(queue_limit=8)
     try:
         def run_one():
             done = threading.Event()

@@ -479,7 +479,7 @@ def test_dedicated_mode_batches_one_tenant_at_a_time_and_swaps(server, tenants, 
                               headers=h)
             assert r.status_code == 200, r.text
             assert [x["batch_size"] for x in r.json()["results"]] == [2, 2]
-        assert s.client.get("/healthz").json()["mode"] == "dedicated"
+        assert s.client.get("/healthz", headers=h).json()["mode"] == "dedicated"  # details: the admin token
         assert "hkstore_dedicated_swaps_total 3.0" in s.client.get("/metrics", headers=h).text
     finally:
         s.stop()

@@ -70,7 +70,7 @@ class DecoderRuntime:
         self._engine = None
         self._engine_lock = threading.Lock()
 
-    def engine(self, queue_limit: int | None = None):
+    def generation_engine(self, queue_limit: int | None = None):
         """The runtime's generation engine (runtime.gen.engine.GenEngine), made at first use;
         queue_limit (sequences submitted and not yet answered; None: no limit) replaces its limit."""
         from runtime.gen.engine import GenEngine
@@ -255,7 +255,7 @@ class DecoderRuntime:
             raise BadRequest("requests is a list of request objects")
         if not requests:
             return
-        eng = self.engine()
+        eng = self.generation_engine()
         h = eng.submit(list(requests))
         if h is None:
             raise QueueFull(f"the generation queue is full ({eng.queue_limit} sequences); retry later")

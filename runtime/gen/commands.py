@@ -45,7 +45,7 @@ def generate(store, prompt, version, tenant, max_tokens, temperature, top_k, top
     result, shown = None, ""
     try:
         with DecoderRuntime(store, _device(device)) as rt:  # the engine every caller shares (runtime.gen.engine)
-            for event in rt.engine().submit([request]).events():
+            for event in rt.generation_engine().submit([request]).events():
                 if event["type"] == "error":
                     raise event["error"]
                 if event["type"] != "token":

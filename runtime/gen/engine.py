@@ -1,6 +1,6 @@
 """The one generation engine of a decoder store: every caller's requests in one loop.
 
-    eng = rt.engine()                                   # DecoderRuntime's own, its thread started at first use
+    eng = rt.generation_engine()                        # DecoderRuntime's own, its thread started at first use
     h = eng.submit([{"tenant": "acme", "prompt": "the cat", "max_tokens": 8}])   # a Handle (None: queue full)
     for event in h.events(): ...                        # or submit(..., sink=fn): fn(event) on the engine's thread
     eng.cancel(h)                                       # its client went away

@@ -177,7 +177,7 @@ def add_openai_routes(app, svc, bearer, HTTPError):
     def engine():
         """The runtime's generation engine (it stops when the runtime closes), with the server's
         queue limit and this app's metrics."""
-        eng = svc.rt.engine(queue_limit=svc.queue_limit)
+        eng = svc.rt.generation_engine(queue_limit=svc.queue_limit)
         with lock:
             if id(eng) not in observed:
                 observed.add(id(eng))
