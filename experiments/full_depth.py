@@ -1,0 +1,274 @@
+"""Feasibility of a "full-depth level": a tenant PET on every encoder layer (0..5), trained on
+exact inputs (token ids -> the whole encoder), against full fine-tuning ("dedicated").
+
+    python -m experiments.full_depth --out OUT
+
+Same data as benchmarks.hmi_accuracy (its prepare_data: the seeded --max-train / --max-test
+subsamples, --max-len), scored on the DEV split only, seed 0. Rows:
+
+  dedicated      the harness's row_dedicated: every weight + head, lr 2e-4, 6 epochs (its settings)
+  fd-lora        LoRA r=16 (scale 2 = alpha 32) on q,k,v,o,ffn_in,ffn_out of layers 0..5 + head
+  upper-lora     the same LoRA on layers 3..5 only, over exact full-context lower layers
+                 (the "exact level")
+  fd-adapter     Houlsby adapter (bottleneck 64, after o and ffn_out, + LayerNorm deltas: the
+                 project's default adapter) on layers 0..5 + head
+  upper-adapter  the harness's adapter-only PET (layers 3..5, exact lower) with the new recipe
+  adapter-only   the harness's row_adapter_only, its current recipe (lr 2e-3, warm-up 10%)
+  upper-lora8    the hplm-lora row's PET (LoRA r=8, scale 2, on q and v of layers 3..5) over exact
+                 lower layers, its current recipe (--lr-lora 5e-3, warm-up 10%)
+  upper-lora8-new  the same PET with the new recipe
+
+The new recipe (fd-*, upper-*): AdamW lr --lr (1e-3), --epochs (10) epochs, linear warm-up over
+--warmup (6%) of the steps then linear decay to zero, batch 16, weight decay 0.01, clip 1.0. It
+is runtime.construct.train._fit's own schedule (warm-up + linear decay is already built in: its
+TrainConfig.warmup, default 0.1), so the only changes from the harness's PET recipe are the
+learning rate and the warm-up share: no LambdaLR of our own.
+
+No model-side code is needed: an encoder loaded with lower_layers=0 has every layer "upper",
+so create_pet accepts layers 0..5 and Encoder.upper(h, mask, pet) applies the PET on all six;
+with h = Encoder.embed(ids) (frozen, so computed once per example) that is exactly the whole
+encoder's forward with the PET (padded positions differ, but they are masked out of attention
+and out of the loss). The PET is then trained by runtime.construct.train.train_pet unchanged.
+
+Results after every (task, row) in OUT/results.json (resumable: finished rows are skipped;
+a rerun with other training settings is refused) and OUT/results.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.hmi_accuracy import SCIBERT
+
+TASK_ORDER = ("NCBI-disease", "chemprot", "bc5cdr", "citation_intent", "sciie", "sci-cite")
+ROWS = ("dedicated", "fd-lora", "upper-lora", "fd-adapter", "adapter-only", "upper-adapter", "upper-lora8",
+        "upper-lora8-new")
+TITLES = {
+    "dedicated": "dedicated (full fine-tuning, harness recipe)",
+    "fd-lora": "full-depth LoRA r16, all 6 targets, layers 0-5",
+    "upper-lora": "upper-only LoRA r16, all 6 targets, layers 3-5 (exact lower)",
+    "fd-adapter": "full-depth adapter b64 + LN deltas, layers 0-5",
+    "adapter-only": "adapter-only, layers 3-5 (harness recipe: lr 2e-3, warm-up 10%)",
+    "upper-adapter": "adapter-only, layers 3-5, new recipe",
+    "upper-lora8": "hplm-lora PET (r8, q+v, layers 3-5) on exact lower, harness recipe (lr 5e-3, warm-up 10%)",
+    "upper-lora8-new": "hplm-lora PET (r8, q+v, layers 3-5) on exact lower, new recipe",
+}
+# Settings a finished row's meaning depends on: a rerun must keep them.
+FIXED = ("max_train", "max_test", "max_len", "seed", "batch_size", "epochs", "lr", "warmup", "rank", "scale",
+         "bottleneck", "epochs_full", "lr_full", "lr_adapter", "lr_lora")
+T0 = time.time()
+
+
+def say(msg):
+    wall = time.time() - T0
+    print(f"[{wall:7.1f}s wall, cpu {time.process_time():7.1f}s] {msg}", flush=True)
+
+
+def embeddings(encoder, seqs, batch=64):
+    """Frozen embedding output, one (L, d) tensor per sequence: the full-depth PET's input."""
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for start in range(0, len(seqs), batch):
+            part = seqs[start:start + batch]
+            h = encoder.embed(encoder.pad(part)[0])
+            out += [h[b, :len(s)].clone() for b, s in enumerate(part)]
+    return out
+
+
+def new_recipe(args):
+    from runtime.construct.train import TrainConfig
+
+    return TrainConfig(lr=args.lr, epochs=args.epochs, batch_size=args.batch_size, warmup=args.warmup,
+                       seed=args.seed, progress=args.progress)
+
+
+def pet_row(args, encoder, t, inputs_of, pet_type, layers, recipe=None, **options):
+    """Train a PET of pet_type on `layers` of encoder (new recipe) on inputs_of(ids) and score it."""
+    from runtime.construct.train import train_pet
+    from runtime.model.pet import create_pet, head
+    from benchmarks.hmi_accuracy import padded, predict
+
+    pet = create_pet(encoder, pet_type, t.kind, t.labels, layers=list(layers), seed=args.seed, **options)
+    train_x, test_x = inputs_of(encoder, t.train_ids), inputs_of(encoder, t.test_ids)
+    trained, log = train_pet(encoder, pet, train_x, t.train_y, recipe or new_recipe(args))
+    score = t.score(predict(lambda b: head(trained, encoder.upper(*padded(b), trained)), test_x))
+    return score, log, trained
+
+
+def pet_bytes(pet, encoder_bytes):
+    total = sum(v.numel() * v.element_size() for v in pet.tensors.values())
+    body = sum(v.numel() * v.element_size() for k, v in pet.tensors.items() if not k.startswith("head."))
+    return {"pet_bytes": total, "pet_bytes_no_head": body, "pet_share_of_encoder": round(total / encoder_bytes, 5),
+            "pet_meta": {k: v for k, v in pet.meta.items() if k != "labels"}}
+
+
+def run_row(args, ctx, t, row):
+    from runtime.model.pet import TARGETS
+    from benchmarks.hmi_accuracy import cfg, full_lower, row_adapter_only, row_dedicated
+
+    t0 = time.time()
+    extra = {}
+    whole, base = ctx["whole0"], ctx["base"]
+    lora = {"targets": TARGETS, "rank": args.rank, "scale": args.scale}
+    if row == "dedicated":
+        score, log = row_dedicated(args, ctx, t)
+    elif row == "adapter-only":
+        score, log = row_adapter_only(args, ctx, t)
+    elif row == "fd-lora":
+        score, log, pet = pet_row(args, whole, t, embeddings, "lora", range(6), **lora)
+        extra = pet_bytes(pet, ctx["encoder_bytes"])
+    elif row == "upper-lora":
+        score, log, pet = pet_row(args, base, t, full_lower, "lora", range(3, 6), **lora)
+        extra = pet_bytes(pet, ctx["encoder_bytes"])
+    elif row == "fd-adapter":
+        score, log, pet = pet_row(args, whole, t, embeddings, "adapter", range(6), bottleneck=args.bottleneck)
+        extra = pet_bytes(pet, ctx["encoder_bytes"])
+    elif row == "upper-adapter":
+        score, log, pet = pet_row(args, base, t, full_lower, "adapter", range(3, 6), bottleneck=args.bottleneck)
+        extra = pet_bytes(pet, ctx["encoder_bytes"])
+    elif row in ("upper-lora8", "upper-lora8-new"):
+        old = cfg(args, args.lr_lora)  # the harness's: warm-up TrainConfig's default 10%
+        recipe = old if row == "upper-lora8" else None
+        score, log, pet = pet_row(args, base, t, full_lower, "lora", range(3, 6), recipe=recipe,
+                                  targets=("q", "v"), rank=8, scale=2.0)
+        extra = pet_bytes(pet, ctx["encoder_bytes"])
+    else:
+        raise ValueError(row)
+    seconds = time.time() - t0
+    return {"score": score, "metric": "accuracy" if t.kind == "classification" else "entity_f1",
+            "seconds": round(seconds, 1), "steps": len(log), "s_per_step": round(seconds / max(len(log), 1), 3),
+            "loss_first": log[0], "loss_last": log[-1], **extra}
+
+
+def markdown(results) -> str:
+    rows, tasks = results["rows"], [t for t in TASK_ORDER if t in results["rows"]]
+    lines = ["| row (dev, seed 0) | " + " | ".join(tasks) + " | mean | mean gap to dedicated | s / task |",
+             "|---|" + "---|" * (len(tasks) + 3)]
+    for row in ROWS:
+        cells = [rows[t].get(row) for t in tasks]
+        if not any(cells):
+            continue
+        scores = [100 * c["score"] for c in cells if c]
+        done = len(scores) == len(tasks)
+        mean = sum(scores) / len(scores) if scores else 0
+        gaps = [100 * (rows[t][row]["score"] - rows[t]["dedicated"]["score"])
+                for t in tasks if row in rows[t] and "dedicated" in rows[t]]
+        gap = f"{sum(gaps) / len(gaps):+.1f}" if gaps and row != "dedicated" else "–"
+        secs = [c["seconds"] for c in cells if c]
+        lines.append(f"| {TITLES[row]} | " + " | ".join(f"{100 * c['score']:.1f}" if c else "" for c in cells)
+                     + f" | {mean:.1f}{'' if done else ' (partial)'} | {gap} | {sum(secs) / len(secs):.0f} |")
+    lines += ["", "Per-task gap to dedicated (points):", "",
+              "| row | " + " | ".join(tasks) + " |", "|---|" + "---|" * len(tasks)]
+    for row in ROWS[1:]:
+        if any(row in rows[t] for t in tasks):
+            lines.append(f"| {row} | " + " | ".join(
+                f"{100 * (rows[t][row]['score'] - rows[t]['dedicated']['score']):+.1f}"
+                if row in rows[t] and "dedicated" in rows[t] else "" for t in tasks) + " |")
+    sizes = {row: c for t in tasks for row, c in rows[t].items() if "pet_bytes" in c}
+    if sizes:
+        lines += ["", f"Encoder fp32 bytes: {results['encoder_bytes']:,}", ""]
+        for row, c in sizes.items():
+            lines.append(f"- {row}: {c['pet_bytes_no_head']:,} bytes without the head "
+                         f"({100 * c['pet_bytes_no_head'] / results['encoder_bytes']:.2f}% of the encoder; "
+                         f"with the last task's head {c['pet_bytes']:,})")
+    return "\n".join(lines) + "\n"
+
+
+def save(out: Path, results):
+    tmp = out / "results.json.tmp"
+    tmp.write_text(json.dumps(results, indent=1))
+    tmp.replace(out / "results.json")
+    (out / "results.md").write_text(markdown(results))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", default=str(SCIBERT))
+    p.add_argument("--out", required=True)
+    p.add_argument("--tasks", default=",".join(TASK_ORDER))
+    p.add_argument("--rows", default="dedicated,fd-lora,upper-lora")
+    p.add_argument("--max-train", type=int, default=600, help="as benchmarks.hmi_accuracy")
+    p.add_argument("--max-test", type=int, default=400, help="as benchmarks.hmi_accuracy")
+    p.add_argument("--max-len", type=int, default=64, help="as benchmarks.hmi_accuracy")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--epochs", type=int, default=10, help="PET rows (and the harness's adapter-only row)")
+    p.add_argument("--lr", type=float, default=1e-3, help="the new recipe's learning rate (PET rows)")
+    p.add_argument("--warmup", type=float, default=0.06, help="the new recipe's warm-up share of the steps")
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--scale", type=float, default=2.0, help="LoRA alpha / rank")
+    p.add_argument("--bottleneck", type=int, default=64)
+    p.add_argument("--epochs-full", type=int, default=6, help="dedicated (the harness's default)")
+    p.add_argument("--lr-full", type=float, default=2e-4, help="dedicated (the harness's default)")
+    p.add_argument("--lr-adapter", type=float, default=2e-3, help="adapter-only row (the harness's default)")
+    p.add_argument("--lr-lora", type=float, default=5e-3, help="upper-lora8 row (the harness's hplm-lora default)")
+    p.add_argument("--progress", action="store_true", help="tqdm bars inside each training loop")
+    args = p.parse_args(argv)
+    args.tasks = [t for t in args.tasks.split(",") if t]
+    rows = [r for r in args.rows.split(",") if r]
+    if bad := [r for r in rows if r not in ROWS]:
+        p.error(f"unknown rows {bad}; expected some of {', '.join(ROWS)}")
+    if bad := [t for t in args.tasks if t not in TASK_ORDER]:
+        p.error(f"unknown tasks {bad}")
+
+    import torch
+
+    torch.set_num_threads(1)
+    from runtime.model.encoder import load_encoder
+    from benchmarks.hmi_accuracy import Task, prepare_data
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "results.json"
+    results = json.loads(path.read_text()) if path.exists() else {"rows": {}}
+    config = {k: getattr(args, k) for k in FIXED}
+    # A setting the saved run predates counts as today's (it has no row that depends on it).
+    if results.get("config") and (diff := [k for k in FIXED if results["config"].get(k, config[k]) != config[k]]):
+        raise SystemExit(f"{path} was made with other settings ({', '.join(diff)}); use another --out")
+    results["config"] = config
+
+    # The harness's sampling (its args: tasks, data, max_train, max_test, seed, eval_split,
+    # max_domain_docs, general); it also writes the (unused here) corpora under OUT/data.
+    hargs = argparse.Namespace(tasks=args.tasks, data=args.data, max_train=args.max_train, max_test=args.max_test,
+                               seed=args.seed, eval_split="dev", max_domain_docs=0, general="")
+    data = prepare_data(hargs, out)
+    base = load_encoder(None, 3)
+    whole0 = load_encoder(None, 0)  # every layer "upper": PETs may sit on 0..5
+    encoder_bytes = sum(v.numel() * v.element_size() for v in base.state_dict().values())
+    results["encoder_bytes"] = encoder_bytes
+    ctx = {"base": base, "whole0": whole0, "encoder_bytes": encoder_bytes}
+    say(f"torch threads {torch.get_num_threads()}; encoder {encoder_bytes:,} fp32 bytes; "
+        f"tasks {args.tasks}; rows {rows}")
+
+    todo = [(t, r) for t in args.tasks for r in rows if r not in results["rows"].get(t, {})]
+    timings: dict[str, list[float]] = {}
+    for t in results["rows"].values():
+        for r, c in t.items():
+            timings.setdefault(r, []).append(c["seconds"])
+    task, name = None, None
+    for n, (tname, row) in enumerate(todo):
+        if tname != name:
+            task, name = Task(tname, data["tasks"][tname], base, args.max_len), tname
+        say(f"[{n + 1}/{len(todo)}] {tname} / {row}: {len(task.train_ids)} train, {len(task.test_ids)} dev examples")
+        r = run_row(args, ctx, task, row)
+        results["rows"].setdefault(tname, {})[row] = r
+        save(out, results)
+        timings.setdefault(row, []).append(r["seconds"])
+        every = [s for v in timings.values() for s in v]
+        left = sum(sum(timings.get(rr, every)) / len(timings.get(rr, every)) for _, rr in todo[n + 1:])
+        say(f"{tname} / {row}: {100 * r['score']:.1f} in {r['seconds']:.0f}s ({r['steps']} steps, "
+            f"{r['s_per_step']:.2f} s/step, loss {r['loss_first']:.3f} -> {r['loss_last']:.4f}); "
+            f"{len(todo) - n - 1} rows left, ETA {left / 60:.0f} min")
+    save(out, results)
+    print(markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
