@@ -24,8 +24,6 @@ import json
 import os
 import platform
 import resource
-import statistics
-import subprocess
 import sys
 import time
 
@@ -86,22 +84,9 @@ class LmdbMulti:
         w = np.ascontiguousarray(windows, dtype="<u4")
         uniq, inv = np.unique(w.view(np.dtype((np.void, 12))).ravel(), return_inverse=True)
         keys = [bytes(k) for k in uniq.tolist()]
-        vals = [None] * len(keys)
         with self.env.begin(buffers=False) as txn:
             cur = txn.cursor()
-            todo = list(range(len(keys)))
-            while todo:
-                found = dict(cur.getmulti([keys[i] for i in todo]))
-                still = []
-                for i in todo:
-                    v = found.get(keys[i])
-                    if v is None:
-                        still.append(i)
-                    else:
-                        vals[i] = v
-                for i in still:
-                    keys[i] = bs.next_key(keys[i])
-                todo = still
+            vals = bs.resolve_by_batches(keys, lambda batch: dict(cur.getmulti(batch)))
         rows = np.frombuffer(b"".join(vals), dtype=np.float16).reshape(len(vals), bs.N, D)
         return np.take(rows, inv.ravel(), axis=0)
 
@@ -260,7 +245,7 @@ def main():
             log(f"  {row['system']:34s} {row['lookups_per_s']:>12,.0f}/s  {row['ms_per_batch']:7.2f} ms "
                 f"(CPU {row['cpu_ms_per_batch']:.2f})  /take {row['over_np_take']:.2f} [{sp[0]:.2f}, {sp[1]:.2f}] "
                 f"CPU {row['over_np_take_cpu']:.2f} faults {row['minor_faults_per_batch']:.0f}{extra}")
-    load = (f"loadavg (1, 5, 15 min) before and after each workload: "
+    load = ("loadavg (1, 5, 15 min) before and after each workload: "
             + "; ".join(" ".join(u) for u in uptime))
     log(load)
     if a.out:

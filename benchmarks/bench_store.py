@@ -323,6 +323,25 @@ def write_skipbert(directory, keys, rows, scales=None, chunk=1 << 16):
         np.save(os.path.join(directory, "scales.npy"), np.ascontiguousarray(scales))
 
 
+def resolve_by_batches(keys, fetch) -> list:
+    """The value of each key, backing off along next_key: fetch(keys) -> {key: value} for those
+    it holds, asked once per backoff round for every key still unanswered."""
+    out, cur, pending = [None] * len(keys), list(keys), list(range(len(keys)))
+    while pending:
+        found = fetch([cur[i] for i in pending])
+        still = []
+        for i in pending:
+            v = found.get(cur[i])
+            if v is None:
+                still.append(i)
+            else:
+                out[i] = v
+        for i in still:
+            cur[i] = next_key(cur[i])
+        pending = still
+    return out
+
+
 def next_key(k):
     """The next key of a centered n=3 backoff chain, on 12-byte little-endian keys; None at a uni-gram."""
     if k[8:12] != Z4:
@@ -446,23 +465,7 @@ class Sqlite:
                     row = ex(sql, (k,)).fetchone()
                 out.append(row[0])
         else:
-            out = [None] * len(keys)
-            pending = list(range(len(keys)))
-            cur = keys
-            while pending:
-                found = self._in(list(set(cur[i] for i in pending)))
-                still = []
-                for i in pending:
-                    v = found.get(cur[i])
-                    if v is None:
-                        still.append(i)
-                    else:
-                        out[i] = v
-                if still:
-                    cur = list(cur)
-                    for i in still:
-                        cur[i] = next_key(cur[i])
-                pending = still
+            out = resolve_by_batches(keys, lambda batch: self._in(list(set(batch))))
         return decode_values(b"".join(out), len(windows), self.d, self.int8)
 
 
