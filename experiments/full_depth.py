@@ -4,7 +4,7 @@ exact inputs (token ids -> the whole encoder), against full fine-tuning ("dedica
     python -m experiments.full_depth --out OUT
 
 Same data as benchmarks.hmi_accuracy (its prepare_data: the seeded --max-train / --max-test
-subsamples, --max-len), scored on the DEV split only, seed 0. Rows:
+subsamples, --max-len), scored on --eval-split (dev to choose settings, test to report them). Rows:
 
   dedicated      the harness's row_dedicated: every weight + head, lr 2e-4, 6 epochs (its settings)
   fd-lora        LoRA r=16 (scale 2 = alpha 32) on q,k,v,o,ffn_in,ffn_out of layers 0..5 + head
@@ -58,7 +58,7 @@ TITLES = {
     "upper-lora8-new": "hplm-lora PET (r8, q+v, layers 3-5) on exact lower, new recipe",
 }
 # Settings a finished row's meaning depends on: a rerun must keep them.
-FIXED = ("max_train", "max_test", "max_len", "seed", "batch_size", "epochs", "lr", "warmup", "rank", "scale",
+FIXED = ("max_train", "max_test", "max_len", "seed", "eval_split", "batch_size", "epochs", "lr", "warmup", "rank", "scale",
          "bottleneck", "epochs_full", "lr_full", "lr_adapter", "lr_lora")
 T0 = time.time()
 
@@ -197,6 +197,8 @@ def main(argv=None):
     p.add_argument("--max-test", type=int, default=400, help="as benchmarks.hmi_accuracy")
     p.add_argument("--max-len", type=int, default=64, help="as benchmarks.hmi_accuracy")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-split", choices=("dev", "test"), default="dev",
+                   help="score on dev (choosing settings) or test (reporting the chosen ones)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--epochs", type=int, default=10, help="PET rows (and the harness's adapter-only row)")
     p.add_argument("--lr", type=float, default=1e-3, help="the new recipe's learning rate (PET rows)")
@@ -236,7 +238,7 @@ def main(argv=None):
     # The harness's sampling (its args: tasks, data, max_train, max_test, seed, eval_split,
     # max_domain_docs, general); it also writes the (unused here) corpora under OUT/data.
     hargs = argparse.Namespace(tasks=args.tasks, data=args.data, max_train=args.max_train, max_test=args.max_test,
-                               seed=args.seed, eval_split="dev", max_domain_docs=0, general="")
+                               seed=args.seed, eval_split=args.eval_split, max_domain_docs=0, general="")
     data = prepare_data(hargs, out)
     base = load_encoder(None, 3)
     whole0 = load_encoder(None, 0)  # every layer "upper": PETs may sit on 0..5
@@ -255,7 +257,8 @@ def main(argv=None):
     for n, (tname, row) in enumerate(todo):
         if tname != name:
             task, name = Task(tname, data["tasks"][tname], base, args.max_len), tname
-        say(f"[{n + 1}/{len(todo)}] {tname} / {row}: {len(task.train_ids)} train, {len(task.test_ids)} dev examples")
+        say(f"[{n + 1}/{len(todo)}] {tname} / {row}: {len(task.train_ids)} train, "
+            f"{len(task.test_ids)} {args.eval_split} examples")
         r = run_row(args, ctx, task, row)
         results["rows"].setdefault(tname, {})[row] = r
         save(out, results)
