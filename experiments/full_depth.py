@@ -108,12 +108,22 @@ def pet_bytes(pet, encoder_bytes):
             "pet_meta": {k: v for k, v in pet.meta.items() if k != "labels"}}
 
 
+def save_pet(path: Path, pet):
+    """The trained PET in index form (runtime.model.pet.export), for later evaluation (int8, cascades)."""
+    import torch
+    from runtime.model.pet import export
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    done = export(pet)
+    torch.save({"tensors": done.tensors, "meta": done.meta}, path)
+
+
 def run_row(args, ctx, t, row):
     from runtime.model.pet import TARGETS
     from benchmarks.hmi_accuracy import cfg, full_lower, row_adapter_only, row_dedicated
 
     t0 = time.time()
-    extra = {}
+    extra, pet = {}, None
     whole, base = ctx["whole0"], ctx["base"]
     lora = {"targets": TARGETS, "rank": args.rank, "scale": args.scale}
     if row == "dedicated":
@@ -141,6 +151,8 @@ def run_row(args, ctx, t, row):
     else:
         raise ValueError(row)
     seconds = time.time() - t0
+    if args.save_pets and pet is not None:
+        save_pet(Path(args.out) / "pets" / f"{t.name}-{row}.pt", pet)
     return {"score": score, "metric": "accuracy" if t.kind == "classification" else "entity_f1",
             "seconds": round(seconds, 1), "steps": len(log), "s_per_step": round(seconds / max(len(log), 1), 3),
             "loss_first": log[0], "loss_last": log[-1], **extra}
@@ -211,6 +223,7 @@ def main(argv=None):
     p.add_argument("--lr-adapter", type=float, default=2e-3, help="adapter-only row (the harness's default)")
     p.add_argument("--lr-lora", type=float, default=5e-3, help="upper-lora8 row (the harness's hplm-lora default)")
     p.add_argument("--progress", action="store_true", help="tqdm bars inside each training loop")
+    p.add_argument("--save-pets", action="store_true", help="keep each trained PET in OUT/pets/TASK-ROW.pt")
     args = p.parse_args(argv)
     args.tasks = [t for t in args.tasks.split(",") if t]
     rows = [r for r in args.rows.split(",") if r]
