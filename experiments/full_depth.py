@@ -58,7 +58,7 @@ TITLES = {
     "upper-lora8-new": "hplm-lora PET (r8, q+v, layers 3-5) on exact lower, new recipe",
 }
 # Settings a finished row's meaning depends on: a rerun must keep them.
-FIXED = ("max_train", "max_test", "max_len", "seed", "eval_split", "batch_size", "epochs", "lr", "warmup", "rank", "scale",
+FIXED = ("max_train", "max_test", "max_len", "seed", "data_seed", "eval_split", "batch_size", "epochs", "lr", "warmup", "rank", "scale",
          "bottleneck", "epochs_full", "lr_full", "lr_adapter", "lr_lora")
 T0 = time.time()
 
@@ -208,7 +208,9 @@ def main(argv=None):
     p.add_argument("--max-train", type=int, default=600, help="as benchmarks.hmi_accuracy")
     p.add_argument("--max-test", type=int, default=400, help="as benchmarks.hmi_accuracy")
     p.add_argument("--max-len", type=int, default=64, help="as benchmarks.hmi_accuracy")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="training seed (PET initialisation, example order)")
+    p.add_argument("--data-seed", type=int, default=0,
+                   help="the --max-train / --max-test subsamples' seed (the harness's extra seeds keep 0)")
     p.add_argument("--eval-split", choices=("dev", "test"), default="dev",
                    help="score on dev (choosing settings) or test (reporting the chosen ones)")
     p.add_argument("--batch-size", type=int, default=16)
@@ -251,7 +253,7 @@ def main(argv=None):
     # The harness's sampling (its args: tasks, data, max_train, max_test, seed, eval_split,
     # max_domain_docs, general); it also writes the (unused here) corpora under OUT/data.
     hargs = argparse.Namespace(tasks=args.tasks, data=args.data, max_train=args.max_train, max_test=args.max_test,
-                               seed=args.seed, eval_split=args.eval_split, max_domain_docs=0, general="")
+                               seed=args.data_seed, eval_split=args.eval_split, max_domain_docs=0, general="")
     data = prepare_data(hargs, out)
     base = load_encoder(None, 3)
     whole0 = load_encoder(None, 0)  # every layer "upper": PETs may sit on 0..5
