@@ -58,8 +58,8 @@ TITLES = {
     "upper-lora8-new": "hplm-lora PET (r8, q+v, layers 3-5) on exact lower, new recipe",
 }
 # Settings a finished row's meaning depends on: a rerun must keep them.
-FIXED = ("max_train", "max_test", "max_len", "seed", "data_seed", "eval_split", "batch_size", "epochs", "lr", "warmup", "rank", "scale",
-         "bottleneck", "epochs_full", "lr_full", "lr_adapter", "lr_lora")
+FIXED = ("max_train", "max_test", "max_len", "seed", "data_seed", "eval_split", "batch_size", "epochs", "lr", "warmup",
+         "rank", "scale", "bottleneck", "epochs_full", "lr_full", "lr_adapter", "lr_lora")
 T0 = time.time()
 
 
