@@ -1,0 +1,309 @@
+"""The cascade (runtime.engine, runtime.level.serve, runtime.serving): a tenant's top is its
+current full-depth PET when it has one, else exact; policy exact pins it, Tabi's gate and
+re-routing go to it, bursts keep auto requests at level 1, answers name their level, and
+profiling measures level 2 on the top.
+
+The routing tests run the engine with a fake executor that computes nothing: each row's logits
+say which input source computed it, and its lookup serves every window at one order.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from runtime.engine import Ask, Engine, _row
+from runtime.exec.rows import Gathered, Prepared, Row
+from runtime.level import profile
+from runtime.level.serve import NAMES, levels, policy_of, single, temperature
+from runtime.sched.load import Load, LoadMeter
+
+N = 3  # the PLOT's full order
+LOGITS = {"plot": [2.0, 0.0], "students": [1.0, 0.0], "context": [0.0, 1.0], "full": [0.0, 3.0]}
+
+
+class Fake:
+    """An executor that computes nothing: a row's logits are its source's (LOGITS)."""
+
+    def __init__(self, order: int = N):
+        self.order = order  # the order every window of a lookup is served at
+        self.batches = []
+
+    def gather(self, snapshot, rows):
+        served = [(np.zeros(len(r.ids)), np.full(len(r.ids), self.order)) if r.reads_plot() else None
+                  for r in rows]
+        return Gathered([], None, served)
+
+    def prepare(self, gathered, rows):
+        return Prepared(rows, served=gathered.served)
+
+    def compute(self, prepared):
+        self.batches.append(list(prepared.rows))
+        return [np.array(LOGITS[r.source], dtype=np.float32) for r in prepared.rows]
+
+
+class Meter(LoadMeter):
+    """The load meter, with the oldest wait a test sets (a burst)."""
+
+    wait = 0.0
+
+    def take(self, tokens, oldest, now):
+        load = super().take(tokens, oldest, now)
+        return Load(load.queued, load.queued_tokens, self.wait, load.arrival_rate, load.now)
+
+
+def _pet(policy=None, top="exact", created=1.0, full_created=None):
+    meta = {"created": created}
+    if policy is not None:
+        meta["levels"] = {"levels": [1, 2], "temperature": {"1": 1.0, "2": 1.0}, "policy": policy,
+                          "profile": {"top": top, "full_created": full_created}}
+    return SimpleNamespace(meta=meta, task="classification", version="v1", labels=["a", "b"], key="t")
+
+
+def _full(created=7.0):
+    return SimpleNamespace(meta={"created": created, "pet_created": 1.0}, task="classification", version="v1",
+                           labels=["a", "b"], key="t/full")
+
+
+def _engine(fake=None, **options):
+    engine = Engine(fake or Fake(), lambda: SimpleNamespace(meta={"n": N}), max_batch=8, pipeline=False,
+                    batching="fifo", **options)
+    engine.load = Meter()
+    return engine
+
+
+def _ask(pet, policy, full=None, students=None):
+    name, chosen = policy_of(pet, policy, full)
+    return Ask("t", [101, 7, 8, 9, 102], None, pet, name, chosen, students, full)
+
+
+GATED = {"c": 0.0, "k": 100.0, "alpha": 0.0, "w": 0.0, "gate": 0.5}  # coverage under 0.5: the top
+REROUTE = {"c": 1.01, "k": 100.0, "alpha": 0.0, "w": 0.25, "gate": 0.0}  # every answer to the top
+ALL_UP = {"c": 0.0, "k": 100.0, "alpha": 0.0, "w": 0.0, "gate": 1.01}  # every request to the top
+
+
+# -- routing, as data -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("full", [None, _full()], ids=["exact", "full"])
+def test_each_policy_routes_to_its_level(full):
+    top = "exact" if full is None else "full"
+    fast = _row(_ask(_pet(), "fast", full), None)
+    exact = _row(_ask(_pet(), "exact", full), None)
+    up = _row(_ask(_pet(ALL_UP, top, full_created=7.0), "auto", full), None)
+    gated = _row(_ask(_pet(GATED, top, full_created=7.0), "auto", full), None)
+    assert (fast.source, fast.pet.key, fast.gate) == ("plot", "t", 0.0)
+    for r in (exact, up):  # the top: the full-depth PET's row, else the context row with the tenant's PET
+        assert (r.source, r.pet.key, r.version) == (("context", "t", "v1") if full is None else ("full", "t/full", "v1"))
+    assert (gated.source, gated.gate, gated.pet.key) == ("plot", 0.5, "t")
+
+
+def test_a_record_profiled_against_another_top_is_not_followed():
+    full = _full(created=7.0)
+    exact_record = _pet(REROUTE, "exact")
+    full_record = _pet(REROUTE, "full", full_created=7.0)
+    assert policy_of(exact_record, None, None) == ("auto", REROUTE)
+    assert policy_of(exact_record, None, full) == ("fast", None)  # profiled on exact: the tenant's top is full now
+    assert policy_of(full_record, None, full) == ("auto", REROUTE)
+    assert policy_of(full_record, None, None) == ("fast", None)  # the full-depth PET was removed or is stale
+    assert policy_of(full_record, "auto", _full(created=8.0)) == ("fast", None)  # retrained since
+    old = _pet()
+    old.meta["levels"] = {"policy": REROUTE, "temperature": {"2": 2.0}}  # before tops were recorded: exact
+    assert levels(old, None) and not levels(old, full)
+    # the temperatures fitted at create are the exact level's: level 2 of a full top without a record is at T = 1
+    old.meta["calibration"] = {"temperature": {"1": 1.5, "2": 3.0}}
+    old.meta.pop("levels")
+    assert (temperature(old, 1, full), temperature(old, 2, full), temperature(old, 2, None)) == (1.5, 1.0, 3.0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["plot", "context", "students", "full"]), st.floats(0, 1.2),
+                          st.floats(0, 1), st.booleans()), min_size=1, max_size=8))
+def test_the_gate_sends_exactly_the_rows_under_it_to_their_top(rows):
+    """Engine.gate against a loop: a plot row whose coverage is under its gate becomes its top's
+    row (the given one, else a context row); every other row stays as it was."""
+    plan, served, tops = [], [], []
+    for source, gate, share, has_top in rows:
+        ids = list(range(10))
+        plan.append(Row(ids, "pet", "v", source, gate=gate, attention=True))
+        served.append((np.zeros(10), np.where(np.arange(10) < round(10 * share), N, N - 1)))
+        tops.append(Row(ids, "full-pet", "v", "full") if has_top else None)
+    got = Engine.gate(plan, served, N, tops)
+    for r, s, top, g in zip(plan, served, tops, got):
+        under = r.source == "plot" and r.gate > 0 and (s[1] >= N).mean() < r.gate
+        if not under:
+            assert g is r
+        elif top is not None:
+            assert g is top
+        else:
+            assert (g.source, g.pet, g.gate, g.attention) == ("context", "pet", 0.0, False)
+
+
+# -- the engine: gate, re-route, bursts -------------------------------------------------------
+
+
+@pytest.mark.parametrize("full", [None, _full()], ids=["exact", "full"])
+def test_the_gate_and_the_reroute_go_to_the_top(full):
+    top = "exact" if full is None else "full"
+    source = "context" if full is None else "full"
+    fake = Fake(order=N - 1)  # nothing served at full order: coverage 0
+    engine = _engine(fake)
+    gating, rerouting = _pet(GATED, top, full_created=7.0), _pet(REROUTE, top, full_created=7.0)
+    try:
+        gated, = engine.serve([_ask(gating, "auto", full)])
+        assert [[r.source for r in b] for b in fake.batches] == [[source]]  # the gate, in the same batch
+        assert fake.batches[0][0].pet is (full or gating)
+        fake.batches.clear()
+        fake.order = N
+        up, = engine.serve([_ask(rerouting, "auto", full)])
+        exact, = engine.serve([_ask(_pet(), "exact", full)])
+    finally:
+        engine.close()
+    assert [[r.source for r in b] for b in fake.batches] == [["plot"], [source], [source]]
+    assert fake.batches[1][0].pet is (full or rerouting) and fake.batches[1][0].ids == [101, 7, 8, 9, 102]
+    assert (gated.level, gated.level_name) == (2, top)
+    assert (up.level, up.level_name) == (2, top)
+    assert (exact.level, exact.level_name) == (2, top)
+    # the re-routed answer ensembles level 1 (weight w) with the top's
+    p1 = _softmax(LOGITS["plot"])
+    np.testing.assert_allclose(up.probs, 0.25 * p1 + 0.75 * _softmax(LOGITS[source]), rtol=1e-5)
+
+
+def test_bursts_keep_auto_requests_at_level_1_and_the_end_of_a_burst_reroutes_again():
+    full = _full()
+    fake = Fake(order=N - 1)
+    engine = _engine(fake, overload_s=0.5)
+    pets = [_pet(REROUTE, "full", full_created=7.0), _pet(GATED, "full", full_created=7.0),
+            _pet(ALL_UP, "full", full_created=7.0)]
+    try:
+        served = []
+        for wait in (2.0, 0.1):  # a batch whose oldest request waited past overload_s, then one that did not
+            engine.load.wait = wait
+            fake.batches.clear()
+            answers = engine.serve([_ask(p, "auto", full) for p in pets] + [_ask(_pet(), "exact", full)])
+            served.append(([a.level_name for a in answers], [r.source for b in fake.batches for r in b]))
+    finally:
+        engine.close()
+    burst, calm = served
+    # under the burst: the auto requests at level 1, no gate, no re-route; exact still pins the top
+    assert burst == (["plot", "plot", "plot", "full"], ["plot", "plot", "plot", "full"])
+    assert calm[0] == ["full", "full", "full", "full"]
+    assert calm[1] == ["plot", "full", "full", "full", "full"]  # the gated and all-up ones in the batch, then the re-route
+
+
+def test_the_engine_is_overloaded_when_the_pruning_policy_prunes_or_the_oldest_waits_too_long():
+    engine = _engine(students=SimpleNamespace(policy=SimpleNamespace(target_s=0.3)))
+    try:
+        def load(wait):
+            return Load(1, 5, wait, 0.0, 0.0)
+
+        assert engine.overload_s == 0.3  # the students' latency target
+        assert not engine.overloaded(load(0.1), None) and not engine.overloaded(load(0.1), "teacher")
+        assert engine.overloaded(load(0.1), 2)  # students answer the batch
+        assert engine.overloaded(load(0.4), None) and engine.overloaded(load(0.4), "teacher")
+    finally:
+        engine.close()
+    engine = _engine()
+    try:
+        assert engine.overload_s == math.inf and not engine.overloaded(load(1e6), None)
+    finally:
+        engine.close()
+
+
+# -- answers name their level -----------------------------------------------------------------
+
+
+def test_answers_and_results_name_the_level_that_answered():
+    from runtime.infer_cli import result_view
+    from runtime.serve.app import _result_view
+    from runtime.serving import Runtime
+
+    pet = _pet()
+    for source, name in NAMES.items():
+        out = SimpleNamespace(logits=np.array(LOGITS[source]), timings={}, batch_size=1, source=source)
+        a = single(pet, out, None, 2 if source == "students" else 0)
+        assert (a.level, a.level_name) == ((2 if name in ("exact", "full") else 1), name)
+        r = Runtime._result(None, ("t", [101, 102], None, None, False, 0, None, None), pet, a)
+        assert (r.level, r.level_name) == (a.level, name)
+        assert _result_view(r)["level_name"] == name and _result_view(r)["level"] == a.level
+        assert result_view(r)["level_name"] == name
+
+
+# -- serving: the top of a tenant ---------------------------------------------------------------
+
+
+def test_the_runtime_serves_the_current_full_depth_pet_and_never_a_stale_one():
+    from runtime.sched.pet_cache import PetCache
+    from runtime.serving import Runtime
+
+    loads = []
+
+    class Served(Runtime):
+        def __init__(self, fulls):
+            self.pets = PetCache()
+            self.store = SimpleNamespace(snapshot=lambda: SimpleNamespace(full=fulls))
+
+        def _load_full(self, snap, tenant, token):
+            loads.append((tenant, token))
+            return SimpleNamespace(meta={"pet_created": 1.0, "created": 5.0}, key=f"{tenant}/full", nbytes=8)
+
+    rt = Served({"t": {"file": "p0", "offset": 64, "length": 8}})
+    pet = _pet(created=1.0)
+    full = rt.full("t", pet)
+    assert full.key == "t/full" and rt.full("t", pet) is full and loads == [("t", ("p0", 64))]  # cached
+    assert rt.full("t", _pet(created=2.0)) is None  # the PET was retrained since: stale, not served
+    assert rt.full("other", pet) is None  # no full record
+    # the PET cache holds both of a tenant's PETs, under keys that never collide
+    rt.pets.get("t", ("p0", 64), lambda: SimpleNamespace(key="t", nbytes=8))
+    assert rt.pets.get("t/full", ("p0", 64), lambda: None) is full and len(rt.pets) == 2
+    assert Served({}).full("t", pet) is None
+    older = Served.__new__(Served)  # a snapshot of a store with no full map (before full-depth records)
+    older.pets, older.store = PetCache(), SimpleNamespace(snapshot=lambda: SimpleNamespace())
+    assert older.full("t", pet) is None
+
+
+# -- profiling against the top --------------------------------------------------------------------
+
+
+class Recording:
+    """An engine for collect: runs rows on the fake executor's logits, recording them."""
+
+    def __init__(self):
+        self.rows = []
+
+    def run(self, rows):
+        from runtime.engine import Output
+
+        self.rows += rows
+        return [Output(np.array(LOGITS[r.source]), {"retrieval": 0.0}, (np.zeros(len(r.ids)), np.full(len(r.ids), N)),
+                       len(rows), np.ones(len(r.ids)) if r.attention else None, r.source) for r in rows]
+
+
+@pytest.mark.parametrize("full", [None, _full()], ids=["exact", "full"])
+def test_profiling_measures_level_2_on_the_top_and_records_it(full):
+    pet = _pet()
+    engine = Recording()
+    queries = [([101, 5, 6, 102], None), ([101, 7, 102], None)]
+    saved = profile.collect(engine, pet, queries, alphas=[0.0], n=N, full=full)
+    level2 = [r for r in engine.rows if r.source != "plot"]
+    assert {r.source for r in level2} == {"context" if full is None else "full"}
+    assert all(r.pet is (full if full is not None else pet) for r in level2)
+    np.testing.assert_allclose(saved.logits2[0.0][0], LOGITS[level2[0].source])
+    chosen = {"c": 0.5, "k": 10.0, "alpha": 0.0, "w": 0.0, "gate": 0.0, "metric": 0.9, "cost": 0.4, "reroute": 0.1}
+    result = {"level1": {"metric": 0.8, "cost": 0.3}, "level2": {"metric": 0.9, "cost": 1.0}, "met": True}
+    rec = profile.record({"1": 1.0, "2": 1.0}, {}, chosen, result, 0.005, 2, full=full)
+    assert rec["profile"]["top"] == ("exact" if full is None else "full")
+    assert rec["profile"].get("full_created") == (None if full is None else 7.0)
+    served = _pet()
+    served.meta["levels"] = rec
+    assert levels(served, full) == rec and not levels(served, _full() if full is None else None)
+
+
+def _softmax(z):
+    e = np.exp(np.asarray(z, dtype=np.float64) - max(z))
+    return e / e.sum()
