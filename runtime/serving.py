@@ -213,10 +213,10 @@ class Runtime:
         meta = record.meta
         self._check_base(tenant, meta, "full-depth PET")
         try:
-            pet = load_pet(_every_layer(self.encoder), record.tensors, pet_meta(meta))
+            pet = load_pet(self.encoder, record.tensors, pet_meta(meta))
         except ValueError as e:
             raise IncompatiblePet(f"tenant {tenant!r}'s full-depth PET does not fit the model: {e}") from None
-        pet.meta.update(version=meta.get("version"), tenant=tenant, level="full", created=meta.get("created"),
+        pet.meta.update(version=meta.get("version"), tenant=tenant, created=meta.get("created"),
                         pet_created=meta.get("pet_created"))
         return self.executor.load_pet(pet, key=f"{tenant}/full", token=token)
 
@@ -463,14 +463,6 @@ class Runtime:
                       probabilities=probs.tolist(), version=pet.version, timings=a.timings, batch_size=a.batch_size,
                       logits=a.logits, truncated=truncated, level=a.level, confidence=a.confidence, pruned=a.pruned,
                       students=a.students, level_name=a.level_name)
-
-
-def _every_layer(encoder):
-    """The encoder as a full-depth PET's check sees it: every layer an upper one (the PET edits
-    the lower layers too, and is trained on an encoder loaded with none: load_encoder(None, 0))."""
-    from types import SimpleNamespace
-
-    return SimpleNamespace(config=encoder.config, lower_layers=0, is_decoder=False)
 
 
 def _settle(outer: Future, inner: Future, convert):

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from runtime.engine import Ask, Engine, _row
@@ -66,7 +66,7 @@ def _pet(policy=None, top="exact", created=1.0, full_created=None):
 
 
 def _full(created=7.0):
-    return SimpleNamespace(meta={"created": created, "pet_created": 1.0}, task="classification", version="v1",
+    return SimpleNamespace(meta={"created": created, "pet_created": 1.0, "level": "full"}, task="classification", version="v1",
                            labels=["a", "b"], key="t/full")
 
 
@@ -307,3 +307,144 @@ def test_profiling_measures_level_2_on_the_top_and_records_it(full):
 def _softmax(z):
     e = np.exp(np.asarray(z, dtype=np.float64) - max(z))
     return e / e.sum()
+
+
+# -- end to end on a tiny store ---------------------------------------------------------------------
+
+
+def put_full_pet(store_path, tenant, seed, pet_created=None):
+    """A random full-depth LoRA PET on every layer of the tenant's encoder, stored beside its PET
+    (pet_created: the PET it claims to be trained with; default the tenant's current one)."""
+    import time
+
+    import torch
+
+    import hkstore
+    from formats.pack import PetRecord
+    from runtime.model import pet as petlib
+    from runtime.model.stored import base_encoder
+
+    with hkstore.open(store_path, writable=True) as st:
+        meta = st.get_pet(tenant).meta
+        encoder = base_encoder(st)
+        pet = petlib.create_pet(encoder, "lora", meta["task"], meta["labels"], level="full", rank=2,
+                                targets=petlib.TARGETS, seed=seed)
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, t in pet.tensors.items():
+                if name.endswith(".B"):  # B = 0 would leave every layer as the base model's
+                    t.copy_(0.3 * torch.randn(t.shape, generator=g))
+        tensors = {k: v.detach().numpy() for k, v in petlib.export(pet).tensors.items()}
+        full = dict(pet.meta, tenant=tenant, base_model=meta["base_model"], version=meta["version"],
+                    created=time.time(), pet_created=meta["created"] if pet_created is None else pet_created)
+        st.put_full(PetRecord(tenant, full, tensors))
+
+
+def whole_encoder_logits(store_path, tenant, ids):
+    """The reference of a full-depth tenant: the base embeddings, every layer with its full-depth PET, its head."""
+    import torch
+
+    import hkstore
+    from runtime.model import pet as petlib
+    from runtime.model.stored import base_encoder
+
+    with hkstore.open(store_path) as st:
+        record = st.get_full(tenant)
+        encoder = base_encoder(st)
+        pet = petlib.load_pet(encoder, record.tensors, petlib.pet_meta(record.meta))
+    x = torch.tensor([ids])
+    mask = torch.ones_like(x, dtype=torch.bool)
+    with torch.no_grad():
+        return petlib.head(pet, encoder.full(encoder.embed(x), mask, pet))[0].numpy()
+
+
+FULL_TENANTS = ("lora-cls", "bitfit-tag")  # with a current full-depth PET; adapter-cls has a stale one
+
+
+@pytest.fixture(scope="module")
+def full_store(tmp_path_factory):
+    import shutil
+
+    import runtime
+    from test_runtime import shared_tiny_store
+
+    tiny = shared_tiny_store()
+    store = tmp_path_factory.mktemp("cascade") / "store"
+    shutil.copytree(tiny[0], store)
+    for j, tenant in enumerate(FULL_TENANTS):
+        put_full_pet(store, tenant, seed=j)
+    put_full_pet(store, "adapter-cls", seed=5, pet_created=1.0)  # trained with an earlier PET: never served
+    with runtime.open(store, device="cpu", max_len=48) as rt:
+        yield store, rt, tiny[1]["texts"]
+
+
+def test_policy_exact_of_a_full_depth_tenant_is_the_whole_encoder_with_its_pet(full_store):
+    store, rt, texts = full_store
+    ids = rt.encoder.tokenize(texts[:3], max_len=rt.max_len)
+    got = rt.infer([{"tenant": "lora-cls", "ids": i, "policy": "exact"} for i in ids])
+    for i, r in zip(ids, got):
+        assert (r.level, r.level_name) == (2, "full")
+        np.testing.assert_allclose(r.logits, whole_encoder_logits(store, "lora-cls", i), rtol=1e-4, atol=1e-4)
+    # a stale full-depth record is not served: exact is the full-context level, as without one
+    stale = rt.infer([{"tenant": "adapter-cls", "ids": ids[0], "policy": "exact"}])[0]
+    plain = rt.infer([{"tenant": "head-cls", "ids": ids[0], "policy": "exact"}])[0]
+    assert (stale.level_name, plain.level_name) == ("exact", "exact")
+    assert not np.allclose(got[0].logits, whole_encoder_logits(store, "lora-cls", ids[1]))  # the check can fail
+
+
+def _full_requests():
+    return st.builds(lambda tenant, text, policy: {"tenant": tenant, "text": text, "policy": policy},
+                     st.sampled_from([*FULL_TENANTS, "adapter-cls", "head-cls"]), st.integers(0, 40),
+                     st.sampled_from(["fast", "exact"]))
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(_full_requests(), min_size=2, max_size=8))
+def test_a_mixed_batch_of_tops_answers_each_request_as_alone(full_store, requests):
+    _, rt, texts = full_store
+    requests = [dict(r, text=texts[r["text"] % len(texts)]) for r in requests]
+    together = rt.infer(requests)
+    for request, got in zip(requests, together):
+        (alone,) = rt.infer([request])
+        top = "full" if request["tenant"] in FULL_TENANTS else "exact"
+        assert got.level_name == alone.level_name == ("plot" if request["policy"] == "fast" else top)
+        assert (got.label, got.tags) == (alone.label, alone.tags)
+        np.testing.assert_allclose(got.logits, alone.logits, rtol=1e-4, atol=1e-4)
+
+
+def test_profiling_a_full_depth_tenant_against_its_top(full_store, tmp_path):
+    """hkstore levels profile measures level 2 on the full-depth PET and says so; serving follows
+    the record, and stops following it once the tenant's top is another."""
+    import json
+
+    import hkstore
+    from click.testing import CliRunner
+    from tools.cli import main
+
+    store, rt, texts = full_store
+    labels = list(rt.pet("lora-cls").labels)
+    dev = tmp_path / "dev.jsonl"
+    dev.write_text("".join(json.dumps({"text": t, "label": labels[j % len(labels)]}) + "\n"
+                           for j, t in enumerate(texts[:16])))
+    r = CliRunner().invoke(main, ["levels", "profile", str(store), "lora-cls", "--dev", str(dev), "--device", "cpu",
+                                  "--json", "--assurance", "0"])
+    assert r.exit_code == 0, r.output
+    rec = json.loads(r.output)
+    with hkstore.open(store) as st:
+        full_created = st.get_full("lora-cls").meta["created"]
+    assert (rec["profile"]["top"], rec["profile"]["full_created"]) == ("full", full_created)
+    rt.refresh()
+    pet = rt.pet("lora-cls")
+    assert policy_of(pet, None, rt.full("lora-cls", pet))[0] == "auto"
+    human = CliRunner().invoke(main, ["levels", "profile", str(store), "lora-cls", "--dev", str(dev), "--device", "cpu",
+                                      "--assurance", "0"])
+    assert human.exit_code == 0 and "level 2 is full" in human.output
+    # the tenant's top changes (its full-depth PET removed): the record is stale, auto serves as fast
+    with hkstore.open(store, writable=True) as st:
+        st.delete_full("lora-cls")
+    rt.refresh()
+    pet = rt.pet("lora-cls")
+    assert rt.full("lora-cls", pet) is None and policy_of(pet, None, None) == ("fast", None)
+    assert rt.infer([{"tenant": "lora-cls", "text": texts[0]}])[0].level_name == "plot"
+    put_full_pet(store, "lora-cls", seed=0)  # leave the module's store as it was
+    rt.refresh()
