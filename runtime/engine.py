@@ -20,7 +20,8 @@
   (``Step.tops``) in the same batch.
 * **bursts** move work down the cascade: the pruning policy hands a batch to students, and
   while a batch is *overloaded* (the pruning policy chose students for it, or its oldest
-  request has waited longer than ``overload_s``, the students' latency target by default)
+  request has waited longer than ``overload_s``, the students' latency target by default,
+  past the ``max_wait_s`` it may wait for company by design)
   its ``auto`` requests are answered at level 1: no coverage gate, no re-route to the top.
   The rule is read per batch, with no hysteresis: the first batch after the burst re-routes
   again.
@@ -335,8 +336,8 @@ class Engine:
 
     def overloaded(self, load, level) -> bool:
         """Whether a batch is served under a burst (the module doc): the pruning policy chose
-        students for it, or its oldest request waited past overload_s."""
-        return level not in (None, "teacher") or load.oldest_wait_s > self.overload_s
+        students for it, or its oldest request waited past overload_s (beyond max_wait_s)."""
+        return level not in (None, "teacher") or load.oldest_wait_s > self.overload_s + self.max_wait_s
 
     @staticmethod
     def gate(rows, served, n: int, tops=None) -> list:

@@ -66,8 +66,8 @@ def _pet(policy=None, top="exact", created=1.0, full_created=None):
 
 
 def _full(created=7.0):
-    return SimpleNamespace(meta={"created": created, "pet_created": 1.0, "level": "full"}, task="classification", version="v1",
-                           labels=["a", "b"], key="t/full")
+    return SimpleNamespace(meta={"created": created, "pet_created": 1.0, "level": "full"}, task="classification",
+                           version="v1", labels=["a", "b"], key="t/full")
 
 
 def _engine(fake=None, **options):
@@ -99,7 +99,8 @@ def test_each_policy_routes_to_its_level(full):
     gated = _row(_ask(_pet(GATED, top, full_created=7.0), "auto", full), None)
     assert (fast.source, fast.pet.key, fast.gate) == ("plot", "t", 0.0)
     for r in (exact, up):  # the top: the full-depth PET's row, else the context row with the tenant's PET
-        assert (r.source, r.pet.key, r.version) == (("context", "t", "v1") if full is None else ("full", "t/full", "v1"))
+        want = ("context", "t", "v1") if full is None else ("full", "t/full", "v1")
+        assert (r.source, r.pet.key, r.version) == want
     assert (gated.source, gated.gate, gated.pet.key) == ("plot", 0.5, "t")
 
 
@@ -193,7 +194,8 @@ def test_bursts_keep_auto_requests_at_level_1_and_the_end_of_a_burst_reroutes_ag
     # under the burst: the auto requests at level 1, no gate, no re-route; exact still pins the top
     assert burst == (["plot", "plot", "plot", "full"], ["plot", "plot", "plot", "full"])
     assert calm[0] == ["full", "full", "full", "full"]
-    assert calm[1] == ["plot", "full", "full", "full", "full"]  # the gated and all-up ones in the batch, then the re-route
+    # the gated and the all-up requests in the batch, then the re-route
+    assert calm[1] == ["plot", "full", "full", "full", "full"]
 
 
 def test_the_engine_is_overloaded_when_the_pruning_policy_prunes_or_the_oldest_waits_too_long():
@@ -211,6 +213,11 @@ def test_the_engine_is_overloaded_when_the_pruning_policy_prunes_or_the_oldest_w
     engine = _engine()
     try:
         assert engine.overload_s == math.inf and not engine.overloaded(load(1e6), None)
+    finally:
+        engine.close()
+    engine = _engine(overload_s=0.3, max_wait_s=1.0)  # waiting for company is no burst
+    try:
+        assert not engine.overloaded(load(1.2), None) and engine.overloaded(load(1.4), None)
     finally:
         engine.close()
 
