@@ -4,7 +4,11 @@ re-routing go to it, bursts keep auto requests at level 1, answers name their le
 profiling measures level 2 on the top.
 
 The routing tests run the engine with a fake executor that computes nothing: each row's logits
-say which input source computed it, and its lookup serves every window at one order.
+say which input source computed it, and its lookup serves every window at one order. The end
+to end tests serve a copy of the tiny store whose tenants get random full-depth PETs (one of
+them stale): policy exact against the whole encoder's forward with the PET, mixed batches
+against one request at a time, profiling against the top, and the engine's plans on the
+emulated GPU executor against the CPU one.
 """
 
 from __future__ import annotations
@@ -455,3 +459,65 @@ def test_profiling_a_full_depth_tenant_against_its_top(full_store, tmp_path):
     assert rt.infer([{"tenant": "lora-cls", "text": texts[0]}])[0].level_name == "plot"
     put_full_pet(store, "lora-cls", seed=0)  # leave the module's store as it was
     rt.refresh()
+
+
+def test_the_cascade_on_the_emulated_gpu_executor_equals_the_cpu_one(full_store):
+    """The engine's plans for tenants with and without a full-depth PET (exact, fast, the
+    coverage gate, re-routes with words pruned) computed by the GPU executor (its kernels on the
+    CUDA-on-CPU emulation) answer as the CPU executor's."""
+    import dataclasses
+
+    from runtime.exec.emu.module import compiler_missing_reason
+
+    if compiler_missing_reason() is not None:
+        pytest.skip(f"CUDA emulation unavailable: {compiler_missing_reason()}")
+    from runtime.construct import manager
+    from runtime.exec import ops_gpu
+    from runtime.exec.context import ContextInputs
+    from runtime.exec.emu import cupy_standin
+    from runtime.exec.gpu import GpuExecutor
+    from runtime.model import pet as petlib
+
+    _, rt, texts = full_store
+    tenants = ("lora-cls", "bitfit-tag", "adapter-cls")
+    requests = [{"tenant": tenants[j % 3], "text": texts[j], "policy": ("exact", "fast", "auto")[min(j, 2)]}
+                for j in range(9)]
+    pruning = dict(REROUTE, alpha=0.9)
+    _, asks = rt._asks([dict(r, policy="fast" if r["policy"] == "auto" else r["policy"]) for r in requests])
+    asks = [dataclasses.replace(a, policy="auto", chosen=pruning if j % 2 else GATED) if r["policy"] == "auto" else a
+            for j, (a, r) in enumerate(zip(asks, requests))]
+    with ops_gpu.use_cupy(cupy_standin):
+        gpu = GpuExecutor(rt.encoder, _cupy=cupy_standin, _ops=ops_gpu, hot_tier_rows=0, max_batch=16, max_len=48,
+                          context=ContextInputs(rt.store, rt.encoder))
+
+        def on_gpu(served, stored):
+            """The GPU executor's copy of a ServingPet the runtime loaded (stored: the PET it decoded)."""
+            if served is None:
+                return None
+            copy = gpu.load_pet(stored, key=served.key, token=served.token)
+            copy.meta, copy.version = dict(served.meta), served.version
+            return copy
+
+        pets, fulls = {}, {}
+        for a in asks:
+            if a.tenant not in pets:
+                pets[a.tenant] = on_gpu(a.pet, manager.load_tenant(rt.store, a.tenant, rt.encoder)[1])
+                record = rt.store.get_full(a.tenant)
+                stored = petlib.load_pet(rt.encoder, record.tensors, petlib.pet_meta(record.meta))
+                fulls[a.tenant] = on_gpu(a.full, stored)
+        answers = {}
+        for name, ex, these in (("cpu", rt.executor, asks),
+                                ("gpu", gpu, [dataclasses.replace(a, pet=pets[a.tenant], full=fulls[a.tenant])
+                                              for a in asks])):
+            engine = Engine(ex, rt.store.snapshot, max_batch=16, pipeline=False)
+            try:
+                answers[name] = engine.serve(these)
+            finally:
+                engine.close()
+    names = [a.level_name for a in answers["cpu"]]
+    assert {"full", "exact", "plot"} <= set(names)
+    assert any(a.pruned and a.level_name == "full" for a in answers["cpu"])  # a re-route to the full-depth PET
+    for c, g in zip(answers["cpu"], answers["gpu"]):
+        assert (g.level, g.level_name, g.pruned) == (c.level, c.level_name, c.pruned)
+        np.testing.assert_allclose(g.logits, c.logits, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(g.probs, c.probs, rtol=1e-4, atol=1e-5)
