@@ -199,7 +199,7 @@ class Runtime:
         one (trained with an earlier PET than `pet`, the tenant's ServingPet: not served). Cached
         with the PETs, under a key no tenant's PET has ('/' is not in tenant names)."""
         snap = self.store.snapshot()
-        loc = getattr(snap, "full", {}).get(tenant)
+        loc = snap.full.get(tenant)
         if loc is None:
             return None
         token = (loc["file"], loc["offset"])

@@ -273,9 +273,6 @@ def test_the_runtime_serves_the_current_full_depth_pet_and_never_a_stale_one():
     rt.pets.get("t", ("p0", 64), lambda: SimpleNamespace(key="t", nbytes=8))
     assert rt.pets.get("t/full", ("p0", 64), lambda: None) is full and len(rt.pets) == 2
     assert Served({}).full("t", pet) is None
-    older = Served.__new__(Served)  # a snapshot of a store with no full map (before full-depth records)
-    older.pets, older.store = PetCache(), SimpleNamespace(snapshot=lambda: SimpleNamespace())
-    assert older.full("t", pet) is None
 
 
 # -- profiling against the top --------------------------------------------------------------------
