@@ -656,7 +656,7 @@ def changed_settings(saved: dict, config: dict, defaults: dict, scored: bool = T
 
 
 
-def main(argv=None):
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--data", default=str(SCIBERT), help="the SciBERT task suite (default: ../shared/data/scibert beside the repository)")
     p.add_argument("--out", required=True)
@@ -708,6 +708,11 @@ def main(argv=None):
     p.add_argument("--extra-seeds", default="",
                    help="comma-separated training seeds to repeat the dedicated and hPLM rows under")
     p.add_argument("--progress", action="store_true", help="tqdm bars for every loop")
+    return p
+
+
+def main(argv=None):
+    p = parser()
     args = p.parse_args(argv)
     if args.fast:
         args.tasks, args.rows, args.alpha_tasks, args.distill_tasks = ("citation_intent,NCBI-disease",

@@ -225,8 +225,7 @@ def tenant_create(store, tenant, version, train_path, task, pet_type, epochs, ma
     _run(manager.tenant_create, store, tenant, version=version, train_path=train_path, task=task, pet_type=pet_type,
          epochs=epochs, max_examples=max_examples, lr=lr, batch_size=batch_size, max_len=max_len,
          bottleneck=bottleneck, rank=rank, density=density, seed=seed, unseen=unseen,
-         calibration_share=calibration_share, levels=[x.strip() for x in levels.split(",") if x.strip()],
-         replace=replace, progress=not quiet, as_json=as_json)
+         calibration_share=calibration_share, levels=levels, replace=replace, progress=not quiet, as_json=as_json)
 
 
 @tenant.command("update")

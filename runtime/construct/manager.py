@@ -396,28 +396,29 @@ def _summary(trained: Trained, t0, sizes: dict) -> dict:
 
 def _sizes(store, tenant) -> dict:
     snap = store.snapshot()
-    return {"plot": snap.pets[tenant]["length"], "full": _fulls(snap).get(tenant, {}).get("length")}
-
-
-def _fulls(snap) -> dict:
-    return getattr(snap, "full", None) or {}
+    return {"plot": snap.pets[tenant]["length"], "full": snap.full.get(tenant, {}).get("length")}
 
 
 def _put_levels(store, groups) -> None:
-    """Store tenants' PETs (one commit), then each one's full-depth PET (trained with it) when
-    it has one; a tenant stored without one loses any it had (trained with the PET replaced)."""
-    store.put_pets([pet for pet, *_ in groups])
+    """Store tenants' PETs, each followed by its full-depth PET (trained with it) when it has
+    one, in one commit; a tenant stored without one loses any it had (trained with the PET
+    replaced: a full-depth tombstone, FORMAT.md section 5)."""
     fulls = store.fulls()
+    records = []
     for pet, *full in groups:
-        if full:
-            store.put_full(full[0])
-        elif pet.tenant in fulls:
-            store.delete_full(pet.tenant)
+        records += [pet, *full]
+        if not full and pet.tenant in fulls:
+            records.append(PetRecord(tenant=pet.tenant, meta={"deleted": time.time(), "level": "full"}, tensors={},
+                                     tombstone=True))
+    store.put_pets(records)
 
 
 def check_levels(levels) -> tuple[str, ...]:
-    """The levels asked for, in order; "plot" is always trained (every other level names it)."""
-    levels = tuple(dict.fromkeys([levels] if isinstance(levels, str) else levels))
+    """The levels asked for (a list, or a comma-separated string), in order; "plot" is always
+    trained (every other level names it)."""
+    if isinstance(levels, str):
+        levels = [x.strip() for x in levels.split(",") if x.strip()]
+    levels = tuple(dict.fromkeys(levels))
     if unknown := [x for x in levels if x not in recipes.LEVELS]:
         raise ValueError(f"unknown level {unknown[0]!r}; expected plot or plot,full")
     if "plot" not in levels:
@@ -569,7 +570,7 @@ def tenant_update(store_path, tenant, *, train_path=None, version=None, epochs: 
         snap = store.snapshot()
         if tenant not in snap.pets:
             raise UnknownTenant(f"unknown tenant {tenant!r}")
-        started_from = (dict(snap.pets[tenant]), dict(_fulls(snap).get(tenant) or {}))
+        started_from = (dict(snap.pets[tenant]), dict(snap.full.get(tenant) or {}))
         trained, examples = _update_plot(store, tenant, train_path=train_path, version=version, epochs=epochs,
                                      max_examples=max_examples, lr=lr, batch_size=batch_size, max_len=max_len,
                                      seed=seed, progress=progress)
@@ -578,7 +579,7 @@ def tenant_update(store_path, tenant, *, train_path=None, version=None, epochs: 
     record = trained.records[0]
     with _open_writable(store_path) as store:
         snap = store.snapshot()
-        if (dict(snap.pets.get(tenant) or {}), dict(_fulls(snap).get(tenant) or {})) != started_from:
+        if (dict(snap.pets.get(tenant) or {}), dict(snap.full.get(tenant) or {})) != started_from:
             raise ManagerError(f"tenant {tenant!r} was changed or removed while this update trained; run it again")
         snap.version_index(record.meta["version"])
         _put_levels(store, [trained.records])

@@ -43,7 +43,7 @@ def _info(snap, tenant) -> dict:
     scores = _pet_scores(meta)
     levels = {name: {"pet_type": meta["pet_type"], "layers": meta.get("layers"), "bytes": int(loc["length"]),
                      "held_out": scores.get(key)} for name, key in (("plot", "1"), ("exact", "2"))}
-    if tenant in _fulls(snap):
+    if tenant in snap.full:
         levels["full"] = _full_level(snap, tenant, meta)
     if tenant in snap.students:
         levels["students"] = _students_level(snap, tenant, meta)
@@ -68,7 +68,7 @@ def _full_level(snap, tenant, pet_meta) -> dict:
     meta = snap.read_full(tenant).meta
     held = meta.get("held_out") or {}
     return {"pet_type": meta.get("pet_type"), "layers": meta.get("layers"),
-            "bytes": int(_fulls(snap)[tenant]["length"]),
+            "bytes": int(snap.full[tenant]["length"]),
             "held_out": held.get("score"), "stale": is_stale(meta, pet_meta), "pet_created": meta.get("pet_created")}
 
 
@@ -85,7 +85,3 @@ def _cascade(meta: dict) -> dict:
     record = meta.get("levels")
     state = "none" if not record else "current" if record.get("pet_created") == meta.get("created") else "stale"
     return {"state": state, "policy": (record or {}).get("policy") if state == "current" else None}
-
-
-def _fulls(snap) -> dict:
-    return getattr(snap, "full", None) or {}
