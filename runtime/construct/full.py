@@ -52,7 +52,7 @@ def train_full(whole, task, labels, ids, targets, *, pet_type: str = recipes.FUL
     from runtime.model.pet import create_pet
 
     options, cfg = recipes.settings(pet_type, "full", seed=seed, progress=progress, **overrides)
-    pet = create_pet(whole, pet_type, task, labels, seed=seed, **options)
+    pet = create_pet(whole, pet_type, task, labels, level="full", seed=seed, **options)
     exported, log = train_pet(whole, pet, embeddings(whole, ids), targets, cfg)
     return exported, log, cfg
 
