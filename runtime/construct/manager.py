@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os
 import time
-
 from typing import NamedTuple
 
 import numpy as np
@@ -50,7 +49,6 @@ from runtime.model.stored import (
     save_lower,
     version_encoder,
 )
-
 
 
 def tokenize_corpus(encoder, docs: list[str], max_len: int) -> list[list[int]]:
@@ -572,8 +570,8 @@ def tenant_update(store_path, tenant, *, train_path=None, version=None, epochs: 
             raise UnknownTenant(f"unknown tenant {tenant!r}")
         started_from = (dict(snap.pets[tenant]), dict(snap.full.get(tenant) or {}))
         trained, examples = _update_plot(store, tenant, train_path=train_path, version=version, epochs=epochs,
-                                     max_examples=max_examples, lr=lr, batch_size=batch_size, max_len=max_len,
-                                     seed=seed, progress=progress)
+                                         max_examples=max_examples, lr=lr, batch_size=batch_size, max_len=max_len,
+                                         seed=seed, progress=progress)
         if started_from[1]:
             _update_full(store, trained, examples, epochs=epochs, batch_size=batch_size, seed=seed, progress=progress)
     record = trained.records[0]
