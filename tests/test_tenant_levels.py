@@ -11,6 +11,7 @@ import click
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from hypothesis import given, settings, strategies as st
 
 import hkstore
 from runtime.construct import manager, recipe
@@ -119,7 +120,10 @@ def test_ls_lists_each_tenants_levels(cli, env):
     r = run(cli, "tenant", "ls", env["store"], "--json")
     assert r.exit_code == 0, r.output
     rows = {row["tenant"]: row for row in json.loads(r.output)["tenants"]}
-    assert rows["listed"]["levels"] == ["plot", "exact", "full"] and rows["listed"]["bytes"] > 0
+    assert rows["listed"]["levels"] == ["plot", "exact", "full"]
+    with hkstore.open(env["store"]) as st:
+        snap = st.snapshot()
+        assert rows["listed"]["bytes"] == snap.pets["listed"]["length"] + snap.full["listed"]["length"]
     plain = run(cli, "tenant", "ls", env["store"])
     assert plain.exit_code == 0 and any(line.startswith("listed ") for line in plain.output.splitlines())
 
@@ -202,3 +206,29 @@ def test_settings_apply_overrides_and_refuse_unknown_ones():
         recipe.settings("diff", "full")
     with pytest.raises(ValueError, match="epochs must be at least 1"):
         recipe.settings("lora", epochs=0)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 2)), min_size=1, max_size=20))
+def test_held_score_of_classification_is_the_share_argmax_gets_right(pairs):
+    from runtime.construct.calibration import held_score
+
+    logits = [np.eye(3)[p] for p, _ in pairs]
+    expected = sum(p == y for p, y in pairs) / len(pairs)
+    assert held_score(logits, [y for _, y in pairs], "classification", ["a", "b", "c"]) == pytest.approx(expected)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 2), st.booleans()), min_size=1, max_size=8),
+                min_size=1, max_size=5))
+def test_held_score_of_tagging_is_entity_f1_over_the_scored_words(sentences):
+    """Tokens whose target is IGNORE (later sub-tokens) carry no word: the reference drops them."""
+    from runtime.construct.calibration import held_score
+    from runtime.construct.data import IGNORE, entity_f1
+
+    tags = ["O", "B-X", "I-X"]
+    logits = [np.stack([np.eye(3)[p] for p, _, _ in s]) for s in sentences]
+    targets = [[y if scored else IGNORE for _, y, scored in s] for s in sentences]
+    gold = [[tags[y] for _, y, scored in s if scored] for s in sentences]
+    predicted = [[tags[p] for p, _, scored in s if scored] for s in sentences]
+    assert held_score(logits, targets, "tagging", tags) == pytest.approx(entity_f1(gold, predicted))

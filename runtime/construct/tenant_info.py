@@ -18,13 +18,14 @@ from hkstore.errors import UnknownTenant
 
 
 def tenant_ls(store_path) -> dict:
-    """Every tenant's levels (as tenant_info's, without details) and PET bytes."""
+    """Every tenant's served levels (as tenant_info's, without details) and the bytes of all
+    its records."""
     with hkstore.open(store_path) as store:
         snap = store.snapshot()
         rows = [_info(snap, t) for t in sorted(snap.pets)]
     return {"tenants": [{"tenant": r["tenant"], "version": r["version"], "pet_type": r["pet_type"],
                          "task": r["task"], "levels": r["served"], "cascade": r["cascade"]["state"],
-                         "bytes": sum(level["bytes"] for level in r["levels"].values() if "bytes" in level)}
+                         "bytes": r["bytes"]}
                         for r in rows]}
 
 
@@ -51,6 +52,8 @@ def _info(snap, tenant) -> dict:
             "labels": meta.get("labels"), "created": meta.get("created"),
             "metric": scores.get("metric"), "levels": levels,
             "served": [name for name, level in levels.items() if not level.get("stale")],
+            "bytes": sum(int(where[tenant]["length"]) for where in (snap.pets, snap.full, snap.students)
+                         if tenant in where),  # plot and exact share one record
             "cascade": _cascade(meta)}
 
 
