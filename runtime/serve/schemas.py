@@ -174,14 +174,24 @@ class TenantCreateBody(Strict):
     task: Literal["classification", "tagging"] = "classification"
     examples: Examples
     pet_type: Literal["adapter", "lora", "bitfit", "diff", "mask", "head"] = "adapter"
-    epochs: Annotated[int, Field(ge=1, le=1000)] = 3
+    # the levels to build: the PLOT PET (PLOT and exact levels) and the full-depth PET (the top)
+    levels: Annotated[list[Literal["plot", "full"]], Field(min_length=1, max_length=2)] = ["plot", "full"]
+    # None: the training recipe's (runtime.construct.recipe)
+    epochs: Optional[Annotated[int, Field(ge=1, le=1000)]] = None
     max_examples: Optional[Annotated[int, Field(ge=1, le=MAX_EXAMPLES)]] = None
     lr: Optional[Annotated[float, Field(gt=0, le=1)]] = None
-    batch_size: Annotated[int, Field(ge=1, le=1024)] = 16
+    batch_size: Optional[Annotated[int, Field(ge=1, le=1024)]] = None
     max_len: Annotated[int, Field(ge=8, le=512)] = 128
-    bottleneck: Annotated[int, Field(ge=1, le=1024)] = 64
-    rank: Annotated[int, Field(ge=1, le=256)] = 8
+    bottleneck: Optional[Annotated[int, Field(ge=1, le=1024)]] = None
+    rank: Optional[Annotated[int, Field(ge=1, le=256)]] = None
     seed: Annotated[int, Field(ge=0, le=2**31 - 1)] = 0
+
+    @field_validator("levels")
+    @classmethod
+    def _levels(cls, levels):
+        if "plot" not in levels:
+            raise ValueError("levels must include plot (a full-depth PET is trained beside a tenant's PET)")
+        return list(dict.fromkeys(levels))
 
     @model_validator(mode="after")
     def _task(self):
