@@ -375,9 +375,10 @@ def main(argv=None) -> dict:
         left = len([t for t in tasks[j + 1:] if not (out / f"{t}.json").exists()])
         say(f"{task}: done in {time.time() - t0:.0f} s; about {left * (time.time() - t0) / 60:.0f} min for the "
             f"{left} tasks left")
-    figures = [report.task_figures(r) for r in report.load(out, tasks)]
+    done = report.load(out, tasks)
+    figures = [report.task_figures(r) for r in done]
     total = report.summary(figures)
-    text = report.markdown(report.table(figures, total))
+    text = "\n".join([report.markdown(report.table(figures, total)), "", *report.profile_lines(done)])
     (out / "summary.md").write_text(text + "\n")
     print(text)
     if args.write_results:

@@ -148,6 +148,23 @@ def markdown(t: dict) -> str:
     return "\n".join(lines)
 
 
+def profile_lines(results: list[dict]) -> list[str]:
+    """Per task the policy `levels profile` chose on dev and what it expected there, beside
+    what auto delivered on test (a gap between the two is dev-to-test drift)."""
+    lines = []
+    for r in results:
+        rec = (r.get("steps") or {}).get("profile") or {}
+        p, pr = rec.get("policy") or {}, rec.get("profile") or {}
+        if not pr:
+            continue
+        lines.append(f"- {r['task']}: policy " + " ".join(f"{k}={p[k]:g}" for k in ("c", "k", "alpha", "w", "gate")
+                                                             if k in p)
+                     + f"; on dev (top {pr.get('top')}): expected {100 * pr['expected_metric']:.1f} at "
+                     f"{pr['expected_cost']:.2f} of the top's cost (PLOT {100 * pr['level1_metric']:.1f}, top "
+                     f"{100 * pr['level2_metric']:.1f}), target {'met' if pr.get('met') else 'not met'}")
+    return lines
+
+
 def write_accuracy(path: Path, figures: list[dict], total: dict) -> dict:
     """Add the cascade's figures to the accuracy results file (as benchmarks.accuracy_goals adds
     the top's): ``auto_gap_to_top_mean`` (points, top minus auto: positive when auto is below),
