@@ -17,9 +17,9 @@ OUT/store first (segments and weights hard-linked: the bench adds tenants to it)
 3. a fresh `hkstore serve` process (CPU, one torch thread, the run's max_len, --truncate)
    answers the test sample's queries one at a time over HTTP (benchmarks.loadgen's client, the
    admin token) at policy fast, exact (the top) and auto, the systems interleaved in rotating
-   order after a few unmeasured dev queries each; per query the server process's CPU time (the
-   sum of its threads' run time, /proc/PID/task/*/schedstat, read before and after the
-   request), the wall latency and the level that answered (``level_name``), scored as the
+   order after a few unmeasured dev queries each; per query the server process's CPU time (its
+   process CPU-time clock, every thread included, read before and after the request), the
+   wall latency and the level that answered (``level_name``), scored as the
    harness scores (benchmarks.hmi_accuracy.Task.score): tagging answers are per word of the
    tokenizer, each CoNLL word takes its first one's tag.
 
@@ -98,7 +98,14 @@ def copy_store(source: Path, target: Path) -> None:
     shutil.copytree(source, target, ignore=shutil.ignore_patterns(*linked, "LOCK", "admin.token"))
     for name in linked:
         if (source / name).is_dir():
-            shutil.copytree(source / name, target / name, copy_function=os.link)
+            shutil.copytree(source / name, target / name, copy_function=_link_or_copy)
+
+
+def _link_or_copy(src, dst):
+    try:
+        os.link(src, dst)
+    except OSError:  # another file system, or one without hard links
+        shutil.copy2(src, dst)
 
 
 # -- construction -------------------------------------------------------------------------------
@@ -152,16 +159,11 @@ def construct(args, config, task, store, dev) -> dict:
 
 
 def cpu_seconds(pid: int) -> float:
-    """CPU time the process's threads have run (ns-exact schedstat; clock ticks where absent)."""
-    total, tasks = 0, Path(f"/proc/{pid}/task")
+    """CPU time of a process, every thread it has run included: its process CPU-time clock
+    (Linux clock_getcpuclockid: nanoseconds), else /proc/PID/stat's clock ticks."""
     try:
-        for t in tasks.iterdir():
-            try:
-                total += int((t / "schedstat").read_text().split()[0])
-            except (FileNotFoundError, ProcessLookupError):
-                continue  # a thread that ended between the listing and the read
-        return total / 1e9
-    except FileNotFoundError:
+        return time.clock_gettime(((~pid) << 3) | 2)  # MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED)
+    except OSError:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from benchmarks import cascade_report as report
-from benchmarks.cascade_bench import word_predictions
+from benchmarks.cascade_bench import cpu_seconds, word_predictions
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -154,6 +154,26 @@ def test_the_words_of_an_answer_meet_the_harness_first_sub_tokens(tmp_path):
         assert (None in got) == ("\u200b" in words)  # a word the tokenizer drops whole has no tag
 
 
+def test_the_servers_cpu_time_counts_its_threads_work_and_not_its_sleep():
+    import subprocess
+    import sys
+
+    # a child that spins two threads for 0.3 s each (one ends before it is read), then sleeps
+    code = ("import threading, time\n"
+            "def spin():\n    end = time.thread_time() + 0.3\n    while time.thread_time() < end: pass\n"
+            "t = threading.Thread(target=spin); t.start(); spin(); t.join()\n"
+            "print('done', flush=True); time.sleep(30)\n")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "done\n"
+        first = cpu_seconds(child.pid)
+        assert 0.6 <= first < 1.5
+        assert cpu_seconds(child.pid) - first < 0.02  # asleep
+    finally:
+        child.kill()
+        child.wait()
+
+
 # -- the whole driver -----------------------------------------------------------------------------
 
 
@@ -224,6 +244,10 @@ def test_the_driver_makes_profiles_and_serves_each_tasks_cascade(tmp_path, monke
         # the PLOT level served over HTTP scores what the harness's serving-path scorer gives it
         evaluated = manager.tenant_eval(str(out / "store"), r["tenant"], r["files"]["test"], max_len=32)
         assert s["fast"]["score"] == pytest.approx(evaluated["score"])
+    import hkstore
+
+    with hkstore.open(str(run / "store")) as st:  # the run's store is left as it was: tenants go to a copy
+        assert not [t for t in st.snapshot().pets if t.endswith("-cascade")]
     written = json.loads(results.read_text())
     assert written["auto_gap_to_top_mean"] == round(got["summary"]["gap_mean"], 1)
     assert written["auto_cost_vs_top"] == round(got["summary"]["cost_vs_top_mean"], 2)
