@@ -10,7 +10,8 @@ OUT/store first (segments and weights hard-linked: the bench adds tenants to it)
 
 1. the tenant ``<task>-cascade`` on the task's domain version, made by
    runtime.construct.manager.tenant_create with the product's defaults (adapter PET, levels
-   plot,full, calibration share 0) on the run's training file, then its students by `hkstore
+   plot,full, calibration share 0) on the run's training file at its max_len (as the harness's
+   hplm row), then its students by `hkstore
    students create --dev` (the product's defaults);
 2. `hkstore levels profile --dev` (the default target and assurance): the dev sample is the
    run's when it scored dev, else drawn as the harness draws it (same size and seed);
