@@ -12,8 +12,8 @@ code, so a rerun reproduces it, e.g. NCBI-disease seed 0: 67.6 both times). Adds
   and the PET's share of the encoder's bytes;
 * ``top_gap_to_dedicated_mean`` (the mean over seeds of the six-task gap) and
   ``top_gap_to_dedicated_by_task`` (per task, over seeds);
-* ``auto_gap_to_top_mean`` and ``auto_cost_vs_top`` stay absent until a cascade is measured
-  through ``hkstore serve``.
+* ``auto_gap_to_top_mean`` and ``auto_cost_vs_top`` are not this program's: benchmarks.cascade_bench
+  (``--write-results``) measures the cascade through ``hkstore serve`` and adds them.
 
 The table it prints is the BENCHMARKS section's (benchmarks.claims checks them against each
 other). Standard library only.
