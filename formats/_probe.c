@@ -235,7 +235,7 @@ HK_INLINE int64_t probe_one(const seg_t *s, const uint32_t *q, const int n, uint
 #define GATHER_LINES 64 /* cache lines prefetched of each row (from its start) */
 #endif
 #ifndef GATHER_AHEAD
-#define GATHER_AHEAD 2 /* entries ahead whose value row is prefetched */
+#define GATHER_AHEAD 8 /* entries ahead whose value row is prefetched (2, 4 and 8 measured: 8 best) */
 #endif
 
 /* Probe the queries list[0..cnt) (query w: ids qkeys[w*n..], hash hashes[w]; list NULL means
