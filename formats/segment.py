@@ -199,6 +199,7 @@ class Segment:
         self.scales = self._array("scales", "<f4", (count, slots)) if self.dtype == "int8" else None
         self._checked = False
         self._huge = False  # index and keys copied into huge pages (warm)
+        self._all_rows_ok = False  # warm() checked every value row
         self._row_ok = None
         self._lock = threading.Lock()
 
@@ -319,9 +320,11 @@ class Segment:
             if out_rows is not None:
                 out_rows = np.ascontiguousarray(out_rows, dtype=np.int64)
             # One pass: first-return rows are checked against their rowsums, then copied
-            # (int8: dequantized); rows are prefetched ahead.
-            bad = ext.gather(self.values, self.count, self.slots, entries, out, out_rows, self.scales, self.rowsums,
-                             self._row_ok, key_hashes)
+            # (int8: dequantized); rows are prefetched ahead. Once warm() has checked every row,
+            # the gather skips the row_ok test and the rowsum prefetch: two random reads a row.
+            rowsums, row_ok, hashes = (None,) * 3 if self._all_rows_ok else (self.rowsums, self._row_ok, key_hashes)
+            bad = ext.gather(self.values, self.count, self.slots, entries, out, out_rows, self.scales, rowsums, row_ok,
+                             hashes)
             if bad >= 0:
                 raise CorruptError(f"segment {self.name}: value row {entries[bad]} fails its checksum")
             return out
@@ -367,6 +370,7 @@ class Segment:
             good = sums == self.rowsums[todo]
             self._row_ok[todo[good]] = True
             failed += int((~good).sum())
+        self._all_rows_ok = not failed and bool(self._row_ok.all())
         return failed
 
     def _huge_search_arrays(self):
