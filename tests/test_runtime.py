@@ -374,3 +374,15 @@ def test_one_submit_is_never_split_across_batches(monkeypatch, max_batch, count)
     sizes = [min(max_batch, count - start) for start in range(0, count, max_batch)]
     assert [o.batch_size for o in outs] == [size for size in sizes for _ in range(size)]
     assert [int(o.logits[1]) for o in outs] == list(range(count))
+
+
+def test_open_warms_the_store_in_the_background(tiny):
+    """runtime.open checks every value row once on a background thread (Store.warm), so the
+    first lookups pay no row check; close waits for it."""
+    with runtime.open(tiny[0], device="cpu", max_len=48) as r:
+        assert r._warming is not None
+        r._warming.join(30)
+        segments = {id(s): s for v in range(len(r.store.snapshot().version_names))
+                    for s in r.store.snapshot().version_segments(v)}
+        assert segments and all(s._all_rows_ok for s in segments.values())
+        assert r.infer([{"tenant": next(iter(tiny[1]["tenants"])), "text": tiny[1]["texts"][0]}])
