@@ -16,7 +16,10 @@ code, so a rerun reproduces it, e.g. NCBI-disease seed 0: 67.6 both times). Adds
   (``--write-results``) measures the cascade through ``hkstore serve`` and adds them.
 
 The table it prints is the BENCHMARKS section's (benchmarks.claims checks them against each
-other). Standard library only.
+other). With ``--pareto DEV_OUT`` (an ``experiments.full_depth`` run on dev with several rows) it
+writes the size table instead: each PET's bytes and share of the encoder against its six-task
+gap to dedicated and its worst task (benchmarks/results/accuracy_full_depth.json). Standard
+library only.
 """
 
 from __future__ import annotations
@@ -81,11 +84,52 @@ def table(accuracy: dict, top: dict) -> dict:
                         "gap per seed", "mean gap"], "rows": rows}
 
 
+PARETO = {  # experiments.full_depth row -> what it is
+    "dedicated": "every weight (full fine-tuning)",
+    "fd-lora": "full-depth LoRA r16, six targets, layers 0-5",
+    "fd-adapter": "full-depth adapter b64 + LayerNorm deltas, layers 0-5",
+    "upper-lora": "upper LoRA r16, six targets, layers 3-5, exact lower layers",
+    "upper-lora8": "upper LoRA r8, q and v, layers 3-5, exact lower layers (lr 5e-3)",
+    "upper-adapter": "upper adapter b64, layers 3-5, exact lower layers (lr 1e-3)",
+}
+
+
+def pareto(out: Path) -> dict:
+    """The size table of a dev run: PET bytes (without the head) against the gap to dedicated."""
+    results = json.loads((out / "results.json").read_text())
+    rows, encoder = results["rows"], results["encoder_bytes"]
+    tasks = [t for t in rows if "dedicated" in rows[t]]
+    table = []
+    for row, title in PARETO.items():
+        if not all(row in rows[t] for t in tasks):
+            continue
+        size = encoder if row == "dedicated" else rows[tasks[0]][row]["pet_bytes_no_head"]
+        gaps = {t: round(100 * (rows[t]["dedicated"]["score"] - rows[t][row]["score"]), 1) for t in tasks}
+        mean = round(statistics.mean(100 * rows[t][row]["score"] for t in tasks), 1)
+        worst = max(gaps, key=gaps.get)
+        table.append([title, size, round(100 * size / encoder, 2), mean, round(statistics.mean(gaps.values()), 1),
+                      "–" if row == "dedicated" else f"{worst} {gaps[worst]}"])
+    return {"config": {k: results["config"][k] for k in ("eval_split", "seed", "max_train", "max_test", "max_len")
+                       if k in results["config"]},
+            "encoder_bytes": encoder, "tasks": tasks,
+            "tables": [{"columns": ["PET (dev, seed 0)", "bytes", "% of the encoder", "six-task mean",
+                                    "gap to dedicated", "worst task (gap)"], "rows": table}]}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("outs", nargs="+", type=Path, help="experiments.full_depth output directories (test split)")
     p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results" / "accuracy.json")
+    p.add_argument("--pareto", action="store_true", help="OUTS[0] is a dev run: write the size table")
     args = p.parse_args(argv)
+    if args.pareto:
+        path = args.results.parent / "accuracy_full_depth.json"
+        old = json.loads(path.read_text()) if path.exists() else {}
+        new = old | pareto(args.outs[0])
+        path.write_text(json.dumps(new, indent=1, ensure_ascii=False) + "\n")
+        for r in new["tables"][0]["rows"]:
+            print("| " + " | ".join(str(c) for c in r) + " |")
+        return 0
     accuracy = json.loads(args.results.read_text())
     top = figures(accuracy, top_scores(args.outs))
     accuracy["top"] = top
