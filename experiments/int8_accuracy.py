@@ -123,7 +123,8 @@ def calibrate(encoder, tasks, servings, n, batch=64) -> dict:
 
 
 def score_full(executors, serving, task, batch) -> dict:
-    """Each executor's score of one task (its PET as full rows) and its compute CPU seconds."""
+    """Each executor's score of one task (its PET as full rows), its compute CPU seconds, and the
+    share of its predictions (per example or per token) equal to the first executor's."""
     predicted = {k: [] for k in executors}
     seconds = dict.fromkeys(executors, 0.0)
     for start in range(0, len(task.test_ids), batch):
@@ -133,7 +134,11 @@ def score_full(executors, serving, task, batch) -> dict:
             logits = serve(ex, rows)
             seconds[k] += time.thread_time() - t0
             predicted[k] += [lg.argmax(-1).tolist() for lg in logits]
-    return {k: {"score": 100 * task.score(predicted[k]), "cpu_s": round(seconds[k], 2)} for k in executors}
+    flat = {k: [t for p in v for t in (p if isinstance(p, list) else [p])] for k, v in predicted.items()}
+    base = next(iter(flat.values()))  # the first executor's (fp32's) predictions
+    return {k: {"score": 100 * task.score(predicted[k]), "cpu_s": round(seconds[k], 2),
+                "agree": round(100 * sum(a == b for a, b in zip(flat[k], base)) / max(len(base), 1), 2)}
+            for k in executors}
 
 
 def main_full(args, ap):
@@ -195,7 +200,8 @@ def full_depth(args, schemes, calibrated, Int8Shared) -> dict:
         base = r["fp32"]["score"]
         print(f"| {name} | {results[name]['metric']} | {len(t.test_ids)} | {base:.2f} | "
               + " | ".join(f"{r[s]['score'] - base:+.2f}" for s in schemes) + " |", flush=True)
-        print(f"{name}: cpu s " + ", ".join(f"{k} {v['cpu_s']}" for k, v in r.items()), file=sys.stderr, flush=True)
+        print(f"{name}: cpu s, % predictions as fp32: " + ", ".join(f"{k} {v['cpu_s']} {v['agree']}" for k, v in r.items()),
+              file=sys.stderr, flush=True)
     return {"row": args.row, "pets": args.full_depth, "tasks": results}
 
 
