@@ -16,6 +16,8 @@ Weights are quantized once, symmetric per output channel; activations per call. 
   weights); needs calibrated per-channel absmax (``Recorder``).
 * ``outlier``: LLM.int8-style: the calibrated outlier input channels (absmax above a
   threshold) as a small fp32 GEMM, the others through ``tensor``.
+* ``row-outlier``: the same split, the others through ``row`` (the outlier channels no longer
+  set every token's scale).
 
 ``Int8Shared`` re-quantizes a projection when its fp32 weights changed in place (the tensors'
 version counters), so a model whose weights are swapped in place (a dedicated tenant's) is
@@ -30,8 +32,8 @@ import warnings
 import torch
 
 TARGETS = ("q", "k", "v", "o", "ffn_in", "ffn_out")
-SCHEMES = ("row", "tensor", "smooth", "outlier")
-CALIBRATED = ("smooth", "outlier")
+SCHEMES = ("row", "row-outlier", "tensor", "smooth", "outlier")
+CALIBRATED = ("row-outlier", "smooth", "outlier")
 ROW_WEIGHT_MAX = 63  # 7-bit weights: oneDNN's AVX2 u8·s8 pairs stay inside int16
 SMOOTH_ALPHA = 0.5
 OUTLIER_THRESHOLD = 6.0  # LLM.int8's magnitude threshold
@@ -68,9 +70,11 @@ def row_scales(x: torch.Tensor) -> torch.Tensor:
 
 
 def smooth_factors(absmax: torch.Tensor, w: torch.Tensor, alpha: float = SMOOTH_ALPHA) -> torch.Tensor:
-    """SmoothQuant's s (d_in,): activation range^alpha / weight range^(1-alpha) per input channel."""
+    """SmoothQuant's s (d_in,): activation range^alpha / weight range^(1-alpha) per input channel,
+    at least 1: a channel is only ever shrunk, so one quiet while calibrating is never amplified
+    past the range it may reach when served."""
     s = absmax.clamp_min(1e-5) ** alpha / w.abs().amax(0).clamp_min(1e-5) ** (1 - alpha)
-    return s.clamp_min(1e-5)
+    return s.clamp_min(1.0)
 
 
 def _stamp(lin) -> tuple:
@@ -108,7 +112,9 @@ class Int8Shared:
             form = (pack(lin, w * s), 1.0 / s)
         else:
             idx = torch.nonzero(self.absmax[(i, target)] > OUTLIER_THRESHOLD).flatten()
-            form = (pack(lin, w.index_fill(1, idx, 0.0)), idx, w[:, idx].t().contiguous())
+            rest = w.index_fill(1, idx, 0.0)
+            rest = (*row_weights(rest), bias) if self.scheme == "row-outlier" else (pack(lin, rest),)
+            form = (rest, idx, w[:, idx].t().contiguous())
         self._packed[(i, target)] = (_stamp(lin), form)
 
     def _buffer(self, name, shape, dtype) -> torch.Tensor:
@@ -137,9 +143,12 @@ class Int8Shared:
             y = torch.ops.quantized.linear_dynamic(torch.mul(x, inv, out=self._buffer("xs", x.shape, x.dtype)),
                                                    packed, True)
         else:
-            packed, idx, w_out = form
-            rest = self._buffer("xs", x.shape, x.dtype).copy_(x).index_fill_(1, idx, 0.0)
-            y = torch.ops.quantized.linear_dynamic(rest, packed, True)
+            rest_form, idx, w_out = form
+            rest = self._buffer("xr", x.shape, x.dtype).copy_(x).index_fill_(1, idx, 0.0)
+            if self.scheme == "row-outlier":
+                y = self._row(rest, *rest_form, out)
+            else:
+                y = torch.ops.quantized.linear_dynamic(rest, rest_form[0], True)
             if len(idx):
                 y.addmm_(x.index_select(1, idx), w_out)
         return y
