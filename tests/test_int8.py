@@ -162,6 +162,28 @@ def test_outlier_channels_run_in_fp32(seed, rows, d_in, d_out):
     assert ((q.linear(0, "ffn_out", x) - want).abs() <= _bound(rest, w_rest) + 1e-4).all()
 
 
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=operands(), wide=st.floats(7, 100))
+def test_row_outlier_is_row_on_the_rest_plus_fp32_outliers(ops, wide):
+    x, w, b = ops
+    x = x.copy()
+    x[:, 0] *= wide / max(float(np.abs(x[:, 0]).max()), 1e-3)
+    x[0, 0] = wide  # channel 0 reaches `wide`: an outlier
+    tx = torch.from_numpy(x)
+    enc, absmax = _calibrated(w.shape[1], w.shape[0], tx, 0)
+    lin = enc.layers[0].ffn_out
+    with torch.no_grad():
+        lin.weight.copy_(torch.from_numpy(w))
+        lin.bias.copy_(torch.from_numpy(b))
+    out = int8.Int8Shared(enc, [0], "row-outlier", absmax).linear(0, "ffn_out", tx).numpy()
+    idx = np.flatnonzero(absmax[(0, "ffn_out")].numpy() > int8.OUTLIER_THRESHOLD)
+    assert 0 in idx
+    rest, w_rest = x.copy(), w.copy()
+    rest[:, idx], w_rest[:, idx] = 0, 0
+    want = row_reference(rest, w_rest, b) + x[:, idx] @ w[:, idx].T
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * (np.abs(want).max() + 1))
+
+
 def test_bad_scheme_or_missing_calibration_is_refused(tmp_path_factory):
     enc = _Enc(4, 4)
     with pytest.raises(ValueError, match="scheme must be one of"):
