@@ -11,7 +11,7 @@ difference and the upper layers' compute time of each path (same batches, the pa
 Full-depth mode: every int8 scheme against fp32 on the full-depth PETs
 that experiments.full_depth --save-pets kept, served as full rows; --gemm: the GEMM rates.
 
-    python -m experiments.int8_accuracy --full-depth RUN/pets --out OUT --schemes row,tensor,smooth,outlier
+    python -m experiments.int8_accuracy --full-depth RUN/pets --out OUT --schemes row,row-outlier,tensor,outlier,smooth
     python -m experiments.int8_accuracy --gemm
 """
 
@@ -76,7 +76,7 @@ def add_full_arguments(ap):
     ap.add_argument("--out", help="full-depth mode: where the sampled data and int8-full.json go")
     ap.add_argument("--data", help="the SciBERT task data (default: benchmarks.hmi_accuracy's)")
     ap.add_argument("--row", default="fd-lora", help="the saved PETs' row name")
-    ap.add_argument("--schemes", default="row,tensor,smooth,outlier", help="runtime.exec.int8 schemes, comma-separated")
+    ap.add_argument("--schemes", default="row,row-outlier,tensor,outlier,smooth", help="runtime.exec.int8 schemes, comma-separated")
     ap.add_argument("--calibrate", type=int, default=50,
                     help="train texts per task the calibrated schemes' activation ranges come from")
     ap.add_argument("--gemm", action="store_true", help="the GEMM rates of every scheme against fp32 torch.addmm")
