@@ -19,6 +19,11 @@ Weights are quantized once, symmetric per output channel; activations per call. 
 * ``row-outlier``: the same split, the others through ``row`` (the outlier channels no longer
   set every token's scale).
 
+``dtype="int8"`` runs ``row`` (it needs no calibration). No scheme keeps every task within
+0.3 points of fp32 on dev (BENCHMARKS.md, Optional int8 executor), so int8 is off by default;
+``smooth`` is the worst there: the outliers it moves into W_:j set their output channels'
+weight scales and so coarsen every other weight of those channels.
+
 ``Int8Shared`` re-quantizes a projection when its fp32 weights changed in place (the tensors'
 version counters), so a model whose weights are swapped in place (a dedicated tenant's) is
 never served from stale int8 copies.
