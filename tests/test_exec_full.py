@@ -116,8 +116,8 @@ def test_cpu_mixed_batch_with_full_rows_equals_each_row_alone(zoo, data):
         torch.testing.assert_close(torch.from_numpy(np.asarray(g)), w, rtol=1e-4, atol=2e-5)
 
 
-def test_full_rows_under_int8_run_their_lower_layers_in_fp32(zoo):
-    """int8 quantizes only the upper layers' shared GEMMs: full rows still match within int8's error."""
+def test_full_rows_under_int8_stay_within_its_error(zoo):
+    """int8 quantizes the full rows' lower-layer GEMMs too: they still match within int8's error."""
     enc, upper, full = zoo
     ex = CpuExecutor(enc, int8=True, context=BaseContext(enc))
     batch = [("full", 0, [5, 6, 7, 8]), ("plot", 1, [9, 10]), ("full", 3, [11, 12, 13])]

@@ -24,8 +24,7 @@ keeps the per-segment ops_cpu calls (the specification; tests compare the two).
 
 Full rows (runtime.exec.rows: a tenant's full-depth PET, from the base embeddings) first run the
 lower layers with their PETs as a batch of their own (``lower_full``: the same layer function,
-kernels and plan machinery; fp32 also with int8, whose quantized weights are the upper
-layers'), then join the batch's other rows at the first upper layer.
+kernels and plan machinery, int8 included), then join the batch's other rows at the first upper layer.
 
 Attention and GELU are shared, and so are the LayerNorms unless a PET of the batch edits them.
 The result for a request equals ``runtime.model.encoder.Encoder.upper`` + ``runtime.model.pet.head`` run on
@@ -44,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.exec import cpu_batched, ops_cpu, students
-from runtime.exec.int8 import Int8Upper
+from runtime.exec.int8 import Int8Shared
 from runtime.exec.plan import BatchPlan, plan_batch, prepare_pet, stack_group, tenant_key
 from runtime.exec.rows import (FullInputs, Gathered, Prepared, assemble, attention_rows, full_inputs, gather_host,
                                received_rows, student_logits)
@@ -56,7 +55,7 @@ class CpuExecutor:
     device = "cpu"
 
     def __init__(self, encoder, *, lora_kernel: str = "auto", prefetch: bool = True, kernels: str = "batched",
-                 int8: bool = False, context=None):
+                 int8=False, context=None):
         if lora_kernel not in ("auto", "sgmv", "bgmv"):
             raise ValueError(f"lora_kernel must be auto, sgmv or bgmv, got {lora_kernel!r}")
         if kernels not in ("batched", "reference"):
@@ -75,8 +74,11 @@ class CpuExecutor:
         self.lora_kernel = lora_kernel
         self.prefetch = bool(prefetch)
         self.layers = list(range(encoder.lower_layers, encoder.config.num_layers))
-        # int8: the shared projections as dynamically quantized GEMMs (runtime.exec.int8)
-        self.int8 = Int8Upper(encoder, self.layers) if int8 else None
+        # int8 (True: the default scheme, a scheme name, or a runtime.exec.int8.Int8Shared): the
+        # shared projections of every layer the executor runs (full rows' lower layers too) as int8 GEMMs
+        if int8 is True or isinstance(int8, str):
+            int8 = Int8Shared(encoder, range(encoder.config.num_layers), *(() if int8 is True else (int8,)))
+        self.int8 = int8 or None
         self._pool = None
 
     # -- PETs and plans --------------------------------------------------------------------
@@ -239,8 +241,8 @@ class CpuExecutor:
                 clock[0] = now
 
         def proj(target, inp, lin, out):
-            if self.int8 is not None and i >= self.encoder.lower_layers:  # a full row's lower layers: fp32
-                y = self.int8.linear(i, target, inp)
+            if self.int8 is not None:
+                y = self.int8.linear(i, target, inp, out)
             else:
                 y = torch.addmm(lin.bias, inp, lin.weight.t(), out=out)
             tick("shared GEMMs")
