@@ -69,10 +69,10 @@ def make_store(work: str, model: str, lower_layers: int, corpus_lines: int) -> s
     return store
 
 
-def per_round(rows, counts):
-    """Median over rounds of each within-round ratio: hGPT / each PEFT system at every count,
-    and hGPT@T / hGPT@first count."""
-    rate = {(r["round"], r["tenants"], r["system"]): r["tokens_per_s"] for r in rows}
+def per_round(rows, counts, key="tokens_per_s"):
+    """Median over rounds of each within-round ratio of the rate `key` (tokens per wall or per
+    CPU second): hGPT / each PEFT system at every count, and hGPT@T / hGPT@first count."""
+    rate = {(r["round"], r["tenants"], r["system"]): r[key] for r in rows if key in r}
     rounds = sorted({r["round"] for r in rows})
     out = []
     for T in counts:
@@ -123,7 +123,8 @@ def main(argv=None) -> int:
     summary = {"shape": args.shape, "lower_layers": args.lower_layers, "requests": args.requests,
                "max_tokens": args.max_tokens, "batch": args.batch, "rounds": args.rounds,
                "load": [min(r["load"] for r in rows), max(r["load"] for r in rows)],
-               "table": per_round(rows, args.tenants), "uptime": bench_tenants_gen.uptime()}
+               "table": per_round(rows, args.tenants), "table_cpu": per_round(rows, args.tenants, "tokens_per_cpu_s"),
+               "uptime": bench_tenants_gen.uptime()}
     print(json.dumps(summary, indent=1))
     if args.json:
         with open(args.json, "w") as f:
