@@ -39,6 +39,7 @@ The summary gives the median over rounds, hGPT@T / hGPT@1 and hGPT / transformer
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import tempfile
@@ -198,11 +199,17 @@ class Bench:
         states, cfg = self.peft_tenants(T), self.peft_config
         while self.peft_named < T:
             name = f"t{self.peft_named}"
-            # Each LoRA layer grows the adapter itself, and the weights are copied in place: what
-            # add_adapter and set_peft_model_state_dict do, without their walks over every module
-            # and the whole state dict per call (quadratic in the adapters: hours at 1,000).
+            # What add_adapter and set_peft_model_state_dict do, without their walks over every
+            # module, adapter and the whole state dict per call (quadratic: hours at 1,000): the
+            # first adapter is made by PEFT, each later one copies its entries, then its weights.
             for m in self.peft_layers:
-                m.update_layer(name, cfg.r, cfg.lora_alpha, config=cfg)
+                if name == "t0":
+                    m.update_layer(name, cfg.r, cfg.lora_alpha, config=cfg)
+                    continue
+                for attr in m.adapter_layer_names + m.other_param_names:
+                    entries = getattr(m, attr, None)
+                    if hasattr(entries, "keys") and "t0" in entries:
+                        entries[name] = copy.deepcopy(entries["t0"])
             self.peft_mixed.peft_config[name] = cfg
             with torch.no_grad():
                 for key, value in states[self.peft_named].items():
