@@ -23,7 +23,10 @@ Systems (one torch thread each, the same base weights):
 - transformers+PEFT: the HF GPT-2 model of the store's checkpoint with one PEFT LoRA slot
   (r 8 on c_attn of the same upper layers); requests grouped by tenant, the tenant's adapter
   loaded into the slot (set_peft_model_state_dict from host memory), then model.generate on
-  the group: what a user would write with transformers and PEFT.
+  the group: what a user would write with transformers and PEFT;
+- transformers+PEFT-mixed: the same model with every tenant's adapter loaded under its own name,
+  batches of --batch requests in arrival order, each row naming its adapter
+  (model.generate(..., adapter_names=[...]): PEFT's mixed-adapter batching).
 
 --device cuda runs hGPT on the GPU executor's decode path (needs CuPy and a GPU; compare it
 with itself across tenant counts: the other systems stay on the CPU).
@@ -36,6 +39,7 @@ The summary gives the median over rounds, hGPT@T / hGPT@1 and hGPT / transformer
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import tempfile
@@ -46,7 +50,9 @@ import time
 
 from tools.pretrain_decoder import WIKITEXT, read_lines
 
-SYSTEMS = ("hGPT", "hGPT-grouped", "GPT-shared", "GPT-dedicated", "transformers+PEFT")
+SYSTEMS = ("hGPT", "hGPT-grouped", "GPT-shared", "GPT-dedicated", "transformers+PEFT", "transformers+PEFT-mixed")
+# PEFT's LoRA targets: GPT-2 fuses q, k, v in one Conv1D (its LoRA covers all three); OPT has q and v apart.
+PEFT_TARGETS = {"gpt2": (["c_attn"], True), "opt": (["q_proj", "v_proj"], False)}
 
 
 # -- the systems ------------------------------------------------------------------------------
@@ -123,15 +129,23 @@ class Bench:
         self.store = hkstore.open(args.store)
         self.model_path = args.model or self.store.meta["model_path"]
         self.dec = self._no_eos(base_decoder(self.store))
-        self.full = self._no_eos(load_decoder(self.model_path, lower_layers=0))
-        self.full.eval()
+        self._full = None
         lines = [x for x in read_lines(os.path.join(WIKITEXT, "test.txt")) if not x.startswith("=")]
         ids = [t for t in self.dec.tokenize(lines[:20 * args.requests]) if len(t) >= args.prompt_tokens]
         self.prompts = [t[:args.prompt_tokens] for t in ids[:args.requests]]
         self.upper = list(range(self.dec.lower_layers, self.dec.config.num_layers))
         self.pets, self.peft_states, self.host_copies, self.slots = [], [], [], []
         self.slot_of: dict[int, int] = {}  # GPT-dedicated: tenant -> its resident slot
-        self.peft = None
+        self.peft = self.peft_mixed = None
+
+    @property
+    def full(self):
+        """The full decoder (GPT-shared), loaded on first use: a second copy of the weights."""
+        if self._full is None:
+            from runtime.model.decoder import load_decoder
+
+            self._full = self._no_eos(load_decoder(self.model_path, lower_layers=0)).eval()
+        return self._full
 
     @staticmethod
     def _no_eos(dec):
@@ -156,17 +170,54 @@ class Bench:
             self.pets.append(Pet(tensors, {"pet_type": "lora", "task": "lm", "rank": r, "scale": 2.0}))
         return self.pets[:T]
 
+    def _peft_base(self):
+        import torch
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
+
+        base = AutoModelForCausalLM.from_pretrained(self.model_path, torch_dtype=torch.float32).eval()
+        targets, fan_in_fan_out = PEFT_TARGETS[self.dec.config.arch]
+        self.peft_config = LoraConfig(r=self.args.rank, lora_alpha=2 * self.args.rank, target_modules=targets,
+                                      layers_to_transform=self.upper, fan_in_fan_out=fan_in_fan_out,
+                                      lora_dropout=0.0)
+        return get_peft_model(base, self.peft_config).eval()
+
     def peft_model(self):
         if self.peft is None:
-            import torch
-            from peft import LoraConfig, get_peft_model
-            from transformers import GPT2LMHeadModel
-
-            base = GPT2LMHeadModel.from_pretrained(self.model_path, torch_dtype=torch.float32).eval()
-            cfg = LoraConfig(r=self.args.rank, lora_alpha=2 * self.args.rank, target_modules=["c_attn"],
-                             layers_to_transform=self.upper, fan_in_fan_out=True, lora_dropout=0.0)
-            self.peft = get_peft_model(base, cfg).eval()
+            self.peft = self._peft_base()
         return self.peft
+
+    def peft_mixed_model(self, T):
+        """A PEFT model holding tenants 0..T-1's adapters, named t0, t1, ... (loaded once)."""
+        import torch
+
+        from peft.tuners.lora import LoraLayer
+
+        if self.peft_mixed is None:
+            self.peft_mixed, self.peft_named = self._peft_base(), 0
+            self.peft_layers = [m for m in self.peft_mixed.modules() if isinstance(m, LoraLayer)]
+        states, cfg = self.peft_tenants(T), self.peft_config
+        while self.peft_named < T:
+            name = f"t{self.peft_named}"
+            # What add_adapter and set_peft_model_state_dict do, without their walks over every
+            # module, adapter and the whole state dict per call (quadratic: hours at 1,000): the
+            # first adapter is made by PEFT, each later one copies its entries, then its weights.
+            for m in self.peft_layers:
+                if name == "t0":
+                    m.update_layer(name, cfg.r, cfg.lora_alpha, config=cfg)
+                    continue
+                for attr in m.adapter_layer_names + m.other_param_names:
+                    entries = getattr(m, attr, None)
+                    if hasattr(entries, "keys") and "t0" in entries:
+                        entries[name] = copy.deepcopy(entries["t0"])
+            self.peft_mixed.peft_config[name] = cfg
+            with torch.no_grad():
+                for key, value in states[self.peft_named].items():
+                    at = key.replace(".lora_A.weight", f".lora_A.{name}.weight").replace(
+                        ".lora_B.weight", f".lora_B.{name}.weight")
+                    self.peft_mixed.get_parameter(at).copy_(value)
+            self.peft_named += 1
+        return self.peft_mixed.eval()
 
     def peft_tenants(self, T):
         import torch
@@ -193,11 +244,11 @@ class Bench:
                           for _ in range(self.args.resident)]
         return self.host_copies
 
-    # one measurement: (output tokens, seconds, swaps)
+    # one measurement: (output tokens, wall seconds, CPU seconds, swaps)
 
     def measure(self, system, tenants):
         a = self.args
-        t0 = time.perf_counter()
+        self._start()
         swaps = 0
         if system in ("hGPT", "hGPT-grouped"):
             from runtime.gen import batched_step, batcher, plot_decode
@@ -214,19 +265,21 @@ class Bench:
                 gen = DevicePlotDecoder(self.store.snapshot(), "root", self.dec, executor=self.executor)
             batched_step.lora_only = batcher.lora_only = plot_decode.lora_only = (
                 lora_only if system == "hGPT" else (lambda pet: pet is None))
-            t0 = time.perf_counter()
+            self._start()
             try:
                 tokens = run_batcher(gen, self.prompts, [pets[t] for t in tenants], a.max_tokens, a.batch)
             finally:
                 batched_step.lora_only = batcher.lora_only = plot_decode.lora_only = lora_only
         elif system == "GPT-shared":
-            tokens = run_batcher(FullGen(self.full), self.prompts, [None] * len(tenants), a.max_tokens, a.batch)
+            full = self.full  # (loaded on first use, outside the clocks)
+            self._start()
+            tokens = run_batcher(FullGen(full), self.prompts, [None] * len(tenants), a.max_tokens, a.batch)
         elif system == "GPT-dedicated":
             import torch
 
             copies = self.dedicated_copies()
             resident: list = []  # tenants in the slots, least recently used first
-            t0 = time.perf_counter()
+            self._start()
             tokens = 0
             for tenant, rows in self._groups(tenants):
                 if tenant in resident:
@@ -245,26 +298,44 @@ class Bench:
                 resident.append(tenant)
                 tokens += run_batcher(FullGen(self.slots[slot]), [self.prompts[j] for j in rows], [None] * len(rows),
                                       a.max_tokens, a.batch)
+        elif system == "transformers+PEFT-mixed":
+            model = self.peft_mixed_model(max(tenants) + 1)
+            self._start()
+            tokens = 0
+            for k in range(0, len(tenants), a.batch):
+                tokens += self._peft_generate(model, list(range(k, min(k + a.batch, len(tenants)))),
+                                              adapter_names=[f"t{t}" for t in tenants[k:k + a.batch]])
         else:
-            import torch
             from peft import set_peft_model_state_dict
 
             model = self.peft_model()
             states = self.peft_tenants(max(tenants) + 1)
-            t0 = time.perf_counter()
+            self._start()
             tokens, current = 0, None
             for tenant, rows in self._groups(tenants):
                 if tenant != current:
                     set_peft_model_state_dict(model, states[tenant])
                     current = tenant
                     swaps += 1
-                ids = torch.tensor([self.prompts[j] for j in rows])
-                with torch.no_grad():
-                    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                         max_new_tokens=a.max_tokens, min_new_tokens=a.max_tokens,
-                                         pad_token_id=0)
-                tokens += (out.shape[1] - ids.shape[1]) * out.shape[0]
-        return tokens, time.perf_counter() - t0, swaps
+                tokens += self._peft_generate(model, rows)
+        wall, cpu = time.perf_counter() - self._t0[0], time.process_time() - self._t0[1]
+        return tokens, wall, cpu, swaps
+
+    def _start(self):
+        """Start the clocks: wall time, and this process's CPU time (what a loaded machine's
+        share of the cores does not change as much)."""
+        self._t0 = (time.perf_counter(), time.process_time())
+
+    def _peft_generate(self, model, rows, **kw):
+        """Greedy model.generate on the prompts of rows (all of one length); output tokens."""
+        import torch
+
+        ids = torch.tensor([self.prompts[j] for j in rows])
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=self.args.max_tokens, min_new_tokens=self.args.max_tokens,
+                                 pad_token_id=0, **kw)
+        return (out.shape[1] - ids.shape[1]) * out.shape[0]
 
     def _groups(self, tenants):
         """(tenant, request indices) in first-arrival order, at most --batch a group."""
@@ -339,9 +410,10 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     for k, (rnd, T, system) in enumerate(plan):
         tenants = np.random.default_rng(1000 * rnd + T).integers(T, size=len(bench.prompts)).tolist()
-        tokens, seconds, swaps = bench.measure(system, tenants)
+        tokens, seconds, cpu, swaps = bench.measure(system, tenants)
         row = {"round": rnd, "tenants": T, "system": system, "tokens": tokens, "seconds": round(seconds, 3),
-               "tokens_per_s": round(tokens / seconds, 2), "swaps": swaps, "distinct": len(set(tenants)),
+               "tokens_per_s": round(tokens / seconds, 2), "cpu_seconds": round(cpu, 3),
+               "tokens_per_cpu_s": round(tokens / cpu, 2), "swaps": swaps, "distinct": len(set(tenants)),
                "load": os.getloadavg()[0], "device": args.device if system == "hGPT" else "cpu"}
         with open(args.out, "a") as f:
             f.write(json.dumps(row) + "\n")

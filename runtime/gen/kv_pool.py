@@ -51,8 +51,11 @@ class KVPool(Pages):
         c = decoder.config
         self.first = decoder.lower_layers
         n = c.num_layers - decoder.lower_layers
-        self.k = torch.zeros(n, positions, c.kv_heads, c.head_dim)
-        self.v = torch.zeros(n, positions, c.kv_heads, c.head_dim)
+        # Uninitialized: zeroing touched every page of the worst case (max_running x context: 2 GB
+        # for a 124M decoder) up front; the OS commits a page when it is first written, and a
+        # step only reads pages its sequences wrote (attend repeats a written page past a length).
+        self.k = torch.empty(n, positions, c.kv_heads, c.head_dim)
+        self.v = torch.empty(n, positions, c.kv_heads, c.head_dim)
 
     def adopt(self, seq, slots: torch.Tensor) -> None:
         """Move seq's KVCache (one unpadded sequence: every position real) into its pages."""
