@@ -7,7 +7,6 @@ import json
 import os
 from types import SimpleNamespace
 
-import click
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -15,19 +14,11 @@ from hypothesis import given, settings, strategies as st
 
 import hkstore
 from runtime.construct import manager, recipe
-from runtime.construct.commands import COMMANDS
 from runtime.model.tiny import make_tiny_model
+from test_cli_model import cli  # noqa: F401 - the construction commands as one click group
 from test_manager import make_data
 
 FAST = ["--epochs", "1", "--max-len", "32", "-q"]
-
-
-@pytest.fixture(scope="module")
-def cli():
-    group = click.Group("hkstore")
-    for name, command in COMMANDS.items():
-        group.add_command(command, name)
-    return group
 
 
 @pytest.fixture(scope="module")
