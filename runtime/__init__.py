@@ -44,7 +44,8 @@ __all__ = [
 
 def open(store_path, device: str = "auto", **options) -> Runtime:  # noqa: A001 - the package's verb
     """A Runtime serving the store at store_path; options as Runtime's (max_len, max_batch,
-    pet_cache_bytes, pipeline, prefetch, hot_tier_rows, host_cache_bytes, dtype, lora_kernel,
+    pet_cache_bytes, pipeline and prefetch (the overlap threads: on by default on a GPU, off on the
+    CPU, where they compete with compute for the cores), hot_tier_rows, host_cache_bytes, dtype, lora_kernel,
     students_target_s: the students' pruning policy's latency target, length_buffer: batches of
     similar lengths from what waits, False for first come first served; batching: fifo, length,
     coordinated (PetS's coordinated batching) or tenant (one tenant a batch), overrides length_buffer;
