@@ -104,7 +104,6 @@ def every_subtoken(whole, t):
 
 
 def run_peft(args, whole, t, system):
-    import torch
     from benchmarks.hmi_accuracy import predict
     from runtime.construct.train import _fit, _task_loss
 
