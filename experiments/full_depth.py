@@ -43,6 +43,8 @@ import time
 from pathlib import Path
 
 from benchmarks.hmi_accuracy import SCIBERT
+from runtime.construct.full import embeddings
+from runtime.construct.recipe import FULL
 
 TASK_ORDER = ("NCBI-disease", "chemprot", "bc5cdr", "citation_intent", "sciie", "sci-cite")
 ROWS = ("dedicated", "fd-lora", "upper-lora", "fd-adapter", "adapter-only", "upper-adapter", "upper-lora8",
@@ -68,19 +70,6 @@ def say(msg):
     print(f"[{wall:7.1f}s wall, cpu {time.process_time():7.1f}s] {msg}", flush=True)
 
 
-def embeddings(encoder, seqs, batch=64):
-    """Frozen embedding output, one (L, d) tensor per sequence: the full-depth PET's input."""
-    import torch
-
-    out = []
-    with torch.no_grad():
-        for start in range(0, len(seqs), batch):
-            part = seqs[start:start + batch]
-            h = encoder.embed(encoder.pad(part)[0])
-            out += [h[b, :len(s)].clone() for b, s in enumerate(part)]
-    return out
-
-
 def new_recipe(args):
     from runtime.construct.train import TrainConfig
 
@@ -99,6 +88,20 @@ def pet_row(args, encoder, t, inputs_of, pet_type, layers, recipe=None, **option
     trained, log = train_pet(encoder, pet, train_x, t.train_y, recipe or new_recipe(args))
     score = t.score(predict(lambda b: head(trained, encoder.upper(*padded(b), trained)), test_x))
     return score, log, trained
+
+
+def fd_lora(args, whole, t):
+    """The full-depth PET as tenant create trains it (runtime.construct.full.train_full: the
+    recipe), with this run's settings, which default to the recipe's."""
+    from runtime.construct.full import train_full
+    from runtime.model.pet import head
+    from benchmarks.hmi_accuracy import padded, predict
+
+    trained, log, _ = train_full(whole, t.kind, t.labels, t.train_ids, t.train_y, lr=args.lr, epochs=args.epochs,
+                                 warmup=args.warmup, batch_size=args.batch_size, rank=args.rank, scale=args.scale,
+                                 seed=args.seed, progress=args.progress)
+    test_x = embeddings(whole, t.test_ids)
+    return t.score(predict(lambda b: head(trained, whole.upper(*padded(b), trained)), test_x)), log, trained
 
 
 def pet_bytes(pet, encoder_bytes):
@@ -131,7 +134,7 @@ def run_row(args, ctx, t, row):
     elif row == "adapter-only":
         score, log = row_adapter_only(args, ctx, t)
     elif row == "fd-lora":
-        score, log, pet = pet_row(args, whole, t, embeddings, "lora", range(6), **lora)
+        score, log, pet = fd_lora(args, whole, t)
         extra = pet_bytes(pet, ctx["encoder_bytes"])
     elif row == "upper-lora":
         score, log, pet = pet_row(args, base, t, full_lower, "lora", range(3, 6), **lora)
@@ -214,11 +217,14 @@ def main(argv=None):
     p.add_argument("--eval-split", choices=("dev", "test"), default="dev",
                    help="score on dev (choosing settings) or test (reporting the chosen ones)")
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--epochs", type=int, default=10, help="PET rows (and the harness's adapter-only row)")
-    p.add_argument("--lr", type=float, default=1e-3, help="the new recipe's learning rate (PET rows)")
-    p.add_argument("--warmup", type=float, default=0.06, help="the new recipe's warm-up share of the steps")
-    p.add_argument("--rank", type=int, default=16)
-    p.add_argument("--scale", type=float, default=2.0, help="LoRA alpha / rank")
+    # The new recipe is the product's full-depth recipe (runtime.construct.recipe.FULL["lora"]).
+    p.add_argument("--epochs", type=int, default=FULL["lora"].epochs,
+                   help="PET rows (and the harness's adapter-only row)")
+    p.add_argument("--lr", type=float, default=FULL["lora"].lr, help="the new recipe's learning rate (PET rows)")
+    p.add_argument("--warmup", type=float, default=FULL["lora"].warmup,
+                   help="the new recipe's warm-up share of the steps")
+    p.add_argument("--rank", type=int, default=FULL["lora"].options["rank"])
+    p.add_argument("--scale", type=float, default=FULL["lora"].options["scale"], help="LoRA alpha / rank")
     p.add_argument("--bottleneck", type=int, default=64)
     p.add_argument("--epochs-full", type=int, default=6, help="dedicated (the harness's default)")
     p.add_argument("--lr-full", type=float, default=2e-4, help="dedicated (the harness's default)")

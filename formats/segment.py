@@ -16,7 +16,7 @@ import threading
 import numpy as np
 import xxhash
 
-from formats import accel
+from formats import accel, hugepages
 from formats.durable import fsync_dir
 from formats.errors import CorruptError, FormatError
 from formats.manifest import identity
@@ -198,6 +198,8 @@ class Segment:
         self.values = self._array("values", "<f2" if self.dtype == "fp16" else "i1", (count, slots, d))
         self.scales = self._array("scales", "<f4", (count, slots)) if self.dtype == "int8" else None
         self._checked = False
+        self._huge = False  # index and keys copied into huge pages (warm)
+        self._all_rows_ok = False  # warm() checked every value row
         self._row_ok = None
         self._lock = threading.Lock()
 
@@ -318,9 +320,11 @@ class Segment:
             if out_rows is not None:
                 out_rows = np.ascontiguousarray(out_rows, dtype=np.int64)
             # One pass: first-return rows are checked against their rowsums, then copied
-            # (int8: dequantized); rows are prefetched ahead.
-            bad = ext.gather(self.values, self.count, self.slots, entries, out, out_rows, self.scales, self.rowsums,
-                             self._row_ok, key_hashes)
+            # (int8: dequantized); rows are prefetched ahead. Once warm() has checked every row,
+            # the gather skips the row_ok test and the rowsum prefetch: two random reads a row.
+            rowsums, row_ok, hashes = (None,) * 3 if self._all_rows_ok else (self.rowsums, self._row_ok, key_hashes)
+            bad = ext.gather(self.values, self.count, self.slots, entries, out, out_rows, self.scales, rowsums, row_ok,
+                             hashes)
             if bad >= 0:
                 raise CorruptError(f"segment {self.name}: value row {entries[bad]} fails its checksum")
             return out
@@ -345,8 +349,11 @@ class Segment:
         of the row for every row they return for the first time (most rows of a Zipf tail).
         Costs one pass over the values section (about 0.5 s of one core per 2.3 GB); the C path
         releases the GIL, so a thread can run it beside lookups. A damaged row is left
-        unchecked, so a lookup that returns it still raises; returns how many rows failed."""
+        unchecked, so a lookup that returns it still raises; returns how many rows failed.
+        A big segment's index and keys (checked now) are also copied into huge-page memory
+        (formats/hugepages.py): the probe's random reads then take no page walks."""
         self._check_once()
+        self._huge_search_arrays()
         ext = accel.ext
         failed = 0
         for s in range(0, self.count, chunk):
@@ -363,7 +370,17 @@ class Segment:
             good = sums == self.rowsums[todo]
             self._row_ok[todo[good]] = True
             failed += int((~good).sum())
+        self._all_rows_ok = not failed and bool(self._row_ok.all())
         return failed
+
+    def _huge_search_arrays(self):
+        # Below a huge page the index and keys stay few pages, which the TLB keeps anyway.
+        with self._lock:
+            if self._huge or self.index.nbytes < hugepages.HUGE_PAGE or not hugepages.available():
+                return
+            self.keys = hugepages.huge_copy(self.keys)
+            self.index = hugepages.huge_copy(self.index)
+            self._huge = True
 
     def check_rows(self, entries):
         """Check the given entries' value rows against their rowsums (verify walks them all)."""

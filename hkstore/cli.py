@@ -309,10 +309,11 @@ def diff(a, b, tolerance, as_json):
             for k in ("added", "removed", "changed"):
                 if q[k]:
                     click.echo(f"  {k}: {', '.join(q[k])}")
-            if "students" in q:
-                st = q["students"]
-                click.echo(f"{'students':10} {'':>10} {len(st['added']):>10} {'':>10} {'':>10} {len(st['removed']):>10} "
-                           f"{len(st['changed']):>10} {st['unchanged']:>10}")
+            for kind in ("students", "full"):
+                if kind in q:
+                    st = q[kind]
+                    click.echo(f"{kind:10} {'':>10} {len(st['added']):>10} {'':>10} {'':>10} {len(st['removed']):>10} "
+                               f"{len(st['changed']):>10} {st['unchanged']:>10}")
 
     emit(r, as_json, human)
 
@@ -405,25 +406,39 @@ def pack_ls(store, as_json):
         rows.append({"tenant": tenant, "pet_type": meta.get("pet_type"), "task": meta.get("task"),
                      "version": meta.get("version"), "bytes": loc["length"], "created": meta.get("created")})
         if tenant in snap.students:  # its students record, one row below the PET's
-            teacher = meta.get("created")
-            meta = snap.read_students(tenant).meta
-            # FORMAT.md section 5: distilled from another PET than the current one = stale
-            state = ("unfinished" if not meta.get("complete")
-                     else "stale" if meta.get("teacher_created") != teacher else "ready")
-            rows.append({"tenant": tenant, "pet_type": "students", "task": meta.get("task"),
-                         "version": meta.get("version"), "bytes": snap.students[tenant]["length"],
-                         "created": meta.get("created"), "students": meta.get("students"),
-                         "complete": meta.get("complete"), "state": state})
+            rows.append(_students_row(snap, tenant, meta.get("created")))
+        if tenant in snap.full:  # and its full-depth PET
+            rows.append(_full_row(snap, tenant, meta.get("created")))
 
     def human(rows):
         click.echo(f"{'tenant':24} {'pet':10} {'task':14} {'version':16} {'bytes':>10}")
         for r in rows:
-            more = f"  {r['students']} students{'' if r['state'] == 'ready' else ' (' + r['state'] + ')'}" \
-                if "students" in r else ""
+            more = f"  {r['students']} students" if "students" in r else "  full depth" if r.get("level") == "full" else ""
+            if more and r["state"] != "ready":
+                more += f" ({r['state']})"
             click.echo(f"{r['tenant']:24} {r['pet_type']!s:10} {r['task']!s:14} {r['version']!s:16} "
                        f"{r['bytes']:>10,}{more}")
 
     emit(rows, as_json, human)
+
+
+def _students_row(snap, tenant, teacher):
+    meta = snap.read_students(tenant).meta
+    # FORMAT.md section 5: distilled from another PET than the current one = stale
+    state = ("unfinished" if not meta.get("complete")
+             else "stale" if meta.get("teacher_created") != teacher else "ready")
+    return {"tenant": tenant, "pet_type": "students", "task": meta.get("task"),
+            "version": meta.get("version"), "bytes": snap.students[tenant]["length"],
+            "created": meta.get("created"), "students": meta.get("students"),
+            "complete": meta.get("complete"), "state": state}
+
+
+def _full_row(snap, tenant, pet_created):
+    meta = snap.read_full(tenant).meta
+    # FORMAT.md section 5: trained with another PET than the current one = stale, never served
+    return {"tenant": tenant, "pet_type": meta.get("pet_type"), "level": "full", "task": meta.get("task"),
+            "version": meta.get("version"), "bytes": snap.full[tenant]["length"], "created": meta.get("created"),
+            "layers": meta.get("layers"), "state": "stale" if meta.get("pet_created") != pet_created else "ready"}
 
 
 @pack.command("rm")

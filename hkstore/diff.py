@@ -106,12 +106,14 @@ def diff_pets(snap_a, snap_b):
     changed = [t for t in both if not _same_record(snap_a.read_pet(t), snap_b.read_pet(t))]
     out = {"added": sorted(tb - ta), "removed": sorted(ta - tb), "changed": changed,
            "unchanged": len(both) - len(changed)}
-    sa, sb = set(snap_a.students), set(snap_b.students)
-    if sa or sb:  # tenants' students records (FORMAT.md section 5), compared the same way
-        same = sorted(sa & sb)
-        moved = [t for t in same if not _same_record(snap_a.read_students(t), snap_b.read_students(t))]
-        out["students"] = {"added": sorted(sb - sa), "removed": sorted(sa - sb), "changed": moved,
-                           "unchanged": len(same) - len(moved)}
+    for kind in ("students", "full"):  # tenants' students and full-depth records (FORMAT.md section 5), alike
+        sa, sb = set(getattr(snap_a, kind)), set(getattr(snap_b, kind))
+        if sa or sb:
+            read_a, read_b = getattr(snap_a, f"read_{kind}"), getattr(snap_b, f"read_{kind}")
+            same = sorted(sa & sb)
+            moved = [t for t in same if not _same_record(read_a(t), read_b(t))]
+            out[kind] = {"added": sorted(sb - sa), "removed": sorted(sa - sb), "changed": moved,
+                         "unchanged": len(same) - len(moved)}
     return out
 
 

@@ -10,7 +10,15 @@ from formats.backoff import left
 from formats.errors import CorruptError, FormatError, RollbackError
 from formats.position import read_position
 from formats.segment import Segment
-from hkstore.store import open_store
+from hkstore.store import MAPS, record_kind, open_store
+
+REWRITE_BATCH_BYTES = 64 << 20  # live records gc copies per commit
+
+
+def live_records(manifest):
+    """(kind, tenant, location) of every record the manifest names: each tenant's PET, students
+    and full-depth PET (FORMAT.md section 5), by kind, then tenant."""
+    return [(kind, tenant, loc) for kind, name in MAPS.items() for tenant, loc in sorted(manifest.get(name, {}).items())]
 
 
 def store_bytes(path, manifest) -> dict:
@@ -22,8 +30,7 @@ def store_bytes(path, manifest) -> dict:
     positions = {v["position"]["file"] for v in manifest["versions"] if v.get("position")}
     out = {"segments": sum(os.path.getsize(os.path.join(path, "segments", s)) for s in segments),
            "positions": sum(os.path.getsize(os.path.join(path, "positions", p)) for p in positions),
-           "pets": sum(loc["length"] for loc in [*manifest["pets"].values(),
-                                                   *manifest.get("students", {}).values()]),
+           "pets": sum(loc["length"] for _, _, loc in live_records(manifest)),
            "packs": sum(os.path.getsize(os.path.join(path, "packs", p)) for p in manifest["packs"])}
     out["live"] = out["segments"] + out["positions"] + out["pets"]
     out["on_disk"] = out["segments"] + out["positions"] + out["packs"]
@@ -84,16 +91,13 @@ def verify(path):
                 checked["bytes"] += os.path.getsize(os.path.join(path, "positions", entry["file"]))
             except (FormatError, OSError) as e:
                 problems.append(f"version {v['name']}: {e}")
-    live = [(t, loc, False) for t, loc in sorted(manifest["pets"].items())]
-    live += [(t, loc, True) for t, loc in sorted(manifest.get("students", {}).items())]
-    for tenant, loc, students in live:
+    for kind, tenant, loc in live_records(manifest):
         try:
             with open(os.path.join(path, "packs", loc["file"]), "rb") as f:
                 data = os.pread(f.fileno(), loc["length"], loc["offset"])
             record = pack.decode_record(data, 0, len(data))
-            if (record.tenant != tenant or record.tombstone
-                    or (record.meta.get("pet_type") == "students") != students):
-                what = "students" if students else "live"
+            if record.tenant != tenant or record.tombstone or record_kind(record.meta) != kind:
+                what = {"pet": "live", "students": "students", "full": "full-depth PET"}[kind]
                 raise CorruptError(f"record at {loc['file']}:{loc['offset']} is not tenant {tenant!r}'s {what} record")
             checked["pets"] += 1
             checked["bytes"] += loc["length"]
@@ -204,18 +208,25 @@ def _rewrite_packs(store, live_fraction=0.5):
     manifest = store.snapshot().manifest
     sizes = {p: os.path.getsize(os.path.join(store.path, "packs", p)) for p in manifest["packs"][:-1]}
     live = {p: 0 for p in sizes}
-    students = manifest.get("students", {})
-    for loc in [*manifest["pets"].values(), *students.values()]:
+    records = live_records(manifest)
+    for _, _, loc in records:
         if loc["file"] in live:
             live[loc["file"]] += loc["length"]
     victims = [p for p in sizes if live[p] < live_fraction * sizes[p]]
     if not victims:
         return []
-    for tenant, loc in sorted(manifest["pets"].items()):
+    read = {"pet": store.get_pet, "students": store.get_students, "full": store.get_full}
+    batch, held = [], 0
+    # In live_records' order, PETs first: a students or full-depth record needs its tenant's PET.
+    # Commits of up to REWRITE_BATCH_BYTES each: few commits, and memory stays bounded.
+    for kind, tenant, loc in records:
         if loc["file"] in victims:
-            store.put_pet(store.get_pet(tenant))
-    for tenant, loc in sorted(students.items()):
-        if loc["file"] in victims:
-            store.put_students(store.get_students(tenant))
+            batch.append(read[kind](tenant))
+            held += loc["length"]
+            if held >= REWRITE_BATCH_BYTES:
+                store.put_pets(batch)
+                batch, held = [], 0
+    if batch:
+        store.put_pets(batch)
     store._commit(lambda m: m.__setitem__("packs", [p for p in m["packs"] if p not in victims]))
     return victims

@@ -29,6 +29,21 @@ NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 PACK_ROLL_BYTES = 256 << 20  # start a new pack file past this size, so gc can rewrite in pieces
 
 
+# A record's kind says which manifest map names it (FORMAT.md section 5): a tenant's PET, its
+# students record, or its full-depth PET.
+MAPS = {"pet": "pets", "students": "students", "full": "full"}
+KIND_NAMES = {"pet": "PET", "students": "students", "full": "full-depth PET"}
+FOUND = {"pet": "", "students": "students ", "full": "full-depth PET "}
+
+
+def record_kind(meta):
+    """"students" (meta pet_type "students"), "full" (meta level "full") or "pet"; a tombstone's
+    kind says what it removes."""
+    if meta.get("pet_type") == "students":
+        return "students"
+    return "full" if meta.get("level") == "full" else "pet"
+
+
 def check_name(kind, name):
     if not isinstance(name, str) or not NAME.fullmatch(name):
         raise StoreError(f"invalid {kind} name {name!r}: use 1-64 letters, digits, '.', '_' or '-', not starting with a symbol")
@@ -89,17 +104,27 @@ class Snapshot:
         """tenant -> location of its students record (FORMAT.md section 5); older stores: none."""
         return self.manifest.get("students", {})
 
+    @property
+    def full(self):
+        """tenant -> location of its full-depth PET record (FORMAT.md section 5); older stores: none."""
+        return self.manifest.get("full", {})
+
     def read_students(self, tenant):
         if tenant not in self.students:
             raise UnknownTenant(f"tenant {tenant!r} has no students")
-        return self._read_record(tenant, self.students[tenant], students=True)
+        return self._read_record(tenant, self.students[tenant], "students")
+
+    def read_full(self, tenant):
+        if tenant not in self.full:
+            raise UnknownTenant(f"tenant {tenant!r} has no full-depth PET")
+        return self._read_record(tenant, self.full[tenant], "full")
 
     def read_pet(self, tenant):
         if tenant not in self.manifest["pets"]:
             raise UnknownTenant(f"unknown tenant {tenant!r}")
-        return self._read_record(tenant, self.manifest["pets"][tenant])
+        return self._read_record(tenant, self.manifest["pets"][tenant], "pet")
 
-    def _read_record(self, tenant, loc, students=False):
+    def _read_record(self, tenant, loc, kind):
         name = loc["file"]
         packfile = (self._packs or {}).get(name)
         if packfile is None:
@@ -120,12 +145,11 @@ class Snapshot:
             raise CorruptError(f"{where} (tenant {tenant!r}): {e}") from None
         # Identities cover what the manifest recorded them for; the record's own tenant and kind
         # are checked on every read, so another tenant's PET is never served as this one's.
-        kind = "students" if students else "PET"
-        if record.tenant != tenant or record.tombstone or (record.meta.get("pet_type") == "students") != students:
+        if record.tenant != tenant or record.tombstone or record_kind(record.meta) != kind:
             what = "a tombstone" if record.tombstone else \
-                f"tenant {record.tenant!r}'s {'students ' if record.meta.get('pet_type') == 'students' else ''}record"
-            raise CorruptError(f"{where} is {what}, not tenant {tenant!r}'s {kind} record: a pack file in another's "
-                               "place? run hkstore verify")
+                f"tenant {record.tenant!r}'s {FOUND[record_kind(record.meta)]}record"
+            raise CorruptError(f"{where} is {what}, not tenant {tenant!r}'s {KIND_NAMES[kind]} record: a pack file in "
+                               "another's place? run hkstore verify")
         return record
 
 
@@ -305,7 +329,7 @@ class Store:
                     positions[entry["file"]] = self._positions.get(entry["file"]) or PositionFile(
                         os.path.join(self.path, "positions", entry["file"]), entry, manifest["meta"]["d"])
             packs = {}
-            live = [*manifest["pets"].values(), *manifest.get("students", {}).values()]
+            live = [loc for kind in MAPS.values() for loc in manifest.get(kind, {}).values()]
             for name in set(manifest["packs"]) | {loc["file"] for loc in live}:
                 packs[name] = self._packs.get(name) or PackFile(os.path.join(self.path, "packs", name))
             self._segments = opened  # a refused file is opened afresh next time (it may have been put right)
@@ -331,7 +355,8 @@ class Store:
 
     def warm(self, background=False):
         """Map and check every value row of the current snapshot's segments now (Segment.warm),
-        so lookups skip the first-return check and page faults; returns the rows that failed.
+        so lookups skip the first-return check and page faults, and copy each big segment's index
+        and keys into huge pages (about 20 bytes an entry more memory); returns the rows that failed.
         A segment in another file's slot is skipped: lookups that reach it raise anyway.
         background=True runs it in a daemon thread (the C path releases the GIL, so lookups go
         on meanwhile, checking the rows they reach first themselves) and returns the thread."""
@@ -583,28 +608,27 @@ class Store:
         return locations, place
 
     def put_pets(self, records):
-        """Store, replace or (tombstone records) delete tenants' PETs in one commit; durable
-        once this returns. One commit for many records keeps bulk loads fast."""
+        """Store, replace or (tombstone records) delete tenants' PETs, students and full-depth
+        PETs in one commit, in order; durable once this returns. One commit for many records
+        keeps bulk loads fast. A students or full-depth record needs its tenant's PET (stored
+        before it, or earlier in `records`): UnknownTenant otherwise, and nothing is written."""
         self._require_writable()
         records = list(records)
+        tenants = set(self._manifest["pets"])
         for record in records:
             check_name("tenant", record.tenant)
+            kind = record_kind(record.meta)
+            if kind == "pet":
+                (tenants.discard if record.tombstone else tenants.add)(record.tenant)
+            elif not record.tombstone and record.tenant not in tenants:
+                raise UnknownTenant(f"unknown tenant {record.tenant!r}: a {KIND_NAMES[kind]} record is stored "
+                                    "beside the tenant's PET")
         locations, place = self._append_pets(records)
 
         def change(m):
             place(m)
             for record, loc in zip(records, locations):
-                students = m.setdefault("students", {})
-                if record.tombstone:  # a tenant's students go with it; a students tombstone drops only them
-                    students.pop(record.tenant, None)
-                    if record.meta.get("pet_type") != "students":
-                        m["pets"].pop(record.tenant, None)
-                elif record.meta.get("pet_type") == "students":
-                    students[record.tenant] = loc
-                else:
-                    m["pets"][record.tenant] = loc
-                if not students:
-                    del m["students"]  # manifests without students stay as older writers wrote them
+                _place_record(m, record, loc)
 
         self._commit(change)
 
@@ -643,6 +667,44 @@ class Store:
         self.put_pets([pack.PetRecord(tenant=tenant, meta={"deleted": time.time(), "pet_type": "students"},
                                       tensors={}, tombstone=True)])
 
+    def put_full(self, record):
+        """Store (or replace) a tenant's full-depth PET (meta level "full", FORMAT.md section 5);
+        the tenant must have a PET, the one whose `created` the record's `pet_created` names."""
+        if record.tombstone or record_kind(record.meta) != "full":
+            raise StoreError("a full-depth PET record has meta level 'full' and is no tombstone "
+                             "(delete_full removes one)")
+        if record.tenant not in self._manifest["pets"]:
+            raise UnknownTenant(f"unknown tenant {record.tenant!r}: a full-depth PET is stored beside the tenant's PET")
+        self.put_pets([record])
+
+    def get_full(self, tenant):
+        return self._snapshot.read_full(tenant)
+
+    def delete_full(self, tenant):
+        """Remove only the tenant's full-depth PET: its PET and students stay."""
+        self._require_writable()
+        if tenant not in self._manifest.get("full", {}):
+            raise UnknownTenant(f"tenant {tenant!r} has no full-depth PET")
+        self.put_pets([pack.PetRecord(tenant=tenant, meta={"deleted": time.time(), "level": "full"},
+                                      tensors={}, tombstone=True)])
+
+    def fulls(self):
+        return dict(self._snapshot.full)
+
+
+def _place_record(m, record, loc):
+    """Name `record` (at `loc`) in manifest `m`'s map for its kind, or for a tombstone drop what
+    it removes: a students or full-depth tombstone that record only, any other the tenant whole."""
+    kind = record_kind(record.meta)
+    maps = {k: m.setdefault(name, {}) for k, name in MAPS.items()}
+    if not record.tombstone:
+        maps[kind][record.tenant] = loc
+    else:
+        for k in (MAPS if kind == "pet" else [kind]):
+            maps[k].pop(record.tenant, None)
+    for name in ("students", "full"):
+        if not m[name]:
+            del m[name]  # manifests without them stay as older writers wrote them
 
 def model_meta(model_dir):
     """Store metadata read from a Hugging Face BERT-format directory (no torch needed)."""

@@ -15,8 +15,9 @@ pipelining in runtime/engine.py). A ``Result`` carries the label (classification
 tags (tagging: one per word of a text, one per id of an ids request), the probabilities, the
 version that served it and timings in seconds (retrieval, transfer, compute, total). A request's
 ``policy`` (``fast`` | ``auto`` | ``exact``) picks the level that answers it (runtime.level: the
-PLOT, or lower layers computed in full context); ``Result.level``, ``.confidence`` (calibrated)
-and ``.pruned`` say how it was answered. A tenant with students (runtime.student, Student
+PLOT, or the tenant's top: its full-depth PET when it has a current one, else lower layers
+computed in full context); ``Result.level``, ``.level_name`` (students, plot, exact or full),
+``.confidence`` (calibrated) and ``.pruned`` say how it was answered. A tenant with students (runtime.student, Student
 Parallelism) may be answered by the first k of them instead of its teacher: per batch, the
 engine's pruning policy picks the teacher or k students under the measured load (latency
 target ``students_target_s``, 0.5 s); a request's ``students`` pins it (0 the teacher, k the

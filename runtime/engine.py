@@ -9,20 +9,28 @@
   company until it is full or its oldest request has waited that long. Cancelled work leaves
   the queue at once; work whose deadline its batch could not meet is answered ``Expired``.
 * **route**: each request's row of the batch plan (runtime.exec.rows.Row), decided as data
-  from the tenant's record, the request's policy and the load (runtime.sched.load): policy
-  exact reads the full-context lower layers (``context``); a tenant with students is answered
+  from the tenant's records, the request's policy and the load (runtime.sched.load): policy
+  exact reads the tenant's *top* (level 2): its current full-depth PET (``full``) when it has
+  one, else the full-context lower layers (``context``); a tenant with students is answered
   by the first k of them when the request pins k or the students' pruning policy
   (runtime.student.serve) picks k for the batch under the load (``students``); else the PLOT
   (``plot``), with, under policy auto, Tabi's coverage gate and the attention word pruning
   needs. Between gathering the PLOT inputs and computing, the engine applies the gate: a plot
-  row whose coverage (runtime.level.dispatch.coverage) is under its gate becomes a context row
-  of the same batch.
+  row whose coverage (runtime.level.dispatch.coverage) is under its gate becomes its top's row
+  (``Step.tops``) in the same batch.
+* **bursts** move work down the cascade: the pruning policy hands a batch to students, and
+  while a batch is *overloaded* (the pruning policy chose students for it, or its oldest
+  request has waited longer than ``overload_s``, the students' latency target by default,
+  past the ``max_wait_s`` it may wait for company by design)
+  its ``auto`` requests are answered at level 1: no coverage gate, no re-route to the top.
+  The rule is read per batch, with no hysteresis: the first batch after the burst re-routes
+  again.
 * **execute**: the executor (runtime.exec.cpu / gpu) runs the plan in three calls,
   ``gather`` -> ``prepare`` -> ``compute``; it computes what the rows say and decides nothing.
 * **update**: each row's logits become an answer (runtime.level.serve: calibrated, at the
   level that computed it); Tabi's dispatcher may send an ``auto`` answer up: its pruned tokens
-  go back to the queue as a context row, new work of a next step (no second call), and
-  ensemble with level 1's answer when they come back; the rest are answered.
+  go back to the queue as a row of its top (full or context), new work of a next step (no
+  second call), and ensemble with level 1's answer when they come back; the rest are answered.
 
 With ``pipeline=True`` a preparation thread schedules, routes, gathers and prepares batch i+1
 (the GPU executor stages its inputs to the device then) while a compute thread computes and
@@ -77,6 +85,7 @@ class Ask:
     policy: str  # fast | auto | exact (runtime.level.serve.policy_of)
     chosen: dict | None = None  # auto: the tenant's profiled Tabi policy (c, k, alpha, w, gate)
     students: object = None  # runtime.student.serve.Students when students may answer it
+    full: object = None  # the tenant's current full-depth ServingPet: its top; None: exact (context)
 
 
 @dataclass
@@ -121,12 +130,14 @@ class Step:
     rows: list
     level: object = None  # the pruning policy's choice ("teacher" or k); None: nothing to choose
     started: float = 0.0  # perf_counter when the batch left the queue
+    overloaded: bool = False  # auto requests stay at level 1 (the module doc's bursts)
+    tops: list | None = None  # per row, the top's row the coverage gate turns it into (None: no gate)
 
 
 class Engine:
     def __init__(self, executor, snapshot_fn, *, max_batch: int = 64, pipeline: bool = True,
                  batching: str | None = "length", batcher=None, students=None, window: int | None = None,
-                 max_wait_s: float = 0.0, name: str = "hkstore"):
+                 max_wait_s: float = 0.0, overload_s: float | None = None, name: str = "hkstore"):
         if max_batch < 1:
             raise ValueError(f"max_batch must be positive, got {max_batch}")
         if batching is not None and batching not in BATCHING:
@@ -136,6 +147,10 @@ class Engine:
         self.max_batch = int(max_batch)
         self.pipeline = bool(pipeline)
         self.students = students
+        if overload_s is None:  # the students' latency target: past it the pruning policy would prune too
+            policy = getattr(students, "policy", None)
+            overload_s = getattr(policy, "target_s", math.inf)
+        self.overload_s = float(overload_s)
         self.window = int(window or 4 * max_batch)
         self.max_wait_s = float(max_wait_s)
         self.batching = batching or "fifo"
@@ -314,14 +329,26 @@ class Engine:
         if self.students is not None and any(w.row is None and w.ask.students is not None
                                              and w.ask.students.asked is None for w in works):
             level = self.students.choose(load)
-        return Step(works, [w.row if w.row is not None else _row(w.ask, level) for w in works], level, now)
+        overloaded = self.overloaded(load, level)
+        rows = [w.row if w.row is not None else _row(w.ask, level, overloaded) for w in works]
+        tops = [_top(w.ask, r.ids) if r.gate > 0 and w.ask is not None else None for w, r in zip(works, rows)]
+        return Step(works, rows, level, now, overloaded, tops)
+
+    def overloaded(self, load, level) -> bool:
+        """Whether a batch is served under a burst (the module doc): the pruning policy chose
+        students for it, or its oldest request waited past overload_s (beyond max_wait_s)."""
+        return level not in (None, "teacher") or load.oldest_wait_s > self.overload_s + self.max_wait_s
 
     @staticmethod
-    def gate(rows, served, n: int) -> list:
+    def gate(rows, served, n: int, tops=None) -> list:
         """Tabi's coverage gate: a plot row whose lookup served too little of its windows at full
-        order goes to level 2 (context) in this same batch."""
-        return [dataclasses.replace(r, source="context", gate=0.0, attention=False)
-                if r.source == "plot" and r.gate > 0 and dispatch.coverage(served[b][1], n) < r.gate else r
+        order goes to level 2 in this same batch: its top's row (tops[b]), else a context row."""
+        def up(b, r):
+            if tops is not None and tops[b] is not None:
+                return tops[b]
+            return dataclasses.replace(r, source="context", gate=0.0, attention=False)
+
+        return [up(b, r) if r.source == "plot" and r.gate > 0 and dispatch.coverage(served[b][1], n) < r.gate else r
                 for b, r in enumerate(rows)]
 
     # -- execute -------------------------------------------------------------------------------
@@ -330,7 +357,7 @@ class Engine:
         snapshot = self.snapshot_fn()
         gathered = self.executor.gather(snapshot, step.rows)
         if any(r.gate > 0 for r in step.rows):
-            step.rows = self.gate(step.rows, gathered.served, snapshot.meta["n"])
+            step.rows = self.gate(step.rows, gathered.served, snapshot.meta["n"], step.tops)
         return self.executor.prepare(gathered, step.rows)
 
     def _prepared(self):
@@ -431,19 +458,19 @@ class Engine:
                 continue
             if w.first is not None:  # level 2 of a re-routed ask
                 w.future.set_result(rerouted(w.first, w.ask.pet, w.ask.positions, out, w.kept, w.dropped,
-                                             float(w.ask.chosen.get("w", 0.0))))
+                                             float(w.ask.chosen.get("w", 0.0)), w.ask.full))
                 continue
             students = row.k if row.source == "students" else 0
-            answer = single(w.ask.pet, out, 2 if row.source == "context" else 1, w.ask.positions, students)
+            answer = single(w.ask.pet, out, w.ask.positions, students, w.ask.full)
             # students answer only under load: re-routing their answers would add the work they save
             up = None
-            if w.ask.policy == "auto" and row.source == "plot":
+            if w.ask.policy == "auto" and row.source == "plot" and not step.overloaded:
                 up = send_up(w.ask.tenant, w.ask.ids, w.ask.positions, answer, w.ask.chosen, received)
             if up is None:
                 w.future.set_result(answer)
                 continue
             kept, dropped = up
-            row2 = Row([w.ask.ids[j] for j in kept], w.ask.pet, row.version, "context")
+            row2 = _top(w.ask, [w.ask.ids[j] for j in kept])
             again.append(Work(w.ask, row2, w.future, end, w.deadline, answer, kept, dropped))
         with self._cond:
             if again:  # Tabi's level 2: new work of the next step, ahead of what arrived since
@@ -453,18 +480,25 @@ class Engine:
             self._wake()
 
 
-def _row(ask: Ask, level) -> Row:
+def _top(ask: Ask, ids) -> Row:
+    """The row of the ask's top level on ids: its full-depth PET, else the full-context lower layers."""
+    if ask.full is not None:
+        return Row(ids, ask.full, ask.pet.version, "full")
+    return Row(ids, ask.pet, ask.pet.version, "context")
+
+
+def _row(ask: Ask, level, overloaded: bool = False) -> Row:
     """An ask's row (see the module doc): its input source, PET and what Tabi's gate needs."""
     if ask.policy == "exact":
-        return Row(ask.ids, ask.pet, ask.pet.version, "context")
+        return _top(ask, ask.ids)
     k = ask.students.k(level) if ask.students is not None else 0
     if k:
         group = ask.students.group
         return Row(ask.ids, ask.pet, group.meta["version"], "students", group=group, k=k)
-    if ask.policy == "auto":
+    if ask.policy == "auto" and not overloaded:
         gate = float(ask.chosen.get("gate", 0.0))
         if gate > 1:  # every request to level 2: no lookup to measure coverage
-            return Row(ask.ids, ask.pet, ask.pet.version, "context")
+            return _top(ask, ask.ids)
         return Row(ask.ids, ask.pet, ask.pet.version, "plot", gate=gate,
                    attention=float(ask.chosen.get("alpha", 0)) > 0)
     return Row(ask.ids, ask.pet, ask.pet.version, "plot")

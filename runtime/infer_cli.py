@@ -23,7 +23,8 @@ def result_view(r) -> dict:
     if r.truncated:
         out["truncated"] = int(r.truncated)
     if r.confidence is not None:
-        out.update(level=int(r.level), confidence=round(float(r.confidence), 6), pruned=int(r.pruned))
+        out.update(level=int(r.level), confidence=round(float(r.confidence), 6), pruned=int(r.pruned),
+                   level_name=r.level_name)
     return out
 
 

@@ -5,7 +5,10 @@ train on; default: --dev), the dispatch policy (c, k, alpha, w, coverage gate) i
 for --target, and the record is stored in the tenant's PET meta, where `runtime.infer` and the
 server read it (policy "auto"). A record is made for one PET: after `tenant update` it is stale
 and ignored (level 1 answers) until the tenant is profiled again, so run this after every
-create or update that should serve with levels.
+create or update that should serve with levels. Level 2 is the tenant's top: its current
+full-depth PET when it has one, else the full-context lower layers (exact); the record names
+the top it was profiled against, and a tenant whose top changed since (a full-depth PET added,
+retrained or removed) is served as unprofiled until it is profiled again.
 """
 
 import json
@@ -44,7 +47,8 @@ def profile(store, tenant, dev_path, calibration_path, target, assurance, device
         click.echo(json.dumps(rec, indent=1, sort_keys=True))
         return
     p, pr = rec["policy"], rec["profile"]
-    click.echo(f"{tenant}: temperature level 1 {rec['temperature']['1']:.3g}, level 2 {rec['temperature']['2']:.3g}")
+    click.echo(f"{tenant}: level 2 is {pr['top']}; temperature level 1 {rec['temperature']['1']:.3g}, "
+               f"level 2 {rec['temperature']['2']:.3g}")
     click.echo(f"  policy c={p['c']:g} k={p['k']:g} alpha={p['alpha']:g} w={p['w']:g} gate={p['gate']:g}")
     click.echo(f"  expected on dev: metric {100 * pr['expected_metric']:.1f} (level 1 {100 * pr['level1_metric']:.1f}, "
                f"level 2 {100 * pr['level2_metric']:.1f}), cost {pr['expected_cost']:.2f} of level 2, "

@@ -1,8 +1,9 @@
 """The encoder runtime: a store opened for serving (``runtime.open``), its requests and results.
 
-``Runtime`` validates and tokenizes requests, loads the tenants' PETs (host cache), asks the
-tenant's records which policy and students serve each request (runtime.engine.Ask) and hands
-them to the engine (runtime.engine: one queue, one loop), whose answers become ``Result``s.
+``Runtime`` validates and tokenizes requests, loads the tenants' PETs (host cache; a tenant's
+current full-depth PET too, the top of its cascade), asks the tenant's records which policy,
+students and top serve each request (runtime.engine.Ask) and hands them to the engine
+(runtime.engine: one queue, one loop), whose answers become ``Result``s.
 See the package doc for the request and result fields.
 """
 
@@ -47,10 +48,11 @@ class Result:
     batch_size: int = 0  # requests in the batch that computed it
     logits: np.ndarray = field(default=None, repr=False)  # raw head output: (labels,) or (tokens, labels)
     truncated: int = 0  # tokens cut off the end of the request (truncate), 0 when none
-    level: int = 1  # which level answered: 1 the PLOT (hPLM), 2 full-context lower layers (runtime.level)
+    level: int = 1  # which level answered: 1 the PLOT (hPLM), 2 the tenant's top (runtime.level)
     confidence: float | None = None  # calibrated confidence (runtime.level.dispatch.confidence)
     pruned: int = 0  # words level 2 did not see (Tabi word pruning); their tags are level 1's
     students: int = 0  # how many students answered (runtime.student); 0: the teacher
+    level_name: str = "plot"  # the level by name: students, plot, exact (full-context lower layers) or full
 
 
 def _cuda_available() -> bool:
@@ -192,15 +194,44 @@ class Runtime:
                                   "which this store no longer holds")
         return pet
 
+    def full(self, tenant, pet):
+        """The tenant's current full-depth ServingPet (its top), None when it has none or a stale
+        one (trained with an earlier PET than `pet`, the tenant's ServingPet: not served). Cached
+        with the PETs, under a key no tenant's PET has ('/' is not in tenant names)."""
+        snap = self.store.snapshot()
+        loc = snap.full.get(tenant)
+        if loc is None:
+            return None
+        token = (loc["file"], loc["offset"])
+        full = self.pets.get(f"{tenant}/full", token, lambda: self._load_full(snap, tenant, token))
+        return full if full.meta.get("pet_created") == pet.meta.get("created") else None
+
+    def _load_full(self, snap, tenant, token):
+        from runtime.model.pet import load_pet, pet_meta
+
+        record = snap.read_full(tenant)
+        meta = record.meta
+        self._check_base(tenant, meta, "full-depth PET")
+        try:
+            pet = load_pet(self.encoder, record.tensors, pet_meta(meta))
+        except ValueError as e:
+            raise IncompatiblePet(f"tenant {tenant!r}'s full-depth PET does not fit the model: {e}") from None
+        pet.meta.update(version=meta.get("version"), tenant=tenant, created=meta.get("created"),
+                        pet_created=meta.get("pet_created"))
+        return self.executor.load_pet(pet, key=f"{tenant}/full", token=token)
+
+    def _check_base(self, tenant, meta, what):
+        base = self.meta.get("base_model")
+        if meta.get("base_model") != base:
+            raise IncompatiblePet(f"tenant {tenant!r}'s {what} was trained for base model {meta.get('base_model')!r}, "
+                                  f"this store serves {base!r}")
+
     def _load_pet(self, snap, tenant, token):
         from runtime.model.pet import load_pet, pet_meta
 
         record = snap.read_pet(tenant)
         meta = record.meta
-        base = self.meta.get("base_model")
-        if meta.get("base_model") != base:
-            raise IncompatiblePet(f"tenant {tenant!r}'s PET was trained for base model {meta.get('base_model')!r}, "
-                                  f"this store serves {base!r}")
+        self._check_base(tenant, meta, "PET")
         version = meta.get("version")
         if version not in snap.version_names:
             raise IncompatiblePet(f"tenant {tenant!r} was trained on PLOT version {version!r}, "
@@ -288,8 +319,9 @@ class Runtime:
     def infer(self, requests) -> list:
         """Results of requests (see the package doc), in request order. Thread-safe. A
         request's ``policy`` picks the level (runtime.level.serve): ``fast`` the PLOT level,
-        ``exact`` full-context lower layers, ``auto`` Tabi's dispatcher (the default once the
-        tenant is profiled, runtime.level.profile)."""
+        ``exact`` the tenant's top (its current full-depth PET, else full-context lower layers),
+        ``auto`` Tabi's dispatcher (the default once the tenant is profiled against its top,
+        runtime.level.profile)."""
         parsed, asks = self._asks(requests)
         return [self._result(p, ask.pet, a) for p, ask, a in zip(parsed, asks, self.engine.serve(asks))]
 
@@ -313,17 +345,18 @@ class Runtime:
         from runtime.level.serve import policy_of
 
         parsed = self._normalize(list(requests) if not isinstance(requests, (dict, Request)) else requests)
-        pets = {}
+        pets, fulls = {}, {}
         for tenant, *_ in parsed:
             if tenant not in pets:
                 pets[tenant] = self.pet(tenant)
+                fulls[tenant] = self.full(tenant, pets[tenant])
         snap = self.store.snapshot()
         asks = []
         for tenant, ids, words, _, _, _, asked, students in parsed:
-            pet = pets[tenant]
-            policy, chosen = policy_of(pet, asked)
+            pet, full = pets[tenant], fulls[tenant]
+            policy, chosen = policy_of(pet, asked, full)
             asks.append(Ask(tenant, [int(t) for t in ids], self._positions(pet, ids, words), pet, policy, chosen,
-                            self.students.ask(snap, tenant, pet.meta, students, policy)))
+                            self.students.ask(snap, tenant, pet.meta, students, policy), full))
         return parsed, asks
 
     @staticmethod
@@ -429,7 +462,7 @@ class Runtime:
         return Result(tenant=tenant, task=pet.task, labels=labels, label=label, tags=tags, tokens=tokens,
                       probabilities=probs.tolist(), version=pet.version, timings=a.timings, batch_size=a.batch_size,
                       logits=a.logits, truncated=truncated, level=a.level, confidence=a.confidence, pruned=a.pruned,
-                      students=a.students)
+                      students=a.students, level_name=a.level_name)
 
 
 def _settle(outer: Future, inner: Future, convert):

@@ -498,3 +498,47 @@ def test_dedupe_of_repeated_windows_matches_reference(n, kind, pad, vocab, versi
             np.testing.assert_array_equal(got.version, ref.version)
             np.testing.assert_array_equal(got.order, ref.order)
         st_.close()
+
+
+@pytest.mark.skipif(not hasattr(__import__("mmap"), "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE on this platform")
+@SETTINGS
+@given(seed=st.integers(0, 2**32 - 1), m=st.integers(1, 400), background=st.booleans())
+def test_warm_huge_page_copies_change_no_answer(seed, m, background):
+    """warm() moves a big segment's index and keys into huge-page memory: read-only copies, equal
+    byte for byte, on a huge-page boundary; lookups after it (C and NumPy, repeats, backoffs and
+    misses) equal the reference path's on the file mapping. The threshold and page size are
+    shrunk so a small store takes the path."""
+    from formats import hugepages
+
+    rng = np.random.default_rng(seed)
+    with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hugepages, "HUGE_PAGE", 4096)
+        mp.setattr(hugepages, "available", lambda: True)
+        st_ = hkstore.create(tmp + "/s", d=4, vocab_size=40)
+        uni = np.zeros((30, 3), np.uint32)
+        uni[:, 1] = np.arange(30)  # id 30..39 are stored nowhere: misses
+        tri = np.unique(rng.integers(1, 30, (1500, 3)).astype(np.uint32), axis=0)
+        keys = np.concatenate([uni, tri])
+        st_.add_segment("root", keys, rng.standard_normal((len(keys), 3, 4)).astype(np.float16))
+        st_.close()
+        distinct = np.concatenate([tri[rng.integers(0, len(tri), 50)], rng.integers(0, 40, (50, 3)).astype(np.uint32)])
+        windows = distinct[rng.zipf(1.3, m) % len(distinct)]
+        with accel.using(False):
+            ref = hkstore.open(tmp + "/s").lookup("root", windows)
+        for enabled in ([False, True] if accel.BUILT else [False]):
+            with accel.using(enabled):
+                s = hkstore.open(tmp + "/s")
+                seg = s.snapshot().version_segments("root")[0]
+                index, keys_map = np.array(seg.index), np.array(seg.keys)
+                if background:
+                    s.warm(background=True).join(30)
+                else:
+                    assert s.warm() == 0
+                assert seg._huge and not seg.index.flags.writeable and not seg.keys.flags.writeable
+                assert seg.index.ctypes.data % 4096 == 0 and seg.keys.ctypes.data % 4096 == 0
+                np.testing.assert_array_equal(seg.index, index)
+                np.testing.assert_array_equal(seg.keys, keys_map)
+                got = s.lookup("root", windows)
+                np.testing.assert_array_equal(got.values.view(np.uint8), ref.values.view(np.uint8))
+                np.testing.assert_array_equal(got.order, ref.order)
+                np.testing.assert_array_equal(got.version, ref.version)

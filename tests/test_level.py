@@ -344,8 +344,8 @@ def test_policy_over_http(tiny, store_copy, tmp_path):
                    for p in (None, "fast", "exact")}
         for r in answers.values():
             assert r.status_code == 200, r.text
-        levels = {p: r.json()["results"][0]["level"] for p, r in answers.items()}
-        assert levels == {None: 2, "fast": 1, "exact": 2}
+        levels = {p: (r.json()["results"][0]["level"], r.json()["results"][0]["level_name"]) for p, r in answers.items()}
+        assert levels == {None: (2, "exact"), "fast": (1, "plot"), "exact": (2, "exact")}
         res = answers[None].json()["results"][0]
         assert 0 < res["confidence"] <= 1 and res["pruned"] >= 0
         bad = server.client.post(url, json={"text": text, "policy": "fastest"}, headers=auth(ADMIN))

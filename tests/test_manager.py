@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import hkstore
-from runtime.construct import manager
+from runtime.construct import manager, recipe
 from runtime.model import stored
 from runtime.model.pet import PET_TYPES
 from runtime.demo.stdlib_text import first_lines as docstring_lines
@@ -295,7 +295,7 @@ def test_tenant_errors(env):
     with pytest.raises(hkstore.StoreError, match="no such store"):
         manager.tenant_create("/nonexistent/store", "t-x", version="root", train_path=env["cls"], progress=False)
     for kind in PET_TYPES:
-        assert kind in manager.DEFAULT_LR
+        assert kind in recipe.PLOT
 
 
 def test_build_errors(tmp_path, env):

@@ -123,7 +123,8 @@ def build_tiny_store(root):
     for tenant, (version, task, kind) in tenants.items():
         manager.tenant_create(store, tenant, version=version, task=task, pet_type=kind, epochs=1, max_examples=16,
                               bottleneck=8, rank=4, density=0.05, batch_size=8,
-                              train_path=cls if task == "classification" else conll, progress=False)
+                              train_path=cls if task == "classification" else conll, progress=False,
+                              levels=("plot",))  # the PLOT and exact levels; tests/test_cascade.py adds full-depth PETs
     return store, {"texts": texts, "tenants": tenants}
 
 

@@ -4,11 +4,14 @@ and each level's temperature minimizes the NLL there (runtime.model.calibrate). 
 
     train, held = holdout(len(ids), share=0.1, seed=0)
     rec = calibrate_pet(store, encoder, version, pet, [ids[i] for i in held], [targets[i] for i in held])
-    # {"temperature": {"1": T1, "2": T2}, "ece": {"1": {"before", "after"}, ...}, "examples": k, ...}
+    # {"temperature": {"1": T1, "2": T2}, "ece": {"1": {"before", "after"}, ...}, "examples": k,
+    #  "metric": "accuracy", "score": {"1": s1, "2": s2}, ...}
 
 Level 1 scores the held-out text as served (the version's PLOT inputs); level 2 with the lower
 layers in full context (runtime.model.stored.context_encoder, what runtime.level serves as
-level 2), the PET unchanged. The record is stored in the PET meta under ``calibration``
+level 2), the PET unchanged. Each level's score there (accuracy, or entity F1 for tagging) is
+kept too: the tenant's held-out scores (`hkstore tenant info`). The record is stored in the PET
+meta under ``calibration``
 (FORMAT.md §5); runtime.level.serve reads its temperatures until `hkstore levels profile`
 writes a levels record.
 """
@@ -62,8 +65,11 @@ def calibrate_pet(store, encoder, version, pet, ids, targets, share: float | Non
     """The calibration record of a trained PET from its held-out examples (see the module doc)."""
     from runtime.model import calibrate as cal
 
-    record = {"temperature": {}, "ece": {}, "examples": len(ids), "share": share}
+    task, labels = pet.meta["task"], list(pet.meta["labels"])
+    record = {"temperature": {}, "ece": {}, "examples": len(ids), "share": share,
+              "metric": metric_name(task), "score": {}}
     for level, logits in zip(("1", "2"), level_logits(store, encoder, version, pet, ids)):
+        record["score"][level] = round(held_score(logits, targets, task, labels), 6)
         z, y = cal.samples(logits, targets)
         if not len(y):
             raise ValueError("the held-out examples have no scored label to calibrate on")
@@ -72,3 +78,19 @@ def calibrate_pet(store, encoder, version, pet, ids, targets, share: float | Non
         record["ece"][level] = {"before": round(float(cal.reliability(cal.softmax(z), y)["ece"]), 6),
                                 "after": round(float(cal.reliability(cal.softmax(z, T), y)["ece"]), 6)}
     return record
+
+
+def metric_name(task: str) -> str:
+    return "accuracy" if task == "classification" else "entity_f1"
+
+
+def held_score(logits, targets, task: str, labels: list[str]) -> float:
+    """The score of per-example logits on encoded targets: accuracy, or entity F1 over the words
+    the targets kept (a word's first sub-token carries its tag; truncated words are lost)."""
+    from runtime.construct.data import IGNORE, accuracy, entity_f1, word_tags
+
+    predicted = [np.asarray(z).argmax(-1).tolist() for z in logits]
+    if task == "classification":
+        return accuracy(list(targets), predicted)
+    gold = [[labels[y] for y in t if y != IGNORE] for t in targets]
+    return entity_f1(gold, [word_tags(p, t, labels, len(g)) for p, t, g in zip(predicted, targets, gold)])

@@ -4,10 +4,12 @@
     hkstore domain create STORE NAME --corpus FILE [--parent root] [--alpha 50] [--mlm-steps N] [--distill-steps N]
     hkstore domain update STORE NAME NEW_NAME --corpus FILE [--distill-steps N]
     hkstore domain grow STORE NAME --corpus FILE
-    hkstore tenant create STORE TENANT --version V --train FILE [--task tagging] [--pet lora]
+    hkstore tenant create STORE TENANT --version V --train FILE [--task tagging] [--pet lora] [--levels plot]
     hkstore tenant update STORE TENANT [--train FILE] [--version V]
     hkstore tenant eval STORE TENANT --test FILE
     hkstore tenant rm STORE TENANT
+    hkstore tenant ls STORE
+    hkstore tenant info STORE TENANT
 
 Each maps to one runtime.construct.manager function; --json prints its result as JSON. Errors are one
 line on stderr with exit code 1.
@@ -22,15 +24,20 @@ import click
 from runtime.construct import manager
 
 
-def _run(fn, *args, as_json=False, **kwargs):
+def _call(fn, *args, **kwargs):
+    """fn's result; its errors as one line (click prints them, exit code 1)."""
     from formats.errors import FormatError
     from hkstore.errors import StoreError
 
     try:
-        result = fn(*args, **kwargs)
+        return fn(*args, **kwargs)
     except (StoreError, FormatError, ValueError, OSError) as e:
         message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise click.ClickException(message) from None
+
+
+def _run(fn, *args, as_json=False, **kwargs):
+    result = _call(fn, *args, **kwargs)
     if as_json:
         click.echo(json.dumps(result, indent=2, sort_keys=True, default=str))
     else:
@@ -179,15 +186,16 @@ def tenant():
 @click.option("--task", type=click.Choice(["classification", "tagging"]), default="classification", show_default=True)
 @click.option("--pet-type", "--pet", "pet_type", type=click.Choice(["adapter", "lora", "bitfit", "diff", "mask", "head"]),
               default="adapter", show_default=True)
-@click.option("--epochs", type=int, default=3, show_default=True)
+@click.option("--epochs", type=int, default=None, help="Default: the PET type's recipe (every level).")
 @click.option("--max-examples", type=int, default=None)
-@click.option("--lr", type=float, default=None, help="Default: a per-PET-type rate.")
-@click.option("--batch-size", type=int, default=16, show_default=True)
+@click.option("--lr", type=float, default=None, help="Default: the PET type's recipe (the PLOT-level PET).")
+@click.option("--batch-size", type=int, default=None, help="Default: the recipe's (every level).")
 @click.option("--max-len", type=int, default=128, show_default=True)
-@click.option("--bottleneck", type=int, default=64, show_default=True)
-@click.option("--rank", type=int, default=8, show_default=True)
-@click.option("--density", type=click.FloatRange(0, 1, min_open=True), default=0.005, show_default=True,
-              help="diff / mask: the share of each target's weights the PET changes (1: every weight).")
+@click.option("--bottleneck", type=int, default=None, help="adapter: default the recipe's (64).")
+@click.option("--rank", type=int, default=None, help="lora: default the recipe's (8).")
+@click.option("--density", type=click.FloatRange(0, 1, min_open=True), default=None,
+              help="diff / mask: the share of each target's weights the PET changes (1: every weight; "
+                   "default the recipe's, 0.005).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--unseen", type=click.FloatRange(0, 1), default=manager.UNSEEN, show_default=True,
               help="Train on inputs as the version serves text outside its corpus: each backoff step taken "
@@ -195,24 +203,29 @@ def tenant():
 @click.option("--calibration-share", type=click.FloatRange(0, 1, max_open=True), default=0.0, show_default=True,
               help="Hold this share of the examples out of training and fit the tenant's level temperatures "
                    "on it (Tabi Eq. 3; multi-level inference reads them). 0: no calibration.")
+@click.option("--levels", "levels", default="plot,full", show_default=True,
+              help="plot: the PET the PLOT and exact levels serve; plot,full: also a full-depth PET (every "
+                   "encoder layer, exact inputs) beside it.")
 @click.option("--replace", is_flag=True, help="Overwrite an existing tenant.")
 @_quiet_option
 @_json_option
 def tenant_create(store, tenant, version, train_path, task, pet_type, epochs, max_examples, lr, batch_size, max_len,
-                  bottleneck, rank, density, seed, unseen, calibration_share, replace, quiet, as_json):
-    """Fine-tune a PET for TENANT on PLOT inputs of --version and store it. On a decoder store:
-    an lm PET (causal LM loss) on --train as plain text (--task and the head do not apply)."""
+                  bottleneck, rank, density, seed, unseen, calibration_share, levels, replace, quiet, as_json):
+    """Fine-tune a PET for TENANT on PLOT inputs of --version and store it, and (--levels
+    plot,full) a full-depth PET on exact inputs beside it; unset training settings are the PET
+    type's recipe. On a decoder store: an lm PET (causal LM loss) on --train as plain text
+    (--task, --levels and the head do not apply)."""
     if _is_decoder_store(store):
         from runtime.construct.decoder_tenant import lm_tenant_create
 
         _run(lm_tenant_create, store, tenant, train_path=train_path, version=version, pet_type=pet_type,
-             epochs=epochs, lr=lr, batch_size=batch_size, max_len=max_len, rank=rank, bottleneck=bottleneck,
-             seed=seed, replace=replace, progress=not quiet, as_json=as_json)
+             epochs=epochs or 3, lr=lr, batch_size=batch_size or 16, max_len=max_len, rank=rank or 8,
+             bottleneck=bottleneck or 64, seed=seed, replace=replace, progress=not quiet, as_json=as_json)
         return
     _run(manager.tenant_create, store, tenant, version=version, train_path=train_path, task=task, pet_type=pet_type,
          epochs=epochs, max_examples=max_examples, lr=lr, batch_size=batch_size, max_len=max_len,
          bottleneck=bottleneck, rank=rank, density=density, seed=seed, unseen=unseen,
-         calibration_share=calibration_share, replace=replace, progress=not quiet, as_json=as_json)
+         calibration_share=calibration_share, levels=levels, replace=replace, progress=not quiet, as_json=as_json)
 
 
 @tenant.command("update")
@@ -223,13 +236,13 @@ def tenant_create(store, tenant, version, train_path, task, pet_type, epochs, ma
 @click.option("--version", default=None, help="Move the tenant to this PLOT version (default: its own).")
 @click.option("--epochs", type=int, default=1, show_default=True)
 @click.option("--max-examples", type=int, default=None)
-@click.option("--lr", type=float, default=None)
-@click.option("--batch-size", type=int, default=16, show_default=True)
+@click.option("--lr", type=float, default=None, help="Default: the PET's own.")
+@click.option("--batch-size", type=int, default=None, help="Default: the recipe's.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @_quiet_option
 @_json_option
 def tenant_update(store, tenant, train_path, version, epochs, max_examples, lr, batch_size, seed, quiet, as_json):
-    """Continue fine-tuning TENANT's stored PET."""
+    """Continue fine-tuning TENANT's stored PET (and its full-depth PET, when it has one)."""
     _run(manager.tenant_update, store, tenant, train_path=train_path, version=version, epochs=epochs,
          max_examples=max_examples, lr=lr, batch_size=batch_size, seed=seed, progress=not quiet, as_json=as_json)
 
@@ -270,6 +283,28 @@ def tenant_eval(store, tenant, test_path, max_examples, version, as_json):
 def tenant_rm(store, tenant, as_json):
     """Delete TENANT's PET (a tombstone in the pack; gc reclaims the space)."""
     _run(manager.tenant_rm, store, tenant, as_json=as_json)
+
+
+@tenant.command("ls")
+@_store_arg
+@_json_option
+def tenant_ls(store, as_json):
+    """List the tenants: the levels each is served by, its profiled cascade, its record bytes."""
+    result = _run(manager.tenant_ls, store, as_json=True) if as_json else _call(manager.tenant_ls, store)
+    if not as_json:
+        for row in result["tenants"]:
+            click.echo(f"{row['tenant']}  {row['version']}  {row['pet_type']}  {','.join(row['levels'])}  "
+                       f"cascade {row['cascade']}  {row['bytes']:,} bytes")
+
+
+@tenant.command("info")
+@_store_arg
+@click.argument("tenant")
+@_json_option
+def tenant_info(store, tenant, as_json):
+    """TENANT's levels (plot, exact, full, students) with their bytes, held-out scores and
+    whether each is current, and its profiled cascade."""
+    _run(manager.tenant_info, store, tenant, as_json=as_json)
 
 
 COMMANDS = {"build": build, "domain": domain, "tenant": tenant}

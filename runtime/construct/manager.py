@@ -4,9 +4,11 @@
     domain_create(store, "biology", [...], alpha=50)              MLM the lower layers (+ window distillation),
                                                                   top-alpha% branch
     domain_update(store, "biology", "biology-2", [...])           continue MLM, a new sibling version
-    tenant_create(store, "t1", version="biology", train_path=...)  PET + head on retrieve() inputs
-    tenant_update(store, "t1", train_path=...)                    continue from the stored PET
+    tenant_create(store, "t1", version="biology", train_path=...)  PET + head on retrieve() inputs, and a
+                                                                  full-depth PET on exact inputs (levels)
+    tenant_update(store, "t1", train_path=...)                    continue from the stored PET(s)
     tenant_rm(store, "t1")
+    tenant_ls(store), tenant_info(store, "t1")                    levels, scores, bytes (tenant_info.py)
 
 Every function returns a JSON-able dict describing what it did. Bad input raises a StoreError
 (ManagerError, UnknownVersion, UnknownTenant, ...) or ValueError whose message is one line.
@@ -24,14 +26,17 @@ from __future__ import annotations
 
 import os
 import time
+from typing import NamedTuple
 
 import numpy as np
 
 import hkstore
 from formats.pack import PetRecord
 from hkstore.errors import UnknownTenant
+from runtime.construct import recipe as recipes
 from runtime.construct.branch import branch_from, new_version_checks, update_plan
 from runtime.construct.data import read_corpora
+from runtime.construct.tenant_info import tenant_info, tenant_ls
 from runtime.model.stored import (
     ManagerError,
     base_encoder,
@@ -44,12 +49,6 @@ from runtime.model.stored import (
     save_lower,
     version_encoder,
 )
-
-# Learning rates that work for each PET type with AdamW on these models (dense diff/mask edits
-# move every weight of a layer at once: they need a smaller rate).
-DEFAULT_LR = {"adapter": 1e-3, "lora": 1e-3, "bitfit": 3e-3, "diff": 3e-4, "mask": 1e-3, "head": 3e-3}
-
-
 
 
 def tokenize_corpus(encoder, docs: list[str], max_len: int) -> list[list[int]]:
@@ -329,13 +328,10 @@ UNSEEN_VIEWS = 5  # draws of backed-off inputs per training run: enough variety,
 UNSEEN = 0.3
 
 
-def _train_cfg(pet_type, lr, epochs, batch_size, seed, progress, max_steps=None):
-    from runtime.construct.train import TrainConfig
-
-    if epochs < 1:
-        raise ValueError(f"epochs must be at least 1, got {epochs}")
-    return TrainConfig(lr=lr or DEFAULT_LR.get(pet_type, 1e-3), epochs=epochs, max_steps=max_steps,
-                       batch_size=batch_size, seed=seed, progress=progress)
+def _train_cfg(pet_type, lr, epochs, batch_size, seed, progress):
+    """The PLOT-level PET's TrainConfig: its recipe (runtime.construct.recipe) with overrides."""
+    return recipes.settings(pet_type, "plot", lr=lr, epochs=epochs, batch_size=batch_size, seed=seed,
+                            progress=progress)[1]
 
 
 def _fit_pet(store, encoder, pet, version, ids, targets, cfg, unseen: float = 0.0):
@@ -365,53 +361,106 @@ def _record(tenant, store, version, exported, extra) -> PetRecord:
     return PetRecord(tenant=tenant, meta=meta, tensors=tensors)
 
 
-def _summary(tenant, version, record, log, n_examples, t0, size):
-    """size: the record's bytes in the PET pack, as `hkstore pack ls` reports them."""
+class Trained(NamedTuple):
+    """A tenant's newly trained records (its PET first, then its full-depth PET when trained)
+    and what the summary reports about them."""
+    records: list
+    logs: dict  # level -> losses
+    examples: int
+    seconds: dict  # level -> training seconds
+
+
+def _summary(trained: Trained, t0, sizes: dict) -> dict:
+    """sizes: level -> the record's bytes in the PET pack, as `hkstore pack ls` reports them;
+    seconds per level on the threads torch used (the machine's cores unless OMP_NUM_THREADS
+    says otherwise)."""
+    import torch
+
     from runtime.construct.train import loss_ends
 
-    return {"tenant": tenant, "version": version, "pet_type": record.meta["pet_type"], "task": record.meta["task"],
-            "labels": record.meta["labels"], "examples": n_examples, "steps": len(log), **loss_ends(log),
-            "pet_bytes": int(size), "seconds": round(time.perf_counter() - t0, 3)}
+    record, log = trained.records[0], trained.logs["plot"]
+    out = {"tenant": record.tenant, "version": record.meta["version"], "pet_type": record.meta["pet_type"],
+           "task": record.meta["task"], "labels": record.meta["labels"], "levels": list(trained.seconds),
+           "examples": trained.examples, "steps": len(log), **loss_ends(log), "pet_bytes": int(sizes["plot"]),
+           "level_seconds": trained.seconds, "threads": torch.get_num_threads(),
+           "seconds": round(time.perf_counter() - t0, 3)}
+    if "full" in trained.logs:
+        full = trained.records[1]
+        out["full"] = {"pet_type": full.meta["pet_type"], "layers": full.meta["layers"],
+                       "steps": len(trained.logs["full"]), **loss_ends(trained.logs["full"]),
+                       "pet_bytes": int(sizes["full"])}
+    return out
+
+
+def _sizes(store, tenant) -> dict:
+    snap = store.snapshot()
+    return {"plot": snap.pets[tenant]["length"], "full": snap.full.get(tenant, {}).get("length")}
+
+
+def _put_levels(store, groups) -> None:
+    """Store tenants' PETs, each followed by its full-depth PET (trained with it) when it has
+    one, in one commit; a tenant stored without one loses any it had (trained with the PET
+    replaced: a full-depth tombstone, FORMAT.md section 5)."""
+    fulls = store.fulls()
+    records = []
+    for pet, *full in groups:
+        records += [pet, *full]
+        if not full and pet.tenant in fulls:
+            records.append(PetRecord(tenant=pet.tenant, meta={"deleted": time.time(), "level": "full"}, tensors={},
+                                     tombstone=True))
+    store.put_pets(records)
+
+
+def check_levels(levels) -> tuple[str, ...]:
+    """The levels asked for (a list, or a comma-separated string), in order; "plot" is always
+    trained (every other level names it)."""
+    if isinstance(levels, str):
+        levels = [x.strip() for x in levels.split(",") if x.strip()]
+    levels = tuple(dict.fromkeys(levels))
+    if unknown := [x for x in levels if x not in recipes.LEVELS]:
+        raise ValueError(f"unknown level {unknown[0]!r}; expected plot or plot,full")
+    if "plot" not in levels:
+        raise ValueError("levels must include plot: the full-depth PET is trained beside the tenant's PET")
+    return levels
 
 
 def tenant_create(store_path, tenant, *, version, train_path, task: str = "classification", pet_type: str = "adapter",
-                  epochs: int = 3, max_examples: int | None = None, lr: float | None = None, batch_size: int = 16,
-                  max_len: int = 128, bottleneck: int = 64, rank: int = 8, density: float = 0.005,
-                  norms: tuple[str, ...] | None = None, seed: int = 0, replace: bool = False,
-                  unseen: float = UNSEEN, calibration_share: float = 0.0, progress: bool = True) -> dict:
+                  epochs: int | None = None, max_examples: int | None = None, lr: float | None = None,
+                  batch_size: int | None = None, max_len: int = 128, bottleneck: int | None = None,
+                  rank: int | None = None, density: float | None = None, norms: tuple[str, ...] | None = None,
+                  seed: int = 0, replace: bool = False, unseen: float = UNSEEN, calibration_share: float = 0.0,
+                  levels=recipes.LEVELS, progress: bool = True) -> dict:
     """Fine-tune a PET + head on the upper layers with inputs served by PLOT `version`
-    (runtime.plot.retrieve, the serving path) and store it as `tenant`'s PET. norms: the
-    LayerNorms it tunes (runtime.model.pet.create_pet's default: both for an adapter).
-    unseen: train on inputs as the version serves text outside its corpus (each backoff step
-    taken with this probability, runtime.plot.unseen); 0 trains on the windows as served.
-    calibration_share > 0: that share of the examples is held out of training and fits the
-    tenant's level temperatures (runtime.construct.calibration; the meta's ``calibration``)."""
-    from runtime.model import pet as petlib
-
+    (runtime.plot.retrieve, the serving path) and store it as `tenant`'s PET; with level "full"
+    also a full-depth PET on the same examples (runtime.construct.full), stored beside it.
+    Training settings left None are the PET type's recipe (runtime.construct.recipe); epochs and
+    batch_size apply to every level, lr and the PET's shape (bottleneck, rank, density, norms:
+    create_pet's) to the PLOT-level PET only. unseen: train on inputs as the version serves
+    text outside its corpus (each backoff step taken with this probability,
+    runtime.plot.unseen); 0 trains on the windows as served. calibration_share > 0: that share
+    of the examples is held out of training, fits the tenant's level temperatures
+    (runtime.construct.calibration; the meta's ``calibration``) and scores each level."""
     t0 = time.perf_counter()
-    hkstore.store.check_name("tenant", tenant)
-    if pet_type not in petlib.PET_TYPES:
-        raise ValueError(f"unknown PET type {pet_type!r}; expected one of {', '.join(petlib.PET_TYPES)}")
     # Train on a read-only snapshot (no writer lock: tenants can be trained in parallel), then
-    # take the lock only to append the record; the checks run again under it.
+    # take the lock only to append the records; the checks run again under it.
     with hkstore.open(store_path) as store:
-        record, log, n_examples = _train_new(store, base_encoder(store), tenant, version=version,
-                                             train_path=train_path, task=task, pet_type=pet_type, epochs=epochs,
-                                             max_examples=max_examples, lr=lr, batch_size=batch_size, max_len=max_len,
-                                             bottleneck=bottleneck, rank=rank, density=density, norms=norms, seed=seed,
-                                             replace=replace, unseen=unseen, calibration_share=calibration_share,
-                                             progress=progress)
+        trained = _train_new(store, base_encoder(store), tenant, version=version, train_path=train_path, task=task,
+                             pet_type=pet_type, epochs=epochs, max_examples=max_examples, lr=lr,
+                             batch_size=batch_size, max_len=max_len, bottleneck=bottleneck, rank=rank,
+                             density=density, norms=norms, seed=seed, replace=replace, unseen=unseen,
+                             calibration_share=calibration_share, levels=levels, progress=progress)
     with _open_writable(store_path) as store:
         _tenant_checks(store, tenant, version, replace)
-        store.put_pet(record)
-        size = store.snapshot().pets[tenant]["length"]
-    return _summary(tenant, version, record, log, n_examples, t0, size)
+        _put_levels(store, [trained.records])
+        sizes = _sizes(store, tenant)
+    return _summary(trained, t0, sizes)
 
 
-def tenants_create(store_path, specs, *, progress: bool = True) -> list[dict]:
+def tenants_create(store_path, specs, *, levels=("plot",), progress: bool = True) -> list[dict]:
     """Several tenant_create calls in one pass: one snapshot and one loaded base model train
-    them all, one commit stores them all (none if any fails). specs: tenant_create's keyword
-    arguments per tenant (``tenant`` among them; not ``progress``)."""
+    them all, one commit stores their PETs (none if any fails), full-depth PETs follow. specs:
+    tenant_create's keyword arguments per tenant (``tenant`` among them; not ``progress``);
+    `levels` is each spec's default (PLOT-only: a pass of many tenants stays short)."""
     t0 = time.perf_counter()
     specs = [dict(s) for s in specs]
     if len({s["tenant"] for s in specs}) != len(specs):
@@ -421,24 +470,27 @@ def tenants_create(store_path, specs, *, progress: bool = True) -> list[dict]:
         encoder = base_encoder(store)
         for spec in specs:
             t1 = time.perf_counter()
-            record, log, n_examples = _train_new(store, encoder, progress=progress, **spec)
-            trained.append((spec, record, log, n_examples, time.perf_counter() - t1))
+            trained.append((spec, _train_new(store, encoder, progress=progress, **{"levels": levels, **spec}),
+                            time.perf_counter() - t1))
     with _open_writable(store_path) as store:
-        for spec, record, *_ in trained:
+        for spec, *_ in trained:
             _tenant_checks(store, spec["tenant"], spec["version"], spec.get("replace", False))
-        store.put_pets([record for _, record, *_ in trained])
-        sizes = {t: loc["length"] for t, loc in store.snapshot().pets.items()}
-    out = [dict(_summary(spec["tenant"], spec["version"], record, log, n, 0, sizes[spec["tenant"]]), seconds=round(dt, 3))
-           for spec, record, log, n, dt in trained]
+        _put_levels(store, [t.records for _, t, _ in trained])
+        sizes = {spec["tenant"]: _sizes(store, spec["tenant"]) for spec, *_ in trained}
+    out = [dict(_summary(t, 0, sizes[spec["tenant"]]), seconds=round(dt, 3)) for spec, t, dt in trained]
     return [dict(o, pass_seconds=round(time.perf_counter() - t0, 3)) for o in out]
 
 
-def _train_new(store, encoder, tenant, *, version, train_path, task="classification", pet_type="adapter", epochs=3,
-               max_examples=None, lr=None, batch_size=16, max_len=128, bottleneck=64, rank=8, density=0.005,
-               norms=None, seed=0, replace=False, unseen=UNSEEN, calibration_share=0.0, progress=True):
-    """(record, loss log, examples) of a new tenant trained on store's snapshot (not stored)."""
+def _train_new(store, encoder, tenant, *, version, train_path, task="classification", pet_type="adapter", epochs=None,
+               max_examples=None, lr=None, batch_size=None, max_len=128, bottleneck=None, rank=None, density=None,
+               norms=None, seed=0, replace=False, unseen=UNSEEN, calibration_share=0.0, levels=recipes.LEVELS,
+               progress=True) -> Trained:
+    """A new tenant's records trained on store's snapshot (not stored)."""
+    from runtime.construct.full import train_full_level
     from runtime.model import pet as petlib
 
+    t0 = time.perf_counter()
+    levels = check_levels(levels)
     hkstore.store.check_name("tenant", tenant)
     if pet_type not in petlib.PET_TYPES:
         raise ValueError(f"unknown PET type {pet_type!r}; expected one of {', '.join(petlib.PET_TYPES)}")
@@ -447,15 +499,25 @@ def _train_new(store, encoder, tenant, *, version, train_path, task="classificat
     pick = _subsample(len(data[0]), max_examples, seed)
     ids, targets = encode_task(encoder, data, task, labels, max_len, pick)
     ids, targets, held = _hold_out(ids, targets, calibration_share, seed)
-    pet = petlib.create_pet(encoder, pet_type, task, labels, bottleneck=bottleneck, rank=rank, density=density,
-                            norms=norms, seed=seed)
-    cfg = _train_cfg(pet_type, lr, epochs, batch_size, seed, progress)
+    options, cfg = recipes.settings(pet_type, "plot", lr=lr, epochs=epochs, batch_size=batch_size,
+                                    bottleneck=bottleneck, rank=rank, density=density, norms=norms, seed=seed,
+                                    progress=progress)
+    pet = petlib.create_pet(encoder, pet_type, task, labels, seed=seed, **options)
     exported, log = _fit_pet(store, encoder, pet, version, ids, targets, cfg, unseen)
-    extra = {"train": {"path": os.path.abspath(train_path), "examples": len(ids), "epochs": epochs, "lr": cfg.lr,
+    extra = {"train": {"path": os.path.abspath(train_path), "examples": len(ids), "epochs": cfg.epochs, "lr": cfg.lr,
                        "max_len": max_len, "unseen": unseen, "loss_last": log[-1], "updates": 0}}
     if held:
         extra["calibration"] = _calibration(store, encoder, version, pet, held, calibration_share, 0)
-    return _record(tenant, store, version, exported, extra), log, len(ids)
+    record = _record(tenant, store, version, exported, extra)
+    trained = Trained([record], {"plot": log}, len(ids), {"plot": round(time.perf_counter() - t0, 3)})
+    if "full" in levels:
+        t1 = time.perf_counter()
+        full, full_log = train_full_level(store, record, ids, targets, held, epochs=epochs, batch_size=batch_size,
+                                          seed=seed, progress=progress)
+        trained.records.append(full)
+        trained.logs["full"] = full_log
+        trained.seconds["full"] = round(time.perf_counter() - t1, 3)
+    return trained
 
 
 def _hold_out(ids, targets, share, seed):
@@ -483,33 +545,6 @@ def _tenant_checks(store, tenant, version, replace):
         raise ManagerError(f"tenant {tenant!r} already exists; use tenant update, or remove it first")
 
 
-def trainable(encoder, pet):
-    """A stored (exported) PET back in training form, gradients on: diff index/value lists
-    become dense deltas, mask index lists keep-scores (dropped weights below the threshold)."""
-    import torch
-
-    from runtime.model.pet import MASK_INIT, Pet, _shape
-
-    out = {}
-    for name, v in pet.tensors.items():
-        stem, _, suffix = name.rpartition(".")
-        kind = stem.split(".")[2] if stem.startswith("layers.") else None
-        if kind not in ("diff", "mask"):
-            out[name] = v.detach().clone().float().requires_grad_(True)
-        elif suffix == "index":
-            d_out, d_in = _shape(encoder.config, stem.rsplit(".", 1)[1])
-            index = v.long()
-            if kind == "diff":
-                dense = torch.zeros(d_out * d_in)
-                dense[index] = pet.tensors[stem + ".value"].float()
-                out[stem + ".delta"] = dense.view(d_out, d_in).requires_grad_(True)
-            else:
-                dense = torch.full((d_out * d_in,), MASK_INIT)
-                dense[index] = -MASK_INIT
-                out[stem + ".score"] = dense.view(d_out, d_in).requires_grad_(True)
-    return Pet(out, dict(pet.meta))
-
-
 def load_tenant(store, tenant, encoder):
     """(stored meta, runtime.model.pet.Pet) of a tenant's live PET, checked against the encoder."""
     from runtime.model.pet import load_pet, pet_meta
@@ -522,60 +557,95 @@ def load_tenant(store, tenant, encoder):
 
 
 def tenant_update(store_path, tenant, *, train_path=None, version=None, epochs: int = 1,
-                  max_examples: int | None = None, lr: float | None = None, batch_size: int = 16,
+                  max_examples: int | None = None, lr: float | None = None, batch_size: int | None = None,
                   max_len: int | None = None, seed: int = 0, progress: bool = True) -> dict:
     """Continue fine-tuning a tenant's stored PET (on new data, else its original training
-    file), optionally on another PLOT version; the labels of the data must be the head's."""
+    file), optionally on another PLOT version; the labels of the data must be the head's. A
+    tenant with a full-depth PET has it trained further on the same examples and stored with
+    the new PET, so no level is served from an older round (lr applies to the PET only)."""
     t0 = time.perf_counter()
     with hkstore.open(store_path) as store:
         snap = store.snapshot()
         if tenant not in snap.pets:
             raise UnknownTenant(f"unknown tenant {tenant!r}")
-        started_from = dict(snap.pets[tenant])
-        encoder = base_encoder(store)
-        meta, pet = load_tenant(store, tenant, encoder)
-        version = version or meta["version"]
-        snap.version_index(version)
-        train = dict(meta.get("train") or {})
-        train_path = train_path or train.get("path")
-        if not train_path:
-            raise ManagerError(f"tenant {tenant!r} records no training file; pass one")
-        task, labels = meta["task"], list(meta["labels"])
-        data, found = read_task(train_path, task)
-        if unknown := sorted(set(found) - set(labels)):
-            raise ManagerError(f"{train_path}: labels {unknown} do not match tenant {tenant!r}'s head "
-                               f"(its labels: {labels}); create a new tenant for a new label set")
-        max_len = max_len or train.get("max_len", 128)
-        pick = _subsample(len(data[0]), max_examples, seed)
-        ids, targets = encode_task(encoder, data, task, labels, max_len, pick)
-        share = (meta.get("calibration") or {}).get("share") or 0.0  # a calibrated tenant is refitted alike
-        ids, targets, held = _hold_out(ids, targets, share, seed)
-        cfg = _train_cfg(meta["pet_type"], lr or train.get("lr"), epochs, batch_size, seed, progress)
-        model = trainable(encoder, pet)
-        exported, log = _fit_pet(store, encoder, model, version, ids, targets, cfg, train.get("unseen", 0.0))
-        train.update(path=os.path.abspath(train_path), examples=len(ids), epochs=epochs, lr=cfg.lr, max_len=max_len,
-                     loss_last=log[-1], updates=int(train.get("updates", 0)) + 1)
-        extra = {k: v for k, v in meta.items() if k not in exported.meta and k not in ("tenant", "version", "created")}
-        extra["train"] = train
-        extra.pop("calibration", None)
-        if held:
-            extra["calibration"] = _calibration(store, encoder, version, model, held, share, train["updates"])
-        record = _record(tenant, store, version, exported, extra)
+        started_from = (dict(snap.pets[tenant]), dict(snap.full.get(tenant) or {}))
+        trained, examples = _update_plot(store, tenant, train_path=train_path, version=version, epochs=epochs,
+                                         max_examples=max_examples, lr=lr, batch_size=batch_size, max_len=max_len,
+                                         seed=seed, progress=progress)
+        if started_from[1]:
+            _update_full(store, trained, examples, epochs=epochs, batch_size=batch_size, seed=seed, progress=progress)
+    record = trained.records[0]
     with _open_writable(store_path) as store:
         snap = store.snapshot()
-        if snap.pets.get(tenant) != started_from:
+        if (dict(snap.pets.get(tenant) or {}), dict(snap.full.get(tenant) or {})) != started_from:
             raise ManagerError(f"tenant {tenant!r} was changed or removed while this update trained; run it again")
-        snap.version_index(version)
-        store.put_pet(record)
-        size = store.snapshot().pets[tenant]["length"]
+        snap.version_index(record.meta["version"])
+        _put_levels(store, [trained.records])
+        sizes = _sizes(store, tenant)
         stale = tenant in store.snapshot().students  # distilled from the PET just replaced (FORMAT.md section 5)
-    out = _summary(tenant, version, record, log, len(ids), t0, size)
+    out = _summary(trained, t0, sizes)
     if stale:
         out["students"] = f"stale: the teacher serves until hkstore students create {store_path} {tenant}"
     return out
 
 
+def _update_plot(store, tenant, *, train_path, version, epochs, max_examples, lr, batch_size, max_len, seed,
+                 progress):
+    """(Trained: the tenant's PET trained further, (ids, targets, held-out (ids, targets) or
+    None) it trained on)."""
+    t0 = time.perf_counter()
+    encoder = base_encoder(store)
+    meta, pet = load_tenant(store, tenant, encoder)
+    version = version or meta["version"]
+    store.snapshot().version_index(version)
+    train = dict(meta.get("train") or {})
+    train_path = train_path or train.get("path")
+    if not train_path:
+        raise ManagerError(f"tenant {tenant!r} records no training file; pass one")
+    task, labels = meta["task"], list(meta["labels"])
+    data, found = read_task(train_path, task)
+    if unknown := sorted(set(found) - set(labels)):
+        raise ManagerError(f"{train_path}: labels {unknown} do not match tenant {tenant!r}'s head "
+                           f"(its labels: {labels}); create a new tenant for a new label set")
+    max_len = max_len or train.get("max_len", 128)
+    pick = _subsample(len(data[0]), max_examples, seed)
+    ids, targets = encode_task(encoder, data, task, labels, max_len, pick)
+    share = (meta.get("calibration") or {}).get("share") or 0.0  # a calibrated tenant is refitted alike
+    ids, targets, held = _hold_out(ids, targets, share, seed)
+    cfg = _train_cfg(meta["pet_type"], lr or train.get("lr"), epochs, batch_size, seed, progress)
+    from runtime.construct.train import trainable
+
+    model = trainable(encoder, pet)
+    exported, log = _fit_pet(store, encoder, model, version, ids, targets, cfg, train.get("unseen", 0.0))
+    train.update(path=os.path.abspath(train_path), examples=len(ids), epochs=epochs, lr=cfg.lr, max_len=max_len,
+                 loss_last=log[-1], updates=int(train.get("updates", 0)) + 1)
+    extra = {k: v for k, v in meta.items() if k not in exported.meta and k not in ("tenant", "version", "created")}
+    extra["train"] = train
+    extra.pop("calibration", None)
+    if held:
+        extra["calibration"] = _calibration(store, encoder, version, model, held, share, train["updates"])
+    record = _record(tenant, store, version, exported, extra)
+    trained = Trained([record], {"plot": log}, len(ids), {"plot": round(time.perf_counter() - t0, 3)})
+    return trained, (ids, targets, held)
+
+
+def _update_full(store, trained: Trained, examples, *, epochs, batch_size, seed, progress) -> None:
+    """Train the tenant's stored full-depth PET further on the examples its PET was updated
+    on; appended to trained."""
+    from runtime.construct.full import update_full_level
+
+    t0 = time.perf_counter()
+    record = trained.records[0]
+    ids, targets, held_out = examples
+    full, log = update_full_level(store, record, store.get_full(record.tenant), ids, targets, held_out,
+                                  epochs=epochs, batch_size=batch_size, seed=seed, progress=progress)
+    trained.records.append(full)
+    trained.logs["full"] = log
+    trained.seconds["full"] = round(time.perf_counter() - t0, 3)
+
+
 def tenant_rm(store_path, tenant) -> dict:
+    """Remove a tenant: its PET, students and full-depth PET (one tombstone, FORMAT.md)."""
     with _open_writable(store_path) as store:
         store.delete_pet(tenant)
     return {"tenant": tenant, "removed": True}
@@ -647,5 +717,5 @@ def status(store_path) -> dict:
 
 
 __all__ = ["ManagerError", "build", "domain_create", "domain_grow", "domain_update", "tenant_create", "tenants_create", "tenant_update",
-           "tenant_rm",
+           "tenant_rm", "tenant_ls", "tenant_info",
            "tenant_eval", "version_encoder", "base_encoder", "status"]

@@ -146,6 +146,31 @@ def _dropout(cfg: TrainConfig):
     return drop
 
 
+def trainable(encoder, pet):
+    """A stored (exported) PET back in training form, gradients on: diff index/value lists
+    become dense deltas, mask index lists keep-scores (dropped weights below the threshold)."""
+    from runtime.model.pet import MASK_INIT, Pet, _shape
+
+    out = {}
+    for name, v in pet.tensors.items():
+        stem, _, suffix = name.rpartition(".")
+        kind = stem.split(".")[2] if stem.startswith("layers.") else None
+        if kind not in ("diff", "mask"):
+            out[name] = v.detach().clone().float().requires_grad_(True)
+        elif suffix == "index":
+            d_out, d_in = _shape(encoder.config, stem.rsplit(".", 1)[1])
+            index = v.long()
+            if kind == "diff":
+                dense = torch.zeros(d_out * d_in)
+                dense[index] = pet.tensors[stem + ".value"].float()
+                out[stem + ".delta"] = dense.view(d_out, d_in).requires_grad_(True)
+            else:
+                dense = torch.full((d_out * d_in,), MASK_INIT)
+                dense[index] = -MASK_INIT
+                out[stem + ".score"] = dense.view(d_out, d_in).requires_grad_(True)
+    return Pet(out, dict(pet.meta))
+
+
 # -- (c) full fine-tuning baselines -------------------------------------------------------
 
 

@@ -22,6 +22,11 @@ weights (stacked into reused buffers), attention is torch's fused scaled_dot_pro
 and residual + LayerNorm (+ the tenants' deltas) run as one pass. ``kernels="reference"``
 keeps the per-segment ops_cpu calls (the specification; tests compare the two).
 
+Full rows (runtime.exec.rows: a tenant's full-depth PET, from the base embeddings) first run the
+lower layers with their PETs as a batch of their own (``lower_full``: the same layer function,
+kernels and plan machinery; fp32 also with int8, whose quantized weights are the upper
+layers'), then join the batch's other rows at the first upper layer.
+
 Attention and GELU are shared, and so are the LayerNorms unless a PET of the batch edits them.
 The result for a request equals ``runtime.model.encoder.Encoder.upper`` + ``runtime.model.pet.head`` run on
 that request alone, whatever else is in its batch (tests/test_executor_cpu.py), up to float
@@ -40,9 +45,9 @@ import torch.nn.functional as F
 
 from runtime.exec import cpu_batched, ops_cpu, students
 from runtime.exec.int8 import Int8Upper
-from runtime.exec.plan import BatchPlan, plan_batch, prepare_pet, stack_group
-from runtime.exec.rows import (Gathered, Prepared, assemble, attention_rows, gather_host, received_rows,
-                               student_logits)
+from runtime.exec.plan import BatchPlan, plan_batch, prepare_pet, stack_group, tenant_key
+from runtime.exec.rows import (FullInputs, Gathered, Prepared, assemble, attention_rows, full_inputs, gather_host,
+                               received_rows, student_logits)
 from runtime.exec.threads import helper_thread_setup
 from runtime.model import student
 
@@ -85,7 +90,7 @@ class CpuExecutor:
         if self.kernels == "reference":
             return plan_batch(pets, keys, self.lora_kernel)
         if keys is None:
-            keys = [p.key if p.key is not None else id(p) for p in pets]
+            keys = [tenant_key(p) for p in pets]
         order = cpu_batched.order_by_count(keys, [tuple(sorted(p.parts, key=str)) for p in pets])
         plan = plan_batch([pets[j] for j in order], [keys[j] for j in order], self.lora_kernel)
         plan.perm = order[plan.perm]
@@ -99,18 +104,27 @@ class CpuExecutor:
     def prepare(self, gathered: Gathered, rows) -> Prepared:
         t0 = time.perf_counter()
         teacher, inputs, lengths, parts, lower = assemble(gathered, rows, self.context, self.config.d)
+        full = full_inputs(rows, teacher, self.encoder)
+        full = None if full is None else (full, self.plan(full.pets))
         plan = self.plan([rows[b].pet for b in teacher]) if teacher else None
         if plan is not None and attention_rows(rows, teacher):
             plan.received = torch.zeros(inputs.shape[:2])
         mask = torch.from_numpy(np.arange(inputs.shape[1])[None, :] < lengths[:, None])
         timings = dict(gathered.timings, transfer=0.0, lower=lower)
         timings["retrieval"] += time.perf_counter() - t0 - lower
-        return Prepared(rows, timings, (teacher, inputs, mask, plan, parts), gathered.served)
+        return Prepared(rows, timings, (teacher, inputs, mask, plan, parts, full), gathered.served)
 
     @torch.no_grad()
     def compute(self, prepared: Prepared) -> list:
-        teacher, inputs, mask, plan, parts = prepared.payload
+        teacher, inputs, mask, plan, parts, full = prepared.payload
         out = [None] * len(prepared.rows)
+        if full is not None:  # the full rows' lower layers, then they are teacher rows like the others
+            t0 = time.perf_counter()
+            hidden = self.lower_full(*full)
+            for j, t in enumerate(full[0].at):
+                n = int(full[0].lengths[j])
+                inputs[t, :n] = hidden[j, :n]
+            prepared.timings["lower"] = prepared.timings.get("lower", 0.0) + time.perf_counter() - t0
         if teacher:
             for b, y in zip(teacher, self.forward(inputs, mask, plan)):
                 out[b] = y.numpy()
@@ -141,13 +155,44 @@ class CpuExecutor:
         perm = torch.from_numpy(plan.perm)
         x = inputs[perm].reshape(B * L, d).contiguous()
         m = mask[perm]
+        prof = self.profile
+        t_start = self.profile_clock()
+        x = self.run_layers(self.layers, x, m, B, L, plan)
+        t0 = self.profile_clock()
+        out = self.heads(x.view(B, L, d), m, plan)
+        if prof is not None:
+            end = self.profile_clock()
+            prof["heads"] = prof.get("heads", 0.0) + end - t0
+            prof["upper layers + heads (wall)"] = prof.get("upper layers + heads (wall)", 0.0) + end - t_start
+        return out
+
+    @torch.no_grad()
+    def lower_full(self, full: FullInputs, plan: BatchPlan) -> torch.Tensor:
+        """Layers [0, lower_layers) on the full rows' embeddings with their full-depth PETs
+        (plan: a plan of full.pets), shared GEMMs once over those rows: (F, L_full, d), in
+        full's order (padded positions hold what the layers made of padding)."""
+        x = full.embeddings
+        F_, L, d = x.shape
+        mask = torch.from_numpy(np.arange(L)[None, :] < full.lengths[:, None])
+        perm = torch.from_numpy(plan.perm)
+        h = self.run_layers(range(self.encoder.lower_layers), x[perm].reshape(F_ * L, d).contiguous(), mask[perm],
+                            F_, L, plan)
+        out = torch.empty_like(x)
+        out[perm] = h.view(F_, L, d)
+        return out
+
+    def run_layers(self, layers, x, m, B, L, plan: BatchPlan) -> torch.Tensor:
+        """x (B*L, d), in plan's executed order, through `layers` with the plan's PETs; the
+        kernels' layer function (updates x in place on the batched kernels)."""
         seg_rows = plan.seg_starts * L
+        layers = list(layers)
+        if not layers:
+            return x
         batched = self.kernels == "batched"
         prof = self.profile
         if batched and not hasattr(self._local, "buffers"):
             self._local.buffers = {}
         buffers = self._local.buffers if batched else None
-        t_start = self.profile_clock()
 
         def stack(i):
             if not batched:
@@ -161,28 +206,22 @@ class CpuExecutor:
 
         layer = self.layer_batched if batched else self.layer
 
-        if self.prefetch and len(self.layers) > 1:
+        if self.prefetch and len(layers) > 1:
             # Layer-wise prefetch: layer i+1's stacked PET weights are built on a helper
             # thread while layer i computes (torch releases the GIL in its kernels).
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hkstore-prefetch",
                                                 initializer=helper_thread_setup)
-            pending = self._pool.submit(stack, self.layers[0])
-            for idx, i in enumerate(self.layers):
+            pending = self._pool.submit(stack, layers[0])
+            for idx, i in enumerate(layers):
                 stacked = pending.result()
-                if idx + 1 < len(self.layers):
-                    pending = self._pool.submit(stack, self.layers[idx + 1])
+                if idx + 1 < len(layers):
+                    pending = self._pool.submit(stack, layers[idx + 1])
                 x = layer(i, x, m, B, L, plan, stacked, seg_rows)
         else:
-            for i in self.layers:
+            for i in layers:
                 x = layer(i, x, m, B, L, plan, stack(i), seg_rows)
-        t0 = self.profile_clock()
-        out = self.heads(x.view(B, L, d), m, plan)
-        if prof is not None:
-            end = self.profile_clock()
-            prof["heads"] = prof.get("heads", 0.0) + end - t0
-            prof["upper layers + heads (wall)"] = prof.get("upper layers + heads (wall)", 0.0) + end - t_start
-        return out
+        return x
 
     def layer_batched(self, i, x, m, B, L, plan, stacked, seg_rows):
         """One upper layer with runtime.exec.cpu_batched (kernels="batched")."""
@@ -200,7 +239,7 @@ class CpuExecutor:
                 clock[0] = now
 
         def proj(target, inp, lin, out):
-            if self.int8 is not None:
+            if self.int8 is not None and i >= self.encoder.lower_layers:  # a full row's lower layers: fp32
                 y = self.int8.linear(i, target, inp)
             else:
                 y = torch.addmm(lin.bias, inp, lin.weight.t(), out=out)

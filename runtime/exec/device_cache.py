@@ -6,6 +6,8 @@ from collections import OrderedDict
 
 import numpy as np
 
+from runtime.exec.plan import tenant_key
+
 
 class DevicePetCache:
     """Device copies of PET weights: entries (tenant key, record token, layer) -> arrays.
@@ -28,7 +30,7 @@ class DevicePetCache:
         self.batch += 1
 
     def _key(self, pet, layer):
-        return (pet.key if pet.key is not None else id(pet), pet.token, layer)
+        return (tenant_key(pet), pet.token, layer)
 
     def get(self, pet, layer, stream, keep) -> dict:
         """part -> tuple of device arrays (layer >= 0), or {"head": (W, b)} for layer -1."""

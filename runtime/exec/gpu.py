@@ -24,6 +24,11 @@ within 1e-2 relative; tests/test_executor_gpu.py). What is different:
 * **Layer-wise prefetch** (``prefetch=True``): the stacked PET weights of layer i+1 are built
   (and, for tenants not resident, uploaded) on the pets stream while layer i computes;
   ``prefetch=False`` builds each layer's on the compute stream just before it runs.
+* **Full rows** (runtime.exec.rows: a tenant's full-depth PET, from the base embeddings): their
+  embeddings go to the device with the batch's inputs; the base lower layers' weights are
+  uploaded when the first full row comes; the lower layers run for the full rows alone (their
+  own plan, the same layer function and kernels), whose output then replaces those rows'
+  inputs at the first upper layer.
 * **A device PET cache** (``DevicePetCache``): per (tenant, record, layer) entries, LRU
   bounded by ``pet_cache_bytes``; the hot tenants stay resident, the others live in the host
   cache (runtime.sched.pet_cache.PetCache) and are uploaded on demand.
@@ -55,7 +60,8 @@ import torch
 from runtime.exec.device_cache import DevicePetCache
 from runtime.exec.hot_tier import HotTier
 from runtime.exec.plan import BatchPlan, plan_batch, prepare_pet
-from runtime.exec.rows import Gathered, Prepared, assemble, attention_rows, gather_host, received_rows, student_logits
+from runtime.exec.rows import (FullInputs, Gathered, Prepared, assemble, attention_rows, full_inputs, gather_host,
+                               received_rows, student_logits)
 from runtime.exec.students_gpu import DeviceStudents
 
 _F32_MIN = float(np.finfo(np.float32).min)
@@ -129,21 +135,20 @@ class GpuExecutor:
 
     def _upload_weights(self) -> dict:
         """Upper-layer weights on the device: W^T (d_in, d_out) and biases in the compute dtype."""
-        cp, out = self.cp, {}
-        for i in self.layers:
-            blk = self.encoder.layers[i]
-            w = {}
-            for t in ("q", "k", "v", "o", "ffn_in", "ffn_out"):
-                lin = getattr(blk, t)
-                w[t] = cp.ascontiguousarray(cp.asarray(lin.weight.detach().numpy().T.astype(self.dtype)))
-                w[t + ".b"] = cp.asarray(lin.bias.detach().numpy().astype(self.dtype))
-            for ln in ("ln_attn", "ln_ffn"):
-                m = getattr(blk, ln)
-                w[ln + ".g"] = cp.asarray(m.weight.detach().numpy().astype(self.dtype))
-                w[ln + ".b"] = cp.asarray(m.bias.detach().numpy().astype(self.dtype))
-                w[ln + ".eps"] = float(m.eps)
-            out[i] = w
-        return out
+        return {i: self._upload_layer(i) for i in self.layers}
+
+    def _upload_layer(self, i) -> dict:
+        cp, blk, w = self.cp, self.encoder.layers[i], {}
+        for t in ("q", "k", "v", "o", "ffn_in", "ffn_out"):
+            lin = getattr(blk, t)
+            w[t] = cp.ascontiguousarray(cp.asarray(lin.weight.detach().numpy().T.astype(self.dtype)))
+            w[t + ".b"] = cp.asarray(lin.bias.detach().numpy().astype(self.dtype))
+        for ln in ("ln_attn", "ln_ffn"):
+            m = getattr(blk, ln)
+            w[ln + ".g"] = cp.asarray(m.weight.detach().numpy().astype(self.dtype))
+            w[ln + ".b"] = cp.asarray(m.bias.detach().numpy().astype(self.dtype))
+            w[ln + ".eps"] = float(m.eps)
+        return w
 
     def _alloc_buffers(self, tokens: int):
         """Two pinned host buffers and two device buffers of `tokens` x d fp32 inputs."""
@@ -226,11 +231,15 @@ class GpuExecutor:
         timings = dict(gathered.timings, transfer=0.0, lower=lower)
         staged = plan = None
         if teacher:
+            full = full_inputs(rows, teacher, self.encoder)
+            full_plan = None if full is None else self.plan(full.pets)
             plan = self.plan([rows[b].pet for b in teacher])  # before staging: nothing can fail after it
             if attention_rows(rows, teacher):
                 plan.received = torch.zeros(inputs.shape[:2])
             with self._device():
                 staged, timings["transfer"] = self.stage(inputs.numpy())
+                if full is not None:
+                    staged["full"] = self._stage_full(full, full_plan, staged["keep"])
             staged["lengths"] = lengths
         timings["retrieval"] += time.perf_counter() - t0 - lower - timings["transfer"]
         return Prepared(rows, timings, (teacher, staged, plan, parts), gathered.served)
@@ -274,6 +283,48 @@ class GpuExecutor:
             self.copy_done[k].record(stream)
         return {"slot": k, "shape": (B, L, d), "events": (start, end), "array": None, "keep": []}, \
             time.perf_counter() - t0
+
+    def _stage_full(self, full: FullInputs, plan: BatchPlan, keep) -> tuple:
+        """The full rows' embeddings to the device (async, input stream): (full, plan, device
+        embeddings, the copy's event)."""
+        stream = self.input_stream
+        with stream:
+            emb = self.upload(full.embeddings.numpy(), stream, keep)
+            done = self.cp.cuda.Event(disable_timing=True)
+            done.record(stream)
+        return full, plan, emb, done
+
+    def _lower_full(self, staged_full, keep):
+        """Layers [0, lower_layers) on the full rows' embeddings with their full-depth PETs, on
+        the compute stream (the same layer function and stacking as the upper layers, over a
+        plan of the full rows alone): (F, L_full, d) in the compute dtype, in that plan's
+        executed order."""
+        cp = self.cp
+        full, plan, emb, done = staged_full
+        self.compute_stream.wait_event(done)
+        F_, L, d = emb.shape
+        lower = range(self.encoder.lower_layers)
+        for i in lower:  # the base lower layers, on the device once the first full row comes
+            if i not in self.weights:
+                self.weights[i] = self._upload_layer(i)
+        x = emb[cp.asarray(plan.perm.astype(np.int64))].reshape(F_ * L, d).astype(self.dtype)
+        mask = cp.asarray(np.arange(L)[None, :] < full.lengths[plan.perm][:, None])
+        seg_rows = plan.seg_starts * L
+        x = self._layers(plan, L, keep, x, lambda i, x, groups: self._layer(i, x, mask, F_, L, groups, seg_rows),
+                         layers=list(lower))
+        return x.reshape(F_, L, d)
+
+    def _join_full(self, x, B, L, plan, staged_full, keep):
+        """x (B*L, d), the teacher rows in plan's executed order, with the full rows' inputs
+        replaced by their lower layers' output."""
+        full, full_plan = staged_full[0], staged_full[1]
+        hidden = self._lower_full(staged_full, keep)
+        where = np.empty(plan.size, dtype=np.int64)
+        where[plan.perm] = np.arange(plan.size)  # teacher row -> its executed position
+        dst = where[np.asarray(full.at, dtype=np.int64)[full_plan.perm]]
+        n = hidden.shape[1]
+        x.reshape(B, L, -1)[self.cp.asarray(dst), :n] = hidden
+        return x
 
     def _retrieve_hot(self, snapshot, seqs, versions):
         """Hot-tier retrieval: probe on the device, host lookup of the misses only, gather
@@ -410,6 +461,8 @@ class GpuExecutor:
                 self.slot_free[slot].release()
         with self._device(), stream:
             self.pet_cache.new_batch()
+            if staged.get("full") is not None and self.encoder.lower_layers:
+                x = self._join_full(x, B, L, plan, staged["full"], keep)
             lengths = np.asarray(staged["lengths"], dtype=np.int64)
             mask = cp.asarray(np.arange(L)[None, :] < lengths[plan.perm][:, None])
             seg_rows = plan.seg_starts * L
@@ -433,14 +486,16 @@ class GpuExecutor:
         keep.clear()
         return self._unpermute(host, plan, lengths)
 
-    def _layers(self, plan, L, keep, x, layer):
-        """x through every upper layer (layer(i, x, groups) -> x on the compute stream), each
-        layer's stacked PET weights issued one layer ahead (prefetch) or just before it."""
-        pending = self._issue(plan, self.layers[0], L, keep)
-        for idx, i in enumerate(self.layers):
+    def _layers(self, plan, L, keep, x, layer, layers=None):
+        """x through every upper layer, or `layers` (layer(i, x, groups) -> x on the compute
+        stream), each layer's stacked PET weights issued one layer ahead (prefetch) or just
+        before it."""
+        layers = self.layers if layers is None else layers
+        pending = self._issue(plan, layers[0], L, keep)
+        for idx, i in enumerate(layers):
             groups, event = pending
-            if idx + 1 < len(self.layers):
-                pending = self._issue(plan, self.layers[idx + 1], L, keep)
+            if idx + 1 < len(layers):
+                pending = self._issue(plan, layers[idx + 1], L, keep)
             if event is not None:
                 self.compute_stream.wait_event(event)
             x = layer(i, x, groups)

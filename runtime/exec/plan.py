@@ -68,7 +68,9 @@ class ServingPet:
 
 
 def prepare_pet(encoder, pet: petlib.Pet, key=None, token=None) -> ServingPet:
-    """ServingPet of an exported (index-form) PET on `encoder` (see the class doc)."""
+    """ServingPet of an exported (index-form) PET on `encoder` (see the class doc). A
+    full-depth PET keeps its lower-layer parts (the executors run them for its rows); any
+    other PET with a lower-layer tensor is refused."""
     t, meta = pet.tensors, pet.meta
     parts = {}
     for name, value in t.items():
@@ -76,6 +78,9 @@ def prepare_pet(encoder, pet: petlib.Pet, key=None, token=None) -> ServingPet:
         if bits[0] != "layers":
             continue
         i, kind = int(bits[1]), bits[2]
+        if i < encoder.lower_layers and not petlib.is_full(meta):
+            raise ValueError(f"PET tensor {name} edits lower layer {i}: only a full-depth PET (meta level "
+                             f"\"full\") may, and this one is upper-only")
         if bits[-1] in ("delta", "score"):  # would be read as an index list below
             raise ValueError(f"PET tensor {name} is in training form: serve runtime.model.pet.export(pet)")
         if kind == "lora" and bits[4] == "A":
@@ -105,6 +110,14 @@ def prepare_pet(encoder, pet: petlib.Pet, key=None, token=None) -> ServingPet:
         raise ValueError("PET has no head (head.weight)")
     return ServingPet(key=key, meta=dict(meta), parts=parts, head_weight=head[0], head_bias=head[1],
                       scale=float(meta.get("scale", 1.0)), version=meta.get("version"), token=token)
+
+
+def tenant_key(pet: ServingPet):
+    """What identifies pet's tenant in a batch plan and a device cache: its key (the object
+    itself without one), and apart from that tenant's ordinary PET when full-depth (a tenant may
+    have rows of both in one batch)."""
+    key = pet.key if pet.key is not None else id(pet)
+    return ("full", key) if petlib.is_full(pet.meta) else key
 
 
 def _f32(v) -> torch.Tensor:
@@ -153,14 +166,14 @@ class BatchPlan:
 
 def plan_batch(pets: list, keys: list | None = None, lora_kernel: str = "auto") -> BatchPlan:
     """Lay out a mixed-tenant batch: pets[b] (ServingPet) serves item b; keys[b] (default
-    pets[b].key, or the object itself) says which items share a tenant. lora_kernel: "sgmv",
+    tenant_key(pets[b])) says which items share a tenant. lora_kernel: "sgmv",
     "bgmv" or "auto" (BGMV when every LoRA tenant of the batch has a single request)."""
     if lora_kernel not in ("auto", "sgmv", "bgmv"):
         raise ValueError(f"lora_kernel must be auto, sgmv or bgmv, got {lora_kernel!r}")
     if not pets:
         raise ValueError("an empty batch")
     if keys is None:
-        keys = [p.key if p.key is not None else id(p) for p in pets]
+        keys = [tenant_key(p) for p in pets]
     first: dict = {}
     tenants = []
     for b, k in enumerate(keys):

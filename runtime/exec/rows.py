@@ -1,12 +1,16 @@
 """A batch plan's rows: what the executor runs, each row naming its input source and its PET.
 
 The engine (runtime.engine) decides every row; the executor only computes them. A row is
-served from one of three input sources:
+served from one of four input sources:
 
 * ``plot``: the upper-layer inputs are PLOT lookups of the row's version (HMI; level 1 of
   Tabi), then the shared upper layers with the row's PET and head;
 * ``context``: the inputs are the full-context lower layers of the encoder the version stands
   for (Tabi's level 2, runtime.exec.context), then the same upper layers, PET and head;
+* ``full``: the row's PET is the tenant's full-depth PET (runtime.model.pet.is_full); the
+  inputs are the base encoder's embeddings of its ids (``full_inputs``), the executor runs the
+  lower layers with that PET for the batch's full rows, and they join the other rows (plot,
+  context: together the *teacher* rows) at the first upper layer;
 * ``students``: the PLOT inputs go through the first ``k`` boosted students of the tenant's
   group in one stacked step (Student Parallelism, runtime.exec.students) and their head.
 
@@ -26,17 +30,19 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from runtime.model.pet import is_full
 from runtime.plot.mixed import retrieve_mixed
 
-SOURCES = ("plot", "context", "students")
+SOURCES = ("plot", "context", "full", "students")
+TEACHER = ("plot", "context", "full")  # the sources whose rows run the upper layers and a PET head
 
 
 @dataclass(frozen=True)
 class Row:
     ids: list  # token ids, [CLS] .. [SEP]
-    pet: object  # the tenant's ServingPet (its upper-layer edits and head)
+    pet: object  # the tenant's ServingPet (its upper-layer edits and head; full: its full-depth PET)
     version: str  # the PLOT version its inputs come from
-    source: str = "plot"  # plot | context | students
+    source: str = "plot"  # plot | context | full | students
     group: object = None  # students: the tenant's runtime.model.student.Group
     k: int = 0  # students: how many of the group answer
     gate: float = 0.0  # plot: the engine re-routes it to context when its coverage is below this
@@ -82,12 +88,14 @@ def gather_host(snapshot, rows) -> Gathered:
 
 
 def teacher_rows(rows) -> list:
-    return [b for b, r in enumerate(rows) if r.source in ("plot", "context")]
+    return [b for b, r in enumerate(rows) if r.source in TEACHER]
 
 
 def assemble(gathered: Gathered, rows, context, d: int):
     """Host inputs of the plan: (teacher row indices, inputs (T, L, d), lengths (T,), student
-    parts [(group, k, row indices, x, mask)], seconds spent on level 2's lower layers)."""
+    parts [(group, k, row indices, x, mask)], seconds spent on level 2's lower layers). A full
+    row's inputs are left zero: the executor writes its lower layers' output there
+    (full_inputs gives what they start from)."""
     where = {b: j for j, b in enumerate(gathered.plot)}
     teacher = teacher_rows(rows)
     lengths = np.array([len(rows[b].ids) for b in teacher], dtype=np.int64)
@@ -100,7 +108,7 @@ def assemble(gathered: Gathered, rows, context, d: int):
         for t, b in enumerate(teacher):
             if rows[b].source == "plot":
                 inputs[t, :lengths[t]] = gathered.inputs[where[b], :lengths[t]]
-            else:
+            elif rows[b].source == "context":
                 by_version.setdefault(rows[b].version, []).append(t)
     t0 = time.perf_counter()
     for version, ts in by_version.items():
@@ -123,6 +131,34 @@ def assemble(gathered: Gathered, rows, context, d: int):
         mask = torch.from_numpy(np.arange(max(n))[None, :] < np.array(n)[:, None])
         parts.append((rows[idx[0]].group, rows[idx[0]].k, idx, x, mask))
     return teacher, inputs, lengths, parts, lower
+
+
+@dataclass
+class FullInputs:
+    """The full rows of a plan, what the executor's lower layers start from."""
+
+    at: list  # their positions among the teacher rows (rows of assemble's inputs)
+    embeddings: torch.Tensor  # (F, L_full, d): the base encoder's embeddings of their ids, right-padded
+    lengths: np.ndarray  # (F,)
+    pets: list  # their full-depth ServingPets
+
+
+@torch.no_grad()
+def full_inputs(rows, teacher, encoder) -> FullInputs | None:
+    """The full rows among the teacher rows (None if there are none): their embeddings by
+    `encoder` (the base model: a full-depth PET was trained on its embeddings). A full row
+    must carry a full-depth PET and no other row may (its lower-layer edits would be lost)."""
+    for b in teacher:
+        if (rows[b].source == "full") != is_full(rows[b].pet.meta):
+            raise ValueError(f"a {rows[b].source} row carries a {'full-depth' if is_full(rows[b].pet.meta) else 'upper-only'}"
+                             " PET: full rows, and only they, carry a tenant's full-depth PET")
+    at = [t for t, b in enumerate(teacher) if rows[b].source == "full"]
+    if not at:
+        return None
+    seqs = [rows[teacher[t]].ids for t in at]
+    ids, mask = encoder.pad(seqs)
+    lengths = mask.sum(1).numpy()
+    return FullInputs(at, encoder.embed(ids).float(), lengths, [rows[teacher[t]].pet for t in at])
 
 
 def attention_rows(rows, teacher) -> bool:

@@ -1,6 +1,11 @@
 """Profiling (Tabi §5): calibrate each level and choose a tenant's policy on held-out data by
 re-using saved level outputs, then record it with the tenant.
 
+Level 2 is the tenant's top (runtime.level.serve): its current full-depth PET (``full`` rows)
+when it has one, else the full-context lower layers (``context`` rows); costs are relative to
+it, and the record says which top it was profiled against (``profile.top``, and for full the
+full-depth PET's ``full_created``), since a record measured on another top is not followed.
+
 ``collect`` runs the held-out queries once per level through the engine, as rows it routes
 itself (level 1 with its attention and coverage; level 2 on the full text and on the text
 pruned at each alpha), and
@@ -63,11 +68,16 @@ def _timed(engine, rows):
     return outs, time.perf_counter() - t0
 
 
-def collect(engine, pet, queries, alphas=GRID["alpha"], n: int = 3, batch: int = 32) -> Saved:
+def top_row(pet, full, ids) -> Row:
+    """Level 2's row on ids: the full-depth PET `full` (a ServingPet), else full context with pet."""
+    return Row(ids, full, pet.version, "full") if full is not None else Row(ids, pet, pet.version, "context")
+
+
+def collect(engine, pet, queries, alphas=GRID["alpha"], n: int = 3, batch: int = 32, full=None) -> Saved:
     """Saved level outputs of queries: (ids, positions) each; positions as serve.answer takes
     them (None for classification). Chunk by chunk of `batch` queries: level 1, then level 2
-    at each alpha, so that the levels' seconds are measured interleaved (a shared machine's
-    load changes within a run)."""
+    (the top: `full`, the tenant's full-depth ServingPet, else exact) at each alpha, so that
+    the levels' seconds are measured interleaved (a shared machine's load changes within a run)."""
     alphas = sorted(set(alphas) | {0.0})
     saved = Saved(pet.task, np.array([len(ids) for ids, _ in queries]), np.zeros(len(queries)), [],
                   {a: [] for a in alphas}, {a: [] for a in alphas}, {a: [] for a in alphas},
@@ -86,7 +96,7 @@ def collect(engine, pet, queries, alphas=GRID["alpha"], n: int = 3, batch: int =
             for (ids, pos), o in zip(chunk, outs):
                 firsts = None if pos is None or (len(pos) == len(ids) and pos[0] == 0) else pos
                 kept_all.append(prune(o.received, word_spans(firsts, len(ids)), alpha)[0])
-            runs = [Row([ids[j] for j in kept], pet, pet.version, "context") for (ids, _), kept in zip(chunk, kept_all)]
+            runs = [top_row(pet, full, [ids[j] for j in kept]) for (ids, _), kept in zip(chunk, kept_all)]
             outs2, s2 = _timed(engine, runs)
             saved.seconds[f"level2@{alpha}"] += s2
             saved.kept_tokens[alpha] += [len(k) for k in kept_all]
@@ -195,11 +205,13 @@ def held(draws, rows, rows2, metric, target) -> float:
 
 
 def record(temps: dict, ece: dict, chosen: dict, result: dict, target: float, examples: int,
-           assurance: float = 0.0) -> dict:
-    """The levels record a tenant's PET meta keeps (FORMAT.md §5)."""
+           assurance: float = 0.0, full=None) -> dict:
+    """The levels record a tenant's PET meta keeps (FORMAT.md §5); full: the full-depth
+    ServingPet level 2 was (None: exact)."""
+    top = {"top": "exact"} if full is None else {"top": "full", "full_created": full.meta.get("created")}
     return {"levels": [1, 2], "temperature": temps, "ece": ece,
             "policy": {k: chosen[k] for k in ("c", "k", "alpha", "w", "gate")},
-            "profile": {"target": target, "assurance": assurance, "expected_metric": chosen["metric"],
+            "profile": {**top, "target": target, "assurance": assurance, "expected_metric": chosen["metric"],
                         "expected_cost": chosen["cost"],
                         "expected_reroute": chosen["reroute"], "level1_metric": result["level1"]["metric"],
                         "level2_metric": result["level2"]["metric"], "level1_cost": result["level1"]["cost"],
@@ -219,15 +231,18 @@ def save(store_path, tenant: str, levels: dict) -> None:
 
 def profile_tenant(rt, store_path, tenant: str, dev_path, calibration_path=None, target: float = 0.005,
                    alphas=GRID["alpha"], batch: int = 32, assurance: float = ASSURANCE) -> dict:
-    """Tabi §4.1 and §5 for one tenant of an open runtime (runtime.open(store_path)): the levels'
+    """Tabi §4.1 and §5 for one tenant of an open runtime (runtime.open(store_path)), level 2
+    its top (the current full-depth PET, else exact): the levels'
     temperatures fitted on calibration_path (labelled text the PET did not train on; default:
-    the ones fitted at tenant create / update when the PET has them, else dev_path), the policy
+    the ones fitted at tenant create / update when the PET has them and the top is exact, the
+    level they were fitted on, else dev_path), the policy
     chosen on dev_path for `target` (the metric as a fraction: 0.005 is half a point below level
     2) and held in `assurance` of dev's resamples (choose), the record saved in the tenant's PET
     meta. Returns the record."""
     from runtime.level.queries import read_queries
 
     pet = rt.pet(tenant)
+    full = rt.full(tenant, pet)
     if pet.task not in ("classification", "tagging"):
         raise ValueError(f"tenant {tenant!r} is a {pet.task} tenant: levels serve classification and tagging")
     max_len = (rt.store.snapshot().read_pet(tenant).meta.get("train") or {}).get("max_len", rt.max_len)
@@ -238,16 +253,16 @@ def profile_tenant(rt, store_path, tenant: str, dev_path, calibration_path=None,
     n = rt.meta["n"]
     from runtime.level.serve import calibration
 
-    fitted = None if calibration_path else calibration(rt.store.snapshot().read_pet(tenant).meta)
+    fitted = None if calibration_path or full is not None else calibration(rt.store.snapshot().read_pet(tenant).meta)
     if fitted:  # fitted at tenant create / update on held-out training examples (Tabi's way)
         temps = {"temperature": fitted["temperature"], "ece": fitted["ece"]}
     else:
-        saved_c = collect(rt.engine, pet, calib.pairs(), alphas=[0.0], n=n, batch=batch)
+        saved_c = collect(rt.engine, pet, calib.pairs(), alphas=[0.0], n=n, batch=batch, full=full)
         temps = calibrate(saved_c, calib.targets)
-    saved_d = collect(rt.engine, pet, dev.pairs(), alphas=list(alphas), n=n, batch=batch)
+    saved_d = collect(rt.engine, pet, dev.pairs(), alphas=list(alphas), n=n, batch=batch, full=full)
     result = choose(saved_d, temps["temperature"], dev.stats, dev.metric, target, dict(GRID, alpha=list(alphas)),
                     assurance=assurance)
-    levels = record(temps["temperature"], temps["ece"], result["chosen"], result, target, len(dev), assurance)
+    levels = record(temps["temperature"], temps["ece"], result["chosen"], result, target, len(dev), assurance, full)
     save(store_path, tenant, levels)
     rt.refresh()
     return levels

@@ -1,6 +1,12 @@
 """The policies behind runtime.Runtime.infer: ``fast`` (level 1 only), ``auto`` (Tabi's
 dispatcher with the tenant's profiled policy), ``exact`` (level 2 only).
 
+Level 2 is the tenant's *top*: its current full-depth PET (``full``) when it has one, else
+the full-context lower layers with its PET (``exact``); exact costs about what full-depth
+costs and is less accurate, so a full-depth tenant's cascade leaves it out. Functions that
+depend on the top take ``full``: the tenant's current full-depth ServingPet, None for exact.
+An answer names the level that answered (``NAMES``: students, plot, exact or full).
+
 The engine (runtime.engine) routes and steps; these are the decisions and answers it asks
 for: ``policy_of`` (which policy a request is served at), ``single`` (an answer from one
 level's logits, calibrated), ``send_up`` (Tabi's dispatcher on a level-1 answer,
@@ -9,7 +15,10 @@ runtime.level.dispatch, and the words level 2 reads, runtime.level.prune) and ``
 
 A tenant's levels record (its PET meta ``levels``, FORMAT.md §5; runtime.level.profile
 writes it) gives the temperatures and the policy; a tenant without one is served with
-T = 1 and ``auto`` means ``fast`` for it (there is no profiled policy to follow).
+T = 1 and ``auto`` means ``fast`` for it (there is no profiled policy to follow). A record
+profiled against another top than the tenant's current one (``profile.top``, exact when
+absent; for full, also the full-depth PET's ``created``) is not followed: its policy and
+level-2 temperature were measured on other outputs.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from runtime.level.prune import prune, word_spans
 from runtime.model.calibrate import softmax
 
 POLICIES = ("fast", "auto", "exact")
+NAMES = {"students": "students", "plot": "plot", "context": "exact", "full": "full"}  # a row's source -> its level
 
 
 @dataclass
@@ -36,6 +46,7 @@ class Answer:
     timings: dict
     batch_size: int
     students: int = 0  # how many students answered (runtime.student); 0: the teacher
+    level_name: str = "plot"  # the level that answered last: students, plot, exact or full (NAMES)
 
 
 def current(meta: dict):
@@ -47,15 +58,34 @@ def current(meta: dict):
     return record
 
 
-def levels(pet) -> dict:
-    return pet.meta.get("levels") or {}
+def top_of(full) -> str:
+    """The name of the top level for a tenant's full-depth ServingPet (None: exact)."""
+    return "exact" if full is None else "full"
 
 
-def temperature(pet, level: int) -> float:
+def profiled_against(record: dict) -> tuple:
+    """(top name, the full-depth PET's created or None) a levels record was profiled against."""
+    profile = record.get("profile") or {}
+    return profile.get("top", "exact"), profile.get("full_created")
+
+
+def levels(pet, full=None) -> dict:
+    """The tenant's levels record when it was profiled against its current top, else {}."""
+    record = pet.meta.get("levels") or {}
+    top, created = profiled_against(record)
+    if not record or top != top_of(full) or (full is not None and created != full.meta.get("created")):
+        return {}
+    return record
+
+
+def temperature(pet, level: int, full=None) -> float:
     """The level's temperature: the levels record's (hkstore levels profile), else the one
-    fitted when the tenant was created or updated (the meta's current ``calibration``), else 1."""
-    fitted = levels(pet).get("temperature") or (pet.meta.get("calibration") or {}).get("temperature") or {}
-    return float(fitted.get(str(level), 1.0))
+    fitted when the tenant was created or updated (the meta's current ``calibration``: level
+    1's, and level 2's when the top is exact, the level it was fitted on), else 1."""
+    fitted = levels(pet, full).get("temperature")
+    if not fitted and (level == 1 or full is None):
+        fitted = (pet.meta.get("calibration") or {}).get("temperature")
+    return float((fitted or {}).get(str(level), 1.0))
 
 
 def calibration(meta: dict):
@@ -67,10 +97,10 @@ def calibration(meta: dict):
     return record
 
 
-def policy_of(pet, asked):
+def policy_of(pet, asked, full=None):
     """(policy name, profiled parameters or None) for a request that asked `asked` (None:
-    the default, auto once the tenant is profiled, else fast)."""
-    chosen = levels(pet).get("policy")
+    the default, auto once the tenant is profiled against its current top, else fast)."""
+    chosen = levels(pet, full).get("policy")
     if asked is None:
         asked = "auto" if chosen else "fast"
     if asked not in POLICIES:
@@ -99,22 +129,28 @@ def _firsts(positions, length):
     return list(positions)
 
 
-def single(pet, out, level, positions, students: int = 0) -> Answer:
-    """The answer of one level's output (logits, timings, batch_size): probabilities calibrated
-    at the level's temperature, the reported positions'."""
+def level_of(source: str) -> int:
+    """The cascade level of a row's input source: 2 for the top (exact or full), else 1."""
+    return 2 if NAMES[source] in ("exact", "full") else 1
+
+
+def single(pet, out, positions, students: int = 0, full=None) -> Answer:
+    """The answer of one level's output (logits, timings, batch_size, source): probabilities
+    calibrated at the level's temperature, the reported positions'."""
     logits = np.asarray(out.logits, dtype=np.float32)
+    level = level_of(out.source)
     # the temperatures were calibrated on the teacher's logits, not on the students' head
-    probs = softmax(logits, 1.0 if students else temperature(pet, level))
+    probs = softmax(logits, 1.0 if students else temperature(pet, level, full))
     if positions is not None:
         probs = probs[positions]
     return Answer(probs, logits, level, dispatch.confidence(probs, pet.task), 0, dict(out.timings), out.batch_size,
-                  students)
+                  students, NAMES[out.source])
 
 
-def rerouted(first: Answer, pet, positions, out, kept, n_dropped, w) -> Answer:
-    """A re-routed request's answer: level 2's output on the kept tokens ensembled with level 1's."""
+def rerouted(first: Answer, pet, positions, out, kept, n_dropped, w, full=None) -> Answer:
+    """A re-routed request's answer: the top's output on the kept tokens ensembled with level 1's."""
     logits = np.asarray(out.logits, dtype=np.float32)
-    p2 = softmax(logits, temperature(pet, 2))
+    p2 = softmax(logits, temperature(pet, 2, full))
     if positions is None:
         probs = ensemble.combine(first.probs, p2, w)
     else:
@@ -123,4 +159,5 @@ def rerouted(first: Answer, pet, positions, out, kept, n_dropped, w) -> Answer:
         probs = ensemble.tagging(first.probs, p2[where[seen]], seen, w)
     timings = dict(first.timings, level2=out.timings.get("total", 0.0))
     timings["total"] = first.timings.get("total", 0.0) + timings["level2"]
-    return Answer(probs, logits, 2, dispatch.confidence(probs, pet.task), n_dropped, timings, out.batch_size)
+    return Answer(probs, logits, 2, dispatch.confidence(probs, pet.task), n_dropped, timings, out.batch_size,
+                  level_name=NAMES[out.source])

@@ -2,7 +2,8 @@
 
 The lower layers (embeddings + layers [0, lower_layers)) are what PLOT tables replace: their
 output for a window is precomputed and stored. The upper layers run per request, with a
-tenant's PET applied inside them (see runtime/model/pet.py). Everything here is fp32, has no dropout
+tenant's PET applied inside them (see runtime/model/pet.py); a full-depth PET runs every layer
+from the embeddings instead (``full``). Everything here is fp32, has no dropout
 unless a training loop passes one (runtime/construct/train.py: TrainConfig.dropout, off by default)
 and is batch-first: ids and mask are (B, L), hidden states (B, L, d). mask is boolean, True
 for real tokens; padded keys are masked out of attention.
@@ -137,6 +138,13 @@ class Encoder(nn.Module):
         """Layers [lower_layers, num_layers), the per-tenant part (drop: as in layer)."""
         for i in range(self.lower_layers, self.config.num_layers):
             h = self.layer(i, h, mask, pet, drop)
+        return h
+
+    def full(self, h: torch.Tensor, mask: torch.Tensor, pet=None) -> torch.Tensor:
+        """Every layer [0, num_layers) on embeddings h (embed's output), with `pet` in each: a
+        full-depth PET's forward (it reads no PLOT, so its lower-layer edits apply too)."""
+        for i in range(self.config.num_layers):
+            h = self.layer(i, h, mask, pet)
         return h
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor, pet=None) -> torch.Tensor:

@@ -21,6 +21,10 @@ diff and mask hold dense tensors instead (`.delta`: the weight delta, `.score`: 
 `export` turns them into index form.
 Every PET carries a task head: classification reads the first token ([CLS]), tagging every
 token. A "head" PET is a head alone (the head-only baseline).
+
+A *full-depth* PET (meta ``level: "full"``) may also edit the lower layers: it is trained and
+served on the base encoder's embeddings through every layer (Encoder.full), reading no PLOT,
+so nothing it edits is precomputed. Only such a PET may name lower layers.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ DEFAULT_TARGETS = {"lora": ("q", "v"), "adapter": ADAPTER_TARGETS, "bitfit": TAR
 # A mask score starts above the keep threshold (0), so a fresh mask PET keeps every weight;
 # small, so that a few optimizer steps can push a score below it.
 MASK_INIT = 1e-2
+FULL = "full"  # meta["level"] of a full-depth PET
 
 
 @dataclass
@@ -125,7 +130,16 @@ def pet_meta(meta: dict) -> dict:
     """The fields of a stored record's meta that describe its PET (FORMAT.md section 5),
     without the record's own (version, tenant, training log)."""
     keep = ("pet_type", "task", "labels", "layers", "norms", *TYPE_META.get(meta.get("pet_type"), ()))
-    return {k: meta[k] for k in keep if k in meta}
+    out = {k: meta[k] for k in keep if k in meta}
+    if is_full(meta):  # what lets its lower-layer tensors load
+        out["level"] = FULL
+    return out
+
+
+def is_full(pet_or_meta) -> bool:
+    """Whether a PET (or its meta) is full-depth: meta level "full"."""
+    meta = getattr(pet_or_meta, "meta", pet_or_meta)
+    return meta.get("level") == FULL
 
 
 def create_pet(
@@ -134,6 +148,7 @@ def create_pet(
     task: str,
     labels: list[str],
     *,
+    level: str | None = None,
     layers: list[int] | None = None,
     targets: tuple[str, ...] | None = None,
     rank: int = 8,
@@ -145,14 +160,21 @@ def create_pet(
 ) -> Pet:
     """A trainable PET (tensors require grad) that leaves the upper layers unchanged:
     adapter up = 0, LoRA B = 0, bias/diff/norm deltas = 0, mask scores > 0; only the head is
-    random. layers default to the encoder's upper layers; scale is LoRA's alpha / rank; norms
-    default to both LayerNorms for an adapter, none otherwise."""
+    random. level "full" makes a full-depth PET (meta level "full"), whose layers default to
+    all of the encoder's and may include lower ones; otherwise layers default to the encoder's
+    upper layers. scale is LoRA's alpha / rank; norms default to both LayerNorms for an
+    adapter, none otherwise."""
     if pet_type not in PET_TYPES:
         raise ValueError(f"unknown PET type {pet_type!r}; expected one of {', '.join(PET_TYPES)}")
     options = {"bottleneck": bottleneck, "rank": rank, "scale": scale, "density": density,
                "targets": list(targets or DEFAULT_TARGETS.get(pet_type, ()))}
-    layers = range(encoder.lower_layers, encoder.config.num_layers) if layers is None else layers
+    if level not in (None, FULL):
+        raise ValueError(f"unknown PET level {level!r}; expected {FULL!r} or none")
+    if layers is None:
+        layers = range(0 if level else encoder.lower_layers, encoder.config.num_layers)
     meta = {"pet_type": pet_type, "task": task, "labels": list(labels), "layers": list(layers)}
+    if level:
+        meta["level"] = level
     meta |= {k: options[k] for k in TYPE_META[pet_type]}
     if norms := list(NORMS if norms is None and pet_type == "adapter" else norms or ()):
         meta["norms"] = norms
@@ -284,10 +306,12 @@ def _check_meta(meta: dict, encoder: Encoder) -> None:
         raise ValueError("PET meta has no labels")
     if missing := [k for k in ("layers", *TYPE_META[kind]) if k not in meta]:
         raise ValueError(f"{kind} PET meta lacks {', '.join(missing)}")
-    upper = range(encoder.lower_layers, encoder.config.num_layers)
-    if not all(i in upper for i in meta["layers"]):
-        # PLOT tables replace the lower layers, so a PET can only edit upper ones.
-        raise ValueError(f"PET layers {meta['layers']} are not all upper layers ({upper.start}..{upper.stop - 1})")
+    allowed_layers = range(0 if is_full(meta) else encoder.lower_layers, encoder.config.num_layers)
+    if not all(i in allowed_layers for i in meta["layers"]):
+        # PLOT tables replace the lower layers, so only a full-depth PET (which reads no PLOT) may edit them.
+        which = "layers of the encoder" if is_full(meta) else "upper layers (only a full-depth PET edits lower ones)"
+        raise ValueError(f"PET layers {meta['layers']} are not all {which} "
+                         f"({allowed_layers.start}..{allowed_layers.stop - 1})")
     allowed = ADAPTER_TARGETS if kind == "adapter" else TARGETS
     if unknown := set(meta.get("targets", ())) - set(allowed):
         raise ValueError(f"unknown {kind} targets {sorted(unknown)}; expected some of {', '.join(allowed)}")

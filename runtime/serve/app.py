@@ -393,7 +393,8 @@ def _result_view(r) -> dict:
     if getattr(r, "truncated", 0):
         out["truncated"] = int(r.truncated)
     if getattr(r, "confidence", None) is not None:
-        out.update(level=int(r.level), confidence=float(r.confidence), pruned=int(r.pruned))
+        out.update(level=int(r.level), confidence=float(r.confidence), pruned=int(r.pruned),
+                   level_name=str(getattr(r, "level_name", "plot")))
     return out
 
 

@@ -60,7 +60,8 @@ class InferBody(Strict):
     truncate: Optional[bool] = Field(None, description="Cut texts over the server's max_len tokens instead of "
                                                        "answering 422 (default: the server's --truncate)")
     policy: Optional[Literal["fast", "auto", "exact"]] = Field(
-        None, description="fast: the PLOT level only; exact: full-context lower layers; auto: Tabi's dispatcher "
+        None, description="fast: the PLOT level only; exact: the tenant's top (its full-depth PET, else full-context "
+                          "lower layers); auto: Tabi's dispatcher "
                           "(default once the tenant is profiled, else fast)")
     students: Optional[Annotated[int, Field(ge=0, le=1024)]] = Field(
         None, description="A tenant with students (hkstore students create): 0 the teacher answers, k the first k "
@@ -91,7 +92,9 @@ class InferResult(BaseModel):
     batch_size: int
     timings_ms: dict
     truncated: Optional[int] = Field(None, description="Tokens cut off the text's end (truncate)")
-    level: Optional[int] = Field(None, description="The level that answered: 1 PLOT, 2 full context")
+    level: Optional[int] = Field(None, description="The level that answered: 1 PLOT (or students), 2 the tenant's top")
+    level_name: Optional[str] = Field(None, description="The level that answered by name: students, plot, exact "
+                                                        "(full-context lower layers) or full (the tenant's full-depth PET)")
     confidence: Optional[float] = Field(None, description="Calibrated confidence of the answer")
     pruned: Optional[int] = Field(None, description="Words level 2 did not see (word pruning)")
     students: int = Field(0, description="How many students answered (Student Parallelism); 0: the teacher")
@@ -171,14 +174,24 @@ class TenantCreateBody(Strict):
     task: Literal["classification", "tagging"] = "classification"
     examples: Examples
     pet_type: Literal["adapter", "lora", "bitfit", "diff", "mask", "head"] = "adapter"
-    epochs: Annotated[int, Field(ge=1, le=1000)] = 3
+    # the levels to build: the PLOT PET (PLOT and exact levels) and the full-depth PET (the top)
+    levels: Annotated[list[Literal["plot", "full"]], Field(min_length=1, max_length=2)] = ["plot", "full"]
+    # None: the training recipe's (runtime.construct.recipe)
+    epochs: Optional[Annotated[int, Field(ge=1, le=1000)]] = None
     max_examples: Optional[Annotated[int, Field(ge=1, le=MAX_EXAMPLES)]] = None
     lr: Optional[Annotated[float, Field(gt=0, le=1)]] = None
-    batch_size: Annotated[int, Field(ge=1, le=1024)] = 16
+    batch_size: Optional[Annotated[int, Field(ge=1, le=1024)]] = None
     max_len: Annotated[int, Field(ge=8, le=512)] = 128
-    bottleneck: Annotated[int, Field(ge=1, le=1024)] = 64
-    rank: Annotated[int, Field(ge=1, le=256)] = 8
+    bottleneck: Optional[Annotated[int, Field(ge=1, le=1024)]] = None
+    rank: Optional[Annotated[int, Field(ge=1, le=256)]] = None
     seed: Annotated[int, Field(ge=0, le=2**31 - 1)] = 0
+
+    @field_validator("levels")
+    @classmethod
+    def _levels(cls, levels):
+        if "plot" not in levels:
+            raise ValueError("levels must include plot (a full-depth PET is trained beside a tenant's PET)")
+        return list(dict.fromkeys(levels))
 
     @model_validator(mode="after")
     def _task(self):

@@ -1,0 +1,107 @@
+"""The accuracy goals' figures for benchmarks/results/accuracy.json, computed from run outputs.
+
+    python -m benchmarks.accuracy_goals OUT0 OUT1 OUT2 [--results benchmarks/results/accuracy.json]
+
+OUTs are runs of ``experiments.full_depth --eval-split test --rows fd-lora --seed S`` (one
+training seed each, the harness's data sample: ``--data-seed 0``); the dedicated row per task
+and seed is the harness's (``three_seed_by_task`` in the results file: the same sample, same
+code, so a rerun reproduces it, e.g. NCBI-disease seed 0: 67.6 both times). Adds to the file:
+
+* ``top``: the full-depth level (the top of a tenant's cascade) per task and seed, its six-task
+  means, each task's gap to dedicated (dedicated minus top: positive when the top is below)
+  and the PET's share of the encoder's bytes;
+* ``top_gap_to_dedicated_mean`` (the mean over seeds of the six-task gap) and
+  ``top_gap_to_dedicated_by_task`` (per task, over seeds);
+* ``auto_gap_to_top_mean`` and ``auto_cost_vs_top`` are not this program's: benchmarks.cascade_bench
+  (``--write-results``) measures the cascade through ``hkstore serve`` and adds them.
+
+The table it prints is the BENCHMARKS section's (benchmarks.claims checks them against each
+other). Standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ROW = "fd-lora"
+
+
+def top_scores(outs: list[Path]) -> dict:
+    """seed -> {task: (score in points, PET share of the encoder)} from full_depth runs."""
+    found = {}
+    for out in outs:
+        results = json.loads((out / "results.json").read_text())
+        config = results["config"]
+        if config.get("eval_split") != "test" or config.get("data_seed", 0) != 0:
+            raise SystemExit(f"{out}: not a test-split run on the harness's sample (--eval-split test --data-seed 0)")
+        if config["seed"] in found:
+            raise SystemExit(f"{out}: a second run of training seed {config['seed']}")
+        found[config["seed"]] = {task: (100 * rows[ROW]["score"], rows[ROW]["pet_share_of_encoder"])
+                                 for task, rows in results["rows"].items() if ROW in rows}
+    return found
+
+
+def figures(accuracy: dict, found: dict) -> dict:
+    tasks = accuracy["tasks"]
+    seeds = sorted(found)
+    dedicated = accuracy["three_seed_by_task"]
+    by_task, gaps_by_seed = {}, {s: [] for s in seeds}
+    for task in tasks:
+        if not all(task in found[s] for s in seeds):
+            raise SystemExit(f"task {task} is missing from a run")
+        top = [round(found[s][task][0], 1) for s in seeds]
+        ded = [dedicated[task]["dedicated"][s] for s in seeds]
+        gap = [round(d - t, 1) for d, t in zip(ded, top)]
+        for s, g in zip(seeds, gap):
+            gaps_by_seed[s].append(g)
+        by_task[task] = {"dedicated": ded, "top": top, "gap": gap, "gap_mean": round(statistics.mean(gap), 1)}
+    top_means = [round(statistics.mean(by_task[t]["top"][j] for t in tasks), 1) for j in range(len(seeds))]
+    ded_means = [round(statistics.mean(by_task[t]["dedicated"][j] for t in tasks), 1) for j in range(len(seeds))]
+    share = max(found[s][t][1] for s in seeds for t in tasks)
+    gap_mean = round(statistics.mean(d - t for d, t in zip(ded_means, top_means)), 1)
+    return {"seeds": seeds, "by_task": by_task, "top_means": top_means, "dedicated_means": ded_means,
+            "top_mean": round(statistics.mean(top_means), 1), "dedicated_mean": round(statistics.mean(ded_means), 1),
+            "pet_share_of_encoder_max": round(100 * share, 2),
+            "met": gap_mean <= 0 and all(v["gap_mean"] <= 1.0 for v in by_task.values()) and share <= 0.05,
+            "gap_mean": gap_mean}
+
+
+def table(accuracy: dict, top: dict) -> dict:
+    seeds = " / ".join(str(s) for s in top["seeds"])
+    rows = [[task, " / ".join(f"{x:.1f}" for x in v["dedicated"]), " / ".join(f"{x:.1f}" for x in v["top"]),
+             " / ".join(f"{x:.1f}" for x in v["gap"]), v["gap_mean"]] for task, v in top["by_task"].items()]
+    rows.append(["mean of six", " / ".join(f"{x:.1f}" for x in top["dedicated_means"]) + f" ({top['dedicated_mean']})",
+                 " / ".join(f"{x:.1f}" for x in top["top_means"]) + f" ({top['top_mean']})", "", top["gap_mean"]])
+    return {"columns": ["task (test)", f"dedicated, seeds {seeds}", f"full-depth LoRA r16, seeds {seeds}",
+                        "gap per seed", "mean gap"], "rows": rows}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("outs", nargs="+", type=Path, help="experiments.full_depth output directories (test split)")
+    p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results" / "accuracy.json")
+    args = p.parse_args(argv)
+    accuracy = json.loads(args.results.read_text())
+    top = figures(accuracy, top_scores(args.outs))
+    accuracy["top"] = top
+    accuracy["top_gap_to_dedicated_mean"] = top["gap_mean"]
+    accuracy["top_gap_to_dedicated_by_task"] = {t: v["gap_mean"] for t, v in top["by_task"].items()}
+    tables = [t for t in accuracy["tables"] if t["columns"][0] != "task (test)" or "full-depth" not in t["columns"][2]]
+    accuracy["tables"] = tables + [table(accuracy, top)]
+    args.results.write_text(json.dumps(accuracy, indent=1, ensure_ascii=False) + "\n")
+    t = accuracy["tables"][-1]
+    print("| " + " | ".join(t["columns"]) + " |")
+    print("| " + " | ".join("---" for _ in t["columns"]) + " |")
+    for r in t["rows"]:
+        print("| " + " | ".join(str(c) for c in r) + " |")
+    print(f"top gap to dedicated (mean over seeds): {top['gap_mean']}; goal met: {top['met']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

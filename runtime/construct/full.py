@@ -1,0 +1,149 @@
+"""A tenant's full-depth PET (level "full", FORMAT.md): a PET on every encoder layer, trained on
+exact inputs (the base encoder's token embeddings -> all its layers with the PET -> head).
+
+The base model loaded with lower_layers=0 has every layer "upper", so create_pet places the PET
+on all of them and Encoder.upper(embed(ids), mask, pet) is the whole encoder's forward with it;
+the embeddings are frozen, so they are computed once per example and runtime.construct.train's
+train_pet trains the PET unchanged. The model is the store's base model, not a domain version's
+lower layers: serving runs a full row's lower layers with the base weights.
+
+    whole = whole_encoder(store)
+    exported, log, cfg = train_full(whole, task, labels, ids, targets, seed=0)
+    record = full_record(pet_record, exported, {"train": {...}})  # Store.put_full(record)
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from runtime.construct import recipe as recipes
+
+
+def whole_encoder(store):
+    """The store's base model with every layer a PET may edit (lower_layers 0), checked
+    against the store as base_encoder is."""
+    from runtime.model.stored import check_encoder, default_model_path, load_model
+
+    encoder = load_model(store.meta.get("model_path") or default_model_path(), 0)
+    check_encoder(dict(store.meta, lower_layers=0), encoder)
+    return encoder
+
+
+def embeddings(encoder, seqs, batch: int = 64):
+    """Frozen embedding output, one (L, d) tensor per sequence: the full-depth PET's input."""
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for start in range(0, len(seqs), batch):
+            part = seqs[start:start + batch]
+            h = encoder.embed(encoder.pad(part)[0])
+            out += [h[b, :len(s)].clone() for b, s in enumerate(part)]
+    return out
+
+
+def train_full(whole, task, labels, ids, targets, *, pet_type: str = recipes.FULL_PET_TYPE, seed: int = 0,
+               progress: bool = True, **overrides):
+    """(exported PET, losses, TrainConfig) of a full-depth PET trained by its recipe (overrides:
+    runtime.construct.recipe.settings's) on ids."""
+    from runtime.construct.train import train_pet
+    from runtime.model.pet import create_pet
+
+    options, cfg = recipes.settings(pet_type, "full", seed=seed, progress=progress, **overrides)
+    pet = create_pet(whole, pet_type, task, labels, level="full", seed=seed, **options)
+    exported, log = train_pet(whole, pet, embeddings(whole, ids), targets, cfg)
+    return exported, log, cfg
+
+
+def continue_full(whole, record, ids, targets, cfg):
+    """(exported PET, losses) of a stored full-depth PET trained further under cfg."""
+    from runtime.construct.train import train_pet, trainable
+    from runtime.model.pet import load_pet, pet_meta
+
+    model = trainable(whole, load_pet(whole, record.tensors, pet_meta(record.meta)))
+    return train_pet(whole, model, embeddings(whole, ids), targets, cfg)
+
+
+def full_logits(whole, pet, seqs, batch: int = 32) -> list:
+    """Per example the PET's logits through the whole encoder: (labels,) for classification,
+    (tokens, labels) for tagging."""
+    import torch
+
+    from runtime.model.pet import head
+
+    out = []
+    with torch.no_grad():
+        for start in range(0, len(seqs), batch):
+            part = seqs[start:start + batch]
+            ids, real = whole.pad(part)
+            logits = head(pet, whole.upper(whole.embed(ids), real, pet))
+            for b, s in enumerate(part):
+                out.append((logits[b] if pet.meta["task"] == "classification" else logits[b, :len(s)]).numpy())
+    return out
+
+
+def full_record(pet_record, exported, extra: dict):
+    """The full-depth record of the tenant whose PET record is pet_record (its tenant, version
+    and base model; pet_created its created): meta level "full"."""
+    from formats.pack import PetRecord
+
+    meta = dict(exported.meta)
+    meta.update({k: v for k, v in extra.items() if k not in ("tenant", "version", "created", "level")})
+    meta.update(level="full", tenant=pet_record.tenant, base_model=pet_record.meta["base_model"],
+                version=pet_record.meta["version"], created=time.time(), pet_created=pet_record.meta["created"])
+    tensors = {k: np.ascontiguousarray(v.detach().cpu().numpy()) for k, v in exported.tensors.items()}
+    return PetRecord(tenant=pet_record.tenant, meta=meta, tensors=tensors)
+
+
+def is_stale(full_meta: dict, pet_meta: dict) -> bool:
+    """A full record trained with an earlier PET of the tenant: never served."""
+    return full_meta.get("pet_created") != pet_meta.get("created")
+
+
+def train_full_level(store, pet_record, ids, targets, held=None, *, epochs=None, batch_size=None, seed: int = 0,
+                     progress: bool = True):
+    """(full-depth record, losses) of a tenant trained on ids beside its new PET record (its
+    training file and max_len); held: the held-out (ids, targets) its PET was calibrated on."""
+    whole = whole_encoder(store)
+    meta = pet_record.meta
+    exported, log, cfg = train_full(whole, meta["task"], meta["labels"], ids, targets, epochs=epochs,
+                                    batch_size=batch_size, seed=seed, progress=progress)
+    extra = {"train": _train_meta(meta, cfg, ids, log, 0)}
+    if held:
+        extra["held_out"] = held_out(whole, exported, *held, meta)
+    return full_record(pet_record, exported, extra), log
+
+
+def update_full_level(store, pet_record, old, ids, targets, held=None, *, epochs=1, batch_size=None, seed: int = 0,
+                      progress: bool = True):
+    """(full-depth record, losses): the tenant's stored full-depth record `old` trained further
+    (its own learning rate) on the examples its PET was just updated on."""
+    whole = whole_encoder(store)
+    train = old.meta.get("train") or {}
+    _, cfg = recipes.settings(old.meta["pet_type"], "full", lr=train.get("lr"), epochs=epochs, batch_size=batch_size,
+                              seed=seed, progress=progress)
+    exported, log = continue_full(whole, old, ids, targets, cfg)
+    keep = {k: v for k, v in old.meta.items() if k not in exported.meta and k not in ("pet_created", "held_out")}
+    extra = dict(keep, train=_train_meta(pet_record.meta, cfg, ids, log, int(train.get("updates", 0)) + 1))
+    if held:
+        extra["held_out"] = held_out(whole, exported, *held, pet_record.meta)
+    return full_record(pet_record, exported, extra), log
+
+
+def _train_meta(pet_meta: dict, cfg, ids, log, updates: int) -> dict:
+    train = pet_meta.get("train") or {}
+    return {"path": train.get("path"), "max_len": train.get("max_len"), "examples": len(ids), "epochs": cfg.epochs,
+            "lr": cfg.lr, "warmup": cfg.warmup, "batch_size": cfg.batch_size, "loss_last": log[-1],
+            "updates": updates}
+
+
+def held_out(whole, pet, ids, targets, pet_meta: dict) -> dict:
+    """The full-depth PET's score on the examples its tenant's PET held out for calibration."""
+    from runtime.construct.calibration import held_score, metric_name
+
+    task = pet_meta["task"]
+    score = held_score(full_logits(whole, pet, ids), targets, task, list(pet_meta["labels"]))
+    return {"metric": metric_name(task), "score": round(score, 6), "examples": len(ids),
+            "share": (pet_meta.get("calibration") or {}).get("share")}

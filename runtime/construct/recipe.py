@@ -1,0 +1,90 @@
+"""One training recipe per PET type and level: the product's defaults, shared by `hkstore tenant
+create` and the accuracy harness (benchmarks.hmi_accuracy), so what the harness measures is what
+a tenant gets.
+
+    options, cfg = settings("adapter")                 # the PLOT-level PET tenant create trains
+    options, cfg = settings("lora", "full", seed=1)    # the full-depth PET (every encoder layer)
+    pet = create_pet(encoder, "adapter", task, labels, **options)
+    train_pet(encoder, pet, inputs, targets, cfg)
+
+Levels: "plot" is the upper-layer PET the PLOT and exact levels serve; "full" the full-depth PET
+trained on exact inputs (the base encoder's embeddings through all its layers). The PLOT-level
+settings are the ones chosen on dev by the harness (10 epochs; adapter lr 2e-3: 5e-3 scored as
+well on one seed but collapsed on sci-cite under another; LoRA lr 5e-3; dense diff 3e-4); the
+full-depth one is experiments.full_depth's (LoRA r16, alpha 32, all six targets, lr 1e-3, 6%
+warm-up: 67.1 against full fine-tuning's 68.4 on the six-task dev mean). The sequence length is
+the data's, not the recipe's. This module imports no torch until settings() is called.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+LEVELS = ("plot", "full")
+ALL_TARGETS = ("q", "k", "v", "o", "ffn_in", "ffn_out")  # runtime.model.pet.TARGETS, without torch
+
+
+@dataclass(frozen=True)
+class Recipe:
+    lr: float
+    epochs: int = 10
+    batch_size: int = 16
+    warmup: float = 0.1  # share of the steps spent warming up (runtime.construct.train.TrainConfig)
+    options: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))  # create_pet keywords
+
+
+def _recipe(lr, warmup=0.1, **options) -> Recipe:
+    return Recipe(lr=lr, warmup=warmup, options=MappingProxyType(options))
+
+
+# Dense diff/mask edits move every weight of a layer at once: they need a smaller rate.
+PLOT = MappingProxyType({
+    "adapter": _recipe(2e-3, bottleneck=64),
+    "lora": _recipe(5e-3, rank=8, scale=2.0),
+    "bitfit": _recipe(3e-3),
+    "diff": _recipe(3e-4, density=0.005),
+    "mask": _recipe(1e-3, density=0.005),
+    "head": _recipe(3e-3),
+})
+FULL = MappingProxyType({
+    "lora": _recipe(1e-3, warmup=0.06, rank=16, scale=2.0, targets=ALL_TARGETS),
+    "adapter": _recipe(1e-3, warmup=0.06, bottleneck=64),
+})
+RECIPES = MappingProxyType({"plot": PLOT, "full": FULL})
+FULL_PET_TYPE = "lora"  # the full-depth level's default PET
+TRAIN_KEYS = ("lr", "epochs", "batch_size", "warmup")
+OPTION_KEYS = ("rank", "scale", "bottleneck", "density", "norms", "targets", "layers")
+
+
+def recipe(pet_type: str, level: str = "plot") -> Recipe:
+    """The recipe of a PET type at a level; ValueError for an unknown one."""
+    if level not in RECIPES:
+        raise ValueError(f"unknown level {level!r}; expected one of {', '.join(LEVELS)}")
+    table = RECIPES[level]
+    if pet_type not in table:
+        raise ValueError(f"no {level}-level recipe for PET type {pet_type!r}; expected one of {', '.join(table)}")
+    return table[pet_type]
+
+
+def settings(pet_type: str, level: str = "plot", *, seed: int = 0, progress: bool = True, **overrides):
+    """(create_pet keywords, TrainConfig) of the recipe, with overrides (TRAIN_KEYS and
+    OPTION_KEYS; None means the recipe's) applied."""
+    from runtime.construct.train import TrainConfig
+
+    r = recipe(pet_type, level)
+    if unknown := sorted(set(overrides) - set(TRAIN_KEYS) - set(OPTION_KEYS)):
+        raise ValueError(f"unknown recipe settings {unknown}")
+    given = {k: v for k, v in overrides.items() if v is not None}
+    train = {k: given.get(k, getattr(r, k)) for k in TRAIN_KEYS}
+    if train["epochs"] < 1:
+        raise ValueError(f"epochs must be at least 1, got {train['epochs']}")
+    options = dict(r.options) | {k: v for k, v in given.items() if k in OPTION_KEYS}
+    return options, TrainConfig(**train, seed=seed, progress=progress)
+
+
+def describe(pet_type: str, level: str = "plot") -> dict:
+    """The recipe as a JSON-able dict (for results files and `tenant info`)."""
+    r = recipe(pet_type, level)
+    return {"pet_type": pet_type, "level": level, **{k: getattr(r, k) for k in TRAIN_KEYS},
+            **{k: list(v) if isinstance(v, tuple) else v for k, v in r.options.items()}}

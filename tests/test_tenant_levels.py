@@ -1,0 +1,234 @@
+"""A tenant's levels through the CLI on a tiny store: tenant create trains the PLOT-level PET and
+(by default) a full-depth PET beside it, tenant update keeps both current, tenant rm removes
+both, tenant ls / info report them; and the product and the accuracy harness train by one
+recipe (runtime.construct.recipe)."""
+
+import json
+import os
+from types import SimpleNamespace
+
+import click
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from hypothesis import given, settings, strategies as st
+
+import hkstore
+from runtime.construct import manager, recipe
+from runtime.construct.commands import COMMANDS
+from runtime.model.tiny import make_tiny_model
+from test_manager import make_data
+
+FAST = ["--epochs", "1", "--max-len", "32", "-q"]
+
+
+@pytest.fixture(scope="module")
+def cli():
+    group = click.Group("hkstore")
+    for name, command in COMMANDS.items():
+        group.add_command(command, name)
+    return group
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("levels"))
+    data = make_data(root)
+    data["model"] = make_tiny_model(os.path.join(root, "model"), data["texts"])
+    data["store"] = os.path.join(root, "store")
+    manager.build(data["store"], model_path=data["model"], corpus_paths=[data["corpus"]], max_len=32, progress=False)
+    return data
+
+
+def run(cli, *args):
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def records(store, tenant):
+    with hkstore.open(store) as st:
+        snap = st.snapshot()
+        pet = snap.read_pet(tenant) if tenant in snap.pets else None
+        full = snap.read_full(tenant) if tenant in snap.full else None
+        return pet, full
+
+
+def test_create_trains_a_current_full_depth_pet_beside_the_pet(cli, env):
+    r = run(cli, "tenant", "create", env["store"], "both", "--version", "root", "--train", env["cls"], "--pet", "lora",
+            "--calibration-share", "0.3", *FAST, "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    assert out["levels"] == ["plot", "full"] and set(out["level_seconds"]) == {"plot", "full"}
+    pet, full = records(env["store"], "both")
+    assert full.meta["level"] == "full" and full.meta["pet_created"] == pet.meta["created"]
+    assert full.meta["layers"] == list(range(6))  # the lower layers too (the store's split is 3)
+    assert full.meta["pet_type"] == "lora" and full.meta["targets"] == list(recipe.ALL_TARGETS)
+    assert full.meta["train"]["epochs"] == 1 and full.meta["train"]["lr"] == recipe.FULL["lora"].lr
+    assert out["full"]["pet_bytes"] > out["pet_bytes"]
+
+    r = run(cli, "tenant", "info", env["store"], "both", "--json")
+    assert r.exit_code == 0, r.output
+    info = json.loads(r.output)
+    assert {"plot", "exact", "full"} <= set(info["levels"]) and info["served"] == ["plot", "exact", "full"]
+    assert not info["levels"]["full"]["stale"] and info["cascade"]["state"] == "none"
+    for level in ("plot", "exact", "full"):  # scored on the calibration share held out of training
+        assert 0 <= info["levels"][level]["held_out"] <= 1, level
+
+
+def test_levels_plot_stores_no_full_depth_pet(cli, env):
+    r = run(cli, "tenant", "create", env["store"], "plot-only", "--version", "root", "--train", env["cls"],
+            "--levels", "plot", *FAST, "--json")
+    assert r.exit_code == 0, r.output
+    pet, full = records(env["store"], "plot-only")
+    assert pet is not None and full is None
+    info = json.loads(run(cli, "tenant", "info", env["store"], "plot-only", "--json").output)
+    assert set(info["levels"]) == {"plot", "exact"} and info["levels"]["plot"]["held_out"] is None
+
+
+def test_update_retrains_the_full_depth_pet_with_the_new_pet(cli, env):
+    manager.tenant_create(env["store"], "upd", version="root", train_path=env["cls"], pet_type="lora", epochs=1,
+                          max_len=32, progress=False)
+    _, before = records(env["store"], "upd")
+    r = run(cli, "tenant", "update", env["store"], "upd", "-q", "--json")
+    assert r.exit_code == 0, r.output
+    pet, full = records(env["store"], "upd")
+    assert full.meta["pet_created"] == pet.meta["created"] != before.meta["pet_created"]
+    assert full.meta["train"]["updates"] == 1
+    assert any(not np.array_equal(full.tensors[k], before.tensors[k]) for k in full.tensors)
+
+
+def test_replacing_without_the_full_level_drops_the_old_one(env):
+    manager.tenant_create(env["store"], "swap", version="root", train_path=env["cls"], epochs=1, max_len=32,
+                          progress=False)
+    manager.tenant_create(env["store"], "swap", version="root", train_path=env["cls"], epochs=1, max_len=32,
+                          levels=("plot",), replace=True, progress=False)
+    pet, full = records(env["store"], "swap")
+    assert pet is not None and full is None  # never a stale full-depth PET left behind
+
+
+def test_rm_removes_the_pet_and_the_full_depth_pet(cli, env):
+    manager.tenant_create(env["store"], "gone", version="root", train_path=env["cls"], epochs=1, max_len=32,
+                          progress=False)
+    assert records(env["store"], "gone")[1] is not None
+    r = run(cli, "tenant", "rm", env["store"], "gone", "--json")
+    assert r.exit_code == 0, r.output
+    assert records(env["store"], "gone") == (None, None)
+
+
+def test_ls_lists_each_tenants_levels(cli, env):
+    manager.tenant_create(env["store"], "listed", version="root", train_path=env["cls"], epochs=1, max_len=32,
+                          progress=False)
+    r = run(cli, "tenant", "ls", env["store"], "--json")
+    assert r.exit_code == 0, r.output
+    rows = {row["tenant"]: row for row in json.loads(r.output)["tenants"]}
+    assert rows["listed"]["levels"] == ["plot", "exact", "full"]
+    with hkstore.open(env["store"]) as st:
+        snap = st.snapshot()
+        assert rows["listed"]["bytes"] == snap.pets["listed"]["length"] + snap.full["listed"]["length"]
+    plain = run(cli, "tenant", "ls", env["store"])
+    assert plain.exit_code == 0 and any(line.startswith("listed ") for line in plain.output.splitlines())
+
+
+@pytest.mark.parametrize("args,message", [
+    (["tenant", "create", "{store}", "t2", "--version", "root", "--train", "{cls}", "--levels", "plot,deep"],
+     "unknown level 'deep'"),
+    (["tenant", "create", "{store}", "t2", "--version", "root", "--train", "{cls}", "--levels", "full"],
+     "levels must include plot"),
+    (["tenant", "info", "{store}", "ghost"], "unknown tenant 'ghost'"),
+    (["tenant", "ls", "{store}/../nostore"], "no such store"),
+])
+def test_errors_are_one_line(cli, env, args, message):
+    r = run(cli, *[a.format(store=env["store"], cls=env["cls"]) for a in args])
+    assert r.exit_code == 1, r.output
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0], r.output
+
+
+class Stop(Exception):
+    pass
+
+
+def spy_settings(monkeypatch, level):
+    """recipe.settings recording (options, TrainConfig without progress) of `level` calls, then
+    stopping the caller before it trains."""
+    seen, real = [], recipe.settings
+
+    def spy(pet_type, lvl="plot", **kwargs):
+        options, cfg = real(pet_type, lvl, **kwargs)
+        if lvl == level:
+            seen.append((pet_type, options, cfg.__class__(**{**cfg.__dict__, "progress": False})))
+            raise Stop
+        return options, cfg
+
+    monkeypatch.setattr(recipe, "settings", spy)
+    return seen
+
+
+def harness(env):
+    from benchmarks import hmi_accuracy
+
+    args = hmi_accuracy.parser().parse_args(["--out", "unused", "--model", env["model"]])
+    task = SimpleNamespace(name="cls", kind="classification", labels=["math", "path"], train_ids=[[2, 3]],
+                           train_y=[0])
+    ctx = {"data": {"tasks": {"cls": {"train": env["cls"]}}}}
+    return hmi_accuracy, args, task, ctx
+
+
+@pytest.mark.parametrize("pet_type", ["adapter", "lora"])
+def test_the_harness_trains_tenant_creates_plot_pet(cli, env, monkeypatch, pet_type):
+    """The harness's hplm / hplm-lora row and a plain `tenant create` (no training flags) train
+    with the same settings: change either side alone and this fails."""
+    seen = spy_settings(monkeypatch, "plot")
+    run(cli, "tenant", "create", env["store"], "spy", "--version", "root", "--train", env["cls"], "--pet", pet_type,
+        "-q")
+    hmi, args, task, ctx = harness(env)
+    with pytest.raises(Stop):
+        hmi.row_tenant(args, ctx, task, env["store"], "root", pet_type, "spy")
+    assert len(seen) == 2 and seen[0] == seen[1]
+
+
+def test_the_harness_trains_tenant_creates_full_depth_pet(cli, env, monkeypatch):
+    seen = spy_settings(monkeypatch, "full")
+    run(cli, "tenant", "create", env["store"], "spy-full", "--version", "root", "--train", env["cls"], "--max-len",
+        32, "-q")
+    hmi, args, task, ctx = harness(env)
+    with pytest.raises(Stop):
+        hmi.row_full(args, ctx, task)
+    assert len(seen) == 2 and seen[0] == seen[1]
+    assert seen[0][0] == recipe.FULL_PET_TYPE and seen[0][2].lr == recipe.FULL["lora"].lr
+
+
+def test_settings_apply_overrides_and_refuse_unknown_ones():
+    options, cfg = recipe.settings("adapter", epochs=2, bottleneck=8, lr=None, seed=3)
+    assert options == {"bottleneck": 8} and cfg.epochs == 2 and cfg.lr == recipe.PLOT["adapter"].lr and cfg.seed == 3
+    with pytest.raises(ValueError, match="unknown recipe settings"):
+        recipe.settings("adapter", dropout=0.1)
+    with pytest.raises(ValueError, match="no full-level recipe"):
+        recipe.settings("diff", "full")
+    with pytest.raises(ValueError, match="epochs must be at least 1"):
+        recipe.settings("lora", epochs=0)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 2)), min_size=1, max_size=20))
+def test_held_score_of_classification_is_the_share_argmax_gets_right(pairs):
+    from runtime.construct.calibration import held_score
+
+    logits = [np.eye(3)[p] for p, _ in pairs]
+    expected = sum(p == y for p, y in pairs) / len(pairs)
+    assert held_score(logits, [y for _, y in pairs], "classification", ["a", "b", "c"]) == pytest.approx(expected)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 2), st.booleans()), min_size=1, max_size=8),
+                min_size=1, max_size=5))
+def test_held_score_of_tagging_is_entity_f1_over_the_scored_words(sentences):
+    """Tokens whose target is IGNORE (later sub-tokens) carry no word: the reference drops them."""
+    from runtime.construct.calibration import held_score
+    from runtime.construct.data import IGNORE, entity_f1
+
+    tags = ["O", "B-X", "I-X"]
+    logits = [np.stack([np.eye(3)[p] for p, _, _ in s]) for s in sentences]
+    targets = [[y if scored else IGNORE for _, y, scored in s] for s in sentences]
+    gold = [[tags[y] for _, y, scored in s if scored] for s in sentences]
+    predicted = [[tags[p] for p, _, scored in s if scored] for s in sentences]
+    assert held_score(logits, targets, "tagging", tags) == pytest.approx(entity_f1(gold, predicted))
