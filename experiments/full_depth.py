@@ -251,8 +251,15 @@ def main(argv=None):
     path = out / "results.json"
     results = json.loads(path.read_text()) if path.exists() else {"rows": {}}
     config = {k: getattr(args, k) for k in FIXED}
-    # A setting the saved run predates counts as today's (it has no row that depends on it).
-    if results.get("config") and (diff := [k for k in FIXED if results["config"].get(k, config[k]) != config[k]]):
+    # the fd-lora row trains by the product's recipe: its dropout is part of a row's meaning
+    config |= {"dropout": FULL["lora"].dropout, "lora_dropout": FULL["lora"].lora_dropout}
+    # A setting the saved run predates counts as today's (it has no row that depends on it), but a
+    # run made before the recipe had dropout was made without it.
+    saved = dict(results.get("config") or {})
+    if saved:
+        saved.setdefault("dropout", 0.0)
+        saved.setdefault("lora_dropout", 0.0)
+    if saved and (diff := [k for k in config if saved.get(k, config[k]) != config[k]]):
         raise SystemExit(f"{path} was made with other settings ({', '.join(diff)}); use another --out")
     results["config"] = config
 

@@ -1,13 +1,18 @@
 """A few steps of each training loop lower the loss on a tiny synthetic task."""
 
+import copy
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tokenizers.implementations import BertWordPieceTokenizer
 
 from runtime.construct.data import IGNORE
 from runtime.model.encoder import Config, Encoder, load_encoder
 from runtime.model.pet import PET_TYPES, create_pet, head
-from runtime.construct.train import TrainConfig, distill_windows, train_full, train_mlm, train_pet, train_upper
+from runtime.construct.train import (TrainConfig, _dropout, _pad_inputs, distill_windows, train_full, train_mlm,
+                                     train_pet, train_upper)
 
 POSITIVE = ["the results were good", "a good and clear method", "good cells grew well", "this is good work"]
 NEGATIVE = ["the results were bad", "a bad and unclear method", "bad cells died early", "this is bad work"]
@@ -103,3 +108,46 @@ def test_window_distillation(tiny):
     trained, log = distill_windows(tiny, docs, 3, "centered", config(1e-2))
     assert log[-1] < log[0]
     assert torch.equal(trained.layers[1].q.weight, tiny.layers[1].q.weight)
+
+
+@given(rate=st.floats(0.05, 0.9), seed=st.integers(0, 2**31))
+@settings(max_examples=25, deadline=None)
+def test_dropout_zeroes_a_share_and_rescales_the_rest(rate, seed):
+    """BERT's (inverted) dropout: each element is 0 or x / (1 - rate), about `rate` of them 0."""
+    drop = _dropout(TrainConfig(lr=1.0, dropout=rate, lora_dropout=rate, seed=seed))
+    x = torch.rand(4000) + 0.5
+    for place in ("hidden", "attention", "lora"):
+        y = drop(place, x)
+        kept = y != 0
+        assert torch.allclose(y[kept], x[kept] / (1 - rate))
+        assert abs((~kept).float().mean().item() - rate) < 0.05
+
+
+def test_dropout_is_off_by_default_and_checks_its_rates():
+    assert _dropout(TrainConfig(lr=1.0)) is None
+    only_lora = _dropout(TrainConfig(lr=1.0, lora_dropout=0.5))
+    x = torch.ones(100)
+    assert torch.equal(only_lora("hidden", x), x) and torch.equal(only_lora("attention", x), x)
+    with pytest.raises(ValueError, match="dropout rates"):
+        _dropout(TrainConfig(lr=1.0, dropout=1.0))
+
+
+def test_pet_dropout_changes_training_only(tiny):
+    """Dropout is seeded (a rerun gives the same losses), changes the training losses, keeps the
+    batch order, and leaves the trained PET's serving forward deterministic (no dropout)."""
+    whole = copy.deepcopy(tiny)
+    whole.lower_layers = 0  # every layer "upper": inputs are embeddings, as a full-depth PET's
+    docs, _, labels = tiny_task(tiny)
+    with torch.no_grad():
+        inputs = [whole.embed(whole.pad([d])[0])[0] for d in docs]
+
+    def fit(**rates):
+        pet = create_pet(whole, "lora", "classification", ["bad", "good"], layers=[0, 1])
+        return train_pet(whole, pet, inputs, labels, TrainConfig(lr=1e-2, epochs=3, batch_size=4, progress=False,
+                                                                 **rates))
+
+    plain, (pet, dropped), (_, again) = fit(), fit(dropout=0.3, lora_dropout=0.3), fit(dropout=0.3, lora_dropout=0.3)
+    assert dropped == again and dropped != plain[1] and len(dropped) == len(plain[1])
+    x, real = _pad_inputs(inputs)
+    with torch.no_grad():
+        assert torch.equal(head(pet, whole.upper(x, real, pet)), head(pet, whole.upper(x, real, pet)))

@@ -4,9 +4,10 @@ inputs, full fine-tuning baselines, and window distillation.
 All loops share one optimizer loop (_fit): AdamW with weight decay on every trained tensor,
 gradient clipping at 1.0, linear warmup then linear decay to zero, fixed seeds (a private
 torch.Generator, never the global RNG), a tqdm bar with rate and ETA, and a step cap of
-min(max_steps, epochs * batches per epoch). There is no dropout: the reference has none, so
-training sees exactly the function serving computes (PET papers tune with dropout, which
-matters for long runs on small data more than for these).
+min(max_steps, epochs * batches per epoch). There is no dropout by default: the reference has
+none, so training sees exactly the function serving computes (PET papers tune with dropout,
+which matters for long runs on small data more than for these). train_pet takes BERT's and
+PEFT's dropout as options (TrainConfig.dropout, lora_dropout), applied in training only.
 Loops that train shared weights work on a copy of the encoder and return it; the caller's
 encoder is never changed. Each loop also returns its per-step losses.
 
@@ -42,6 +43,10 @@ class TrainConfig:
     l1: float = 1e-5  # diff PETs: weight of the L1 penalty on the dense delta
     seed: int = 0
     progress: bool = True
+    # train_pet only, training only (serving never drops): BERT's hidden/attention dropout and
+    # PEFT's lora_dropout. Off by default: see the module doc.
+    dropout: float = 0.0
+    lora_dropout: float = 0.0
 
 
 # -- (a) masked-LM further pre-training of the lower layers -----------------------------------
@@ -109,14 +114,36 @@ def train_pet(encoder: Encoder, pet: petlib.Pet, inputs: list[torch.Tensor], lab
     skipped sub-tokens (tagging). A pet of type "head" is the head-only baseline (d).
     """
 
+    drop = _dropout(cfg)
+
     def loss_of(batch):
         x, real = _pad_inputs([inputs[j] for j in batch])
-        logits = petlib.head(pet, encoder.upper(x, real, pet))
+        if drop is not None and encoder.lower_layers == 0:  # the inputs are embeddings, which BERT drops
+            x = drop("hidden", x)
+        logits = petlib.head(pet, encoder.upper(x, real, pet, drop))
         task_loss = _task_loss(pet.meta["task"], logits, [labels[j] for j in batch])
         return task_loss + cfg.l1 * petlib.l1_penalty(pet)
 
     log = _fit(list(pet.tensors.values()), len(inputs), loss_of, cfg, f"{pet.meta['pet_type']} pet")
     return petlib.export(pet), log
+
+
+def _dropout(cfg: TrainConfig):
+    """drop(place, x) for Encoder.layer with cfg's rates (a seeded generator of its own, so
+    the batch order is the same with and without dropout); None when every rate is 0."""
+    rates = {"hidden": cfg.dropout, "attention": cfg.dropout, "lora": cfg.lora_dropout}
+    if not any(rates.values()):
+        return None
+    if not all(0 <= r < 1 for r in rates.values()):
+        raise ValueError(f"dropout rates must be in [0, 1), got {cfg.dropout} and {cfg.lora_dropout}")
+    g = torch.Generator().manual_seed(cfg.seed + 1)
+
+    def drop(place, x):
+        if not (r := rates[place]):
+            return x
+        return x * (torch.rand(x.shape, generator=g) >= r) / (1 - r)
+
+    return drop
 
 
 def trainable(encoder, pet):

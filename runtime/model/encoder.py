@@ -4,7 +4,7 @@ The lower layers (embeddings + layers [0, lower_layers)) are what PLOT tables re
 output for a window is precomputed and stored. The upper layers run per request, with a
 tenant's PET applied inside them (see runtime/model/pet.py); a full-depth PET runs every layer
 from the embeddings instead (``full``). Everything here is fp32, has no dropout
-(not even while training: runtime/construct/train.py documents why that is fine for few-step tuning)
+unless a training loop passes one (runtime/construct/train.py: TrainConfig.dropout, off by default)
 and is batch-first: ids and mask are (B, L), hidden states (B, L, d). mask is boolean, True
 for real tokens; padded keys are masked out of attention.
 """
@@ -104,21 +104,28 @@ class Encoder(nn.Module):
             positions = torch.arange(ids.shape[-1])
         return self.ln_emb(self.word(ids) + self.position(positions) + self.type0)
 
-    def layer(self, i: int, h: torch.Tensor, mask: torch.Tensor, pet=None) -> torch.Tensor:
-        """Encoder layer i on h (B, L, d); `pet` (a runtime.model.pet.Pet) edits its projections."""
+    def layer(self, i: int, h: torch.Tensor, mask: torch.Tensor, pet=None, drop=None) -> torch.Tensor:
+        """Encoder layer i on h (B, L, d); `pet` (a runtime.model.pet.Pet) edits its projections.
+
+        drop (training only; serving passes none): drop(place, x) -> x with dropout, at BERT's
+        places ("attention" probabilities, "hidden" sublayer outputs) and "lora" (a LoRA
+        branch's input, inside petlib.linear)."""
         blk, c = self.layers[i], self.config
         B, L, d = h.shape
+        drop = drop or _keep
         q, k, v = (
-            petlib.linear(pet, i, t, h, getattr(blk, t)).view(B, L, c.heads, d // c.heads).transpose(1, 2)
+            petlib.linear(pet, i, t, h, getattr(blk, t), drop).view(B, L, c.heads, d // c.heads).transpose(1, 2)
             for t in ("q", "k", "v")
         )
         scores = q @ k.transpose(-2, -1) / math.sqrt(d // c.heads)
         # finfo.min rather than -inf: a row with every key masked stays finite (uniform).
         scores = scores.masked_fill(~mask[:, None, None, :], torch.finfo(scores.dtype).min)
-        ctx = (scores.softmax(-1) @ v).transpose(1, 2).reshape(B, L, d)
-        h = petlib.layer_norm(pet, i, "ln_attn", h + petlib.linear(pet, i, "o", ctx, blk.o), blk.ln_attn)
-        f = F.gelu(petlib.linear(pet, i, "ffn_in", h, blk.ffn_in))
-        return petlib.layer_norm(pet, i, "ln_ffn", h + petlib.linear(pet, i, "ffn_out", f, blk.ffn_out), blk.ln_ffn)
+        ctx = (drop("attention", scores.softmax(-1)) @ v).transpose(1, 2).reshape(B, L, d)
+        o = drop("hidden", petlib.linear(pet, i, "o", ctx, blk.o, drop))
+        h = petlib.layer_norm(pet, i, "ln_attn", h + o, blk.ln_attn)
+        f = F.gelu(petlib.linear(pet, i, "ffn_in", h, blk.ffn_in, drop))
+        out = drop("hidden", petlib.linear(pet, i, "ffn_out", f, blk.ffn_out, drop))
+        return petlib.layer_norm(pet, i, "ln_ffn", h + out, blk.ln_ffn)
 
     def lower(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Embeddings + layers [0, lower_layers): what a PLOT table stores."""
@@ -127,10 +134,10 @@ class Encoder(nn.Module):
             h = self.layer(i, h, mask)
         return h
 
-    def upper(self, h: torch.Tensor, mask: torch.Tensor, pet=None) -> torch.Tensor:
-        """Layers [lower_layers, num_layers), the per-tenant part."""
+    def upper(self, h: torch.Tensor, mask: torch.Tensor, pet=None, drop=None) -> torch.Tensor:
+        """Layers [lower_layers, num_layers), the per-tenant part (drop: as in layer)."""
         for i in range(self.lower_layers, self.config.num_layers):
-            h = self.layer(i, h, mask, pet)
+            h = self.layer(i, h, mask, pet, drop)
         return h
 
     def full(self, h: torch.Tensor, mask: torch.Tensor, pet=None) -> torch.Tensor:
@@ -151,6 +158,10 @@ class Encoder(nn.Module):
 
     def upper_parameters(self) -> list[nn.Parameter]:
         return list(self.layers[self.lower_layers:].parameters())
+
+
+def _keep(place: str, x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 # -- loading ----------------------------------------------------------------------------------

@@ -64,8 +64,9 @@ class Pet:
 # -- applying a PET (called from Encoder.layer) -------------------------------------------------
 
 
-def linear(pet: Pet | None, i: int, target: str, x: torch.Tensor, lin: torch.nn.Linear) -> torch.Tensor:
-    """x W'^T + b' for projection `target` of layer i, W' and b' being lin's with pet's edits."""
+def linear(pet: Pet | None, i: int, target: str, x: torch.Tensor, lin: torch.nn.Linear, drop=None) -> torch.Tensor:
+    """x W'^T + b' for projection `target` of layer i, W' and b' being lin's with pet's edits.
+    drop (training only): drop("lora", x) is what a LoRA branch reads, as PEFT's lora_dropout."""
     w, b = lin.weight, lin.bias
     if pet is None:
         return F.linear(x, w, b)
@@ -82,7 +83,8 @@ def linear(pet: Pet | None, i: int, target: str, x: torch.Tensor, lin: torch.nn.
         w = w.flatten().index_fill(0, t[k].long(), 0.0).view_as(w)
     y = F.linear(x, w, b)
     if (k := f"{p}lora.{target}.A") in t:
-        y = y + pet.meta["scale"] * F.linear(F.linear(x, t[k]), t[f"{p}lora.{target}.B"])
+        lx = x if drop is None else drop("lora", x)
+        y = y + pet.meta["scale"] * F.linear(F.linear(lx, t[k]), t[f"{p}lora.{target}.B"])
     if (k := f"{p}adapter.{target}.") + "down.weight" in t:
         # Houlsby's bottleneck on the (edited) projection output: y + up(relu(down(y))).
         down = F.relu(F.linear(y, t[k + "down.weight"], t[k + "down.bias"]))
