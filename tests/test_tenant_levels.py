@@ -192,7 +192,8 @@ def test_settings_apply_overrides_and_refuse_unknown_ones():
     options, cfg = recipe.settings("adapter", epochs=2, bottleneck=8, lr=None, seed=3)
     assert options == {"bottleneck": 8} and cfg.epochs == 2 and cfg.lr == recipe.PLOT["adapter"].lr and cfg.seed == 3
     with pytest.raises(ValueError, match="unknown recipe settings"):
-        recipe.settings("adapter", dropout=0.1)
+        recipe.settings("adapter", momentum=0.9)
+    assert recipe.settings("lora", "full")[1].dropout == recipe.FULL["lora"].dropout > 0  # training only
     with pytest.raises(ValueError, match="no full-level recipe"):
         recipe.settings("diff", "full")
     with pytest.raises(ValueError, match="epochs must be at least 1"):
