@@ -12,7 +12,8 @@ trained on exact inputs (the base encoder's embeddings through all its layers). 
 settings are the ones chosen on dev by the harness (10 epochs; adapter lr 2e-3: 5e-3 scored as
 well on one seed but collapsed on sci-cite under another; LoRA lr 5e-3; dense diff 3e-4); the
 full-depth one is experiments.full_depth's (LoRA r16, alpha 32, all six targets, lr 1e-3, 6%
-warm-up: 67.1 against full fine-tuning's 68.4 on the six-task dev mean). The sequence length is
+warm-up: 67.1 against full fine-tuning's 68.4 on the six-task dev mean), trained with dropout
+0.1 and LoRA dropout 0.1 as PEFT trains it (training only: serving computes the same function). The sequence length is
 the data's, not the recipe's. This module imports no torch until settings() is called.
 """
 
