@@ -196,9 +196,9 @@ def markdown(results) -> str:
 
 
 def save(out: Path, results):
-    tmp = out / "results.json.tmp"
-    tmp.write_text(json.dumps(results, indent=1))
-    tmp.replace(out / "results.json")
+    from hkstore.files import atomic_write_json
+
+    atomic_write_json(out / "results.json", results)
     (out / "results.md").write_text(markdown(results))
 
 
