@@ -103,6 +103,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, default=8)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: hGPT and both transformers+PEFT systems on the GPU")
     ap.add_argument("--json", default=None, help="write the summary here (JSON)")
     args = ap.parse_args(argv)
     if args.lower_layers < 0:
@@ -118,9 +120,9 @@ def main(argv=None) -> int:
     bench_tenants_gen.main(["--store", store, "--tenants", *map(str, args.tenants), "--systems", *args.systems,
                             "--rounds", str(args.rounds), "--requests", str(args.requests), "--batch", str(args.batch),
                             "--max-tokens", str(args.max_tokens), "--prompt-tokens", str(args.prompt_tokens),
-                            "--out", raw])
+                            "--device", args.device, "--out", raw])
     rows = bench_tenants_gen.load(raw)
-    summary = {"shape": args.shape, "lower_layers": args.lower_layers, "requests": args.requests,
+    summary = {"shape": args.shape, "device": args.device, "lower_layers": args.lower_layers, "requests": args.requests,
                "max_tokens": args.max_tokens, "batch": args.batch, "rounds": args.rounds,
                "load": [min(r["load"] for r in rows), max(r["load"] for r in rows)],
                "table": per_round(rows, args.tenants), "table_cpu": per_round(rows, args.tenants, "tokens_per_cpu_s"),

@@ -28,8 +28,9 @@ Systems (one torch thread each, the same base weights):
   batches of --batch requests in arrival order, each row naming its adapter
   (model.generate(..., adapter_names=[...]): PEFT's mixed-adapter batching).
 
---device cuda runs hGPT on the GPU executor's decode path (needs CuPy and a GPU; compare it
-with itself across tenant counts: the other systems stay on the CPU).
+--device cuda runs hGPT on the GPU executor's decode path (needs CuPy and a GPU) and the two
+transformers+PEFT systems on the same GPU through PyTorch; the hGPT-grouped, GPT-shared and
+GPT-dedicated baselines stay on the CPU.
 
 Rounds interleave the systems and tenant counts (the order rotates each round); each row is
 one (round, T, system) measurement, appended to --out as a JSON line, so a stopped run resumes.
@@ -176,6 +177,7 @@ class Bench:
         from transformers import AutoModelForCausalLM
 
         base = AutoModelForCausalLM.from_pretrained(self.model_path, torch_dtype=torch.float32).eval()
+        base.to(self.args.device)
         targets, fan_in_fan_out = PEFT_TARGETS[self.dec.config.arch]
         self.peft_config = LoraConfig(r=self.args.rank, lora_alpha=2 * self.args.rank, target_modules=targets,
                                       layers_to_transform=self.upper, fan_in_fan_out=fan_in_fan_out,
@@ -330,11 +332,12 @@ class Bench:
         """Greedy model.generate on the prompts of rows (all of one length); output tokens."""
         import torch
 
-        ids = torch.tensor([self.prompts[j] for j in rows])
+        ids = torch.tensor([self.prompts[j] for j in rows], device=self.args.device)
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                  max_new_tokens=self.args.max_tokens, min_new_tokens=self.args.max_tokens,
                                  pad_token_id=0, **kw)
+        out = out.cpu()  # the tokens are on the host before the clock stops, as a server's would be
         return (out.shape[1] - ids.shape[1]) * out.shape[0]
 
     def _groups(self, tenants):
