@@ -416,8 +416,9 @@ class Runtime:
         all-MiniLM-L6-v2.
 
         policy "exact": the whole encoder. The base model's (tenant None) own embedding,
-        exactly; a tenant's from the full-context lower layers its PLOT version stands for (as
-        infer's policy exact) and its PET in the upper layers. policy "fast": the lower layers'
+        exactly; a tenant's from its top, as infer's policy exact: its current full-depth PET
+        in every layer of the base model when it has one, else the full-context lower layers
+        its PLOT version stands for and its PET in the upper layers. policy "fast": the lower layers'
         output from the PLOT (the root's for the base model, the tenant's version for a tenant),
         HMI's approximation: cheap, and close only where the PLOT covers the text. Default:
         exact for the base model, fast for a tenant (what its infer serves). The base model's
@@ -445,25 +446,32 @@ class Runtime:
         limit = self.embed_max_len if exact and tenant is None else self.max_len
         parsed = self._normalize(requests, max_len=limit, words_needed=False)
         snap = self.store.snapshot()
-        pet, version = None, snap.version_names[0]
+        pet, version, full = None, snap.version_names[0], None
         if tenant is not None:
-            self.pet(tenant)  # UnknownTenant / IncompatiblePet, as infer
+            serving = self.pet(tenant)  # UnknownTenant / IncompatiblePet, as infer
             record = snap.read_pet(tenant)
             pet, version = load_pet(self.encoder, record.tensors, pet_meta(record.meta)), record.meta["version"]
+            if exact and self.full(tenant, serving) is not None:  # current, never a stale one
+                record = snap.read_full(tenant)
+                full = load_pet(self.encoder, record.tensors, pet_meta(record.meta))
         seqs = [p[1] for p in parsed]
-        lower = (self.encoder if tenant is None else self._context.lower(version)) if exact else None
+        lower = (self.encoder if tenant is None or full else self._context.lower(version)) if exact else None
         out = np.empty((len(seqs), self.encoder.config.d), dtype=np.float32)
         order = sorted(range(len(seqs)), key=lambda j: len(seqs[j]))  # similar lengths pad little
         with torch.no_grad():
             for start in range(0, len(order), _EMBED_BATCH):
                 rows = order[start:start + _EMBED_BATCH]
                 batch = [seqs[j] for j in rows]
-                if exact:
+                if full is not None:
                     ids, mask = lower.pad(batch)
-                    inputs = lower.lower(ids, mask)
+                    hidden = self.encoder.full(self.encoder.embed(ids), mask, full)
                 else:
-                    inputs, mask, _ = retrieve(snap, version, batch)
-                hidden = self.encoder.upper(inputs, mask, pet)
+                    if exact:
+                        ids, mask = lower.pad(batch)
+                        inputs = lower.lower(ids, mask)
+                    else:
+                        inputs, mask, _ = retrieve(snap, version, batch)
+                    hidden = self.encoder.upper(inputs, mask, pet)
                 m = mask[..., None].to(hidden.dtype)
                 pooled = (hidden * m).sum(1) / m.sum(1).clamp(min=1)
                 if normalize:

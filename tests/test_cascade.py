@@ -400,6 +400,34 @@ def test_policy_exact_of_a_full_depth_tenant_is_the_whole_encoder_with_its_pet(f
     assert not np.allclose(got[0].logits, whole_encoder_logits(store, "lora-cls", ids[1]))  # the check can fail
 
 
+def test_exact_embeddings_of_a_full_depth_tenant_come_from_its_top(full_store):
+    import torch
+
+    import hkstore
+    from runtime.model import pet as petlib
+    from runtime.model.stored import base_encoder
+
+    store, rt, texts = full_store
+    ids = rt.encoder.tokenize(texts[:2], max_len=rt.max_len)
+    with hkstore.open(store) as st:
+        encoder = base_encoder(st)
+        pets = {t: petlib.load_pet(encoder, st.get_full(t).tensors, petlib.pet_meta(st.get_full(t).meta))
+                for t in ("lora-cls", "adapter-cls")}
+
+    def whole(tenant, i):
+        x = torch.tensor([i])
+        with torch.no_grad():
+            h = encoder.full(encoder.embed(x), torch.ones_like(x, dtype=torch.bool), pets[tenant])
+        return torch.nn.functional.normalize(h.mean(1), dim=-1)[0].numpy()
+
+    got, _ = rt.embed(ids, "lora-cls", policy="exact")
+    for i, vector in zip(ids, got):
+        np.testing.assert_allclose(vector, whole("lora-cls", i), rtol=1e-4, atol=1e-5)
+    # adapter-cls's full-depth record is stale: exact stays the full-context lower layers + its PET
+    stale, _ = rt.embed(ids, "adapter-cls", policy="exact")
+    assert not np.allclose(stale[0], whole("adapter-cls", ids[0]), atol=1e-3)
+
+
 def _full_requests():
     return st.builds(lambda tenant, text, policy: {"tenant": tenant, "text": text, "policy": policy},
                      st.sampled_from([*FULL_TENANTS, "adapter-cls", "head-cls"]), st.integers(0, 40),

@@ -611,7 +611,8 @@ def create_app(store_path, *, admin_token, max_batch=32, max_wait_ms=5, queue_li
         ``sentence-transformers/all-MiniLM-L6-v2`` or ``all-MiniLM-L6-v2``) or a tenant (its PLOT
         version and PET). The mean-pooled, L2-normalized last hidden state; ``policy`` picks how
         the lower layers are computed (exact: the whole encoder, the base model's default, its
-        own embedding as sentence-transformers computes it; fast: the PLOT, a tenant's default).
+        own embedding as sentence-transformers computes it, and a tenant's top, its full-depth
+        PET in every layer when it has a current one; fast: the PLOT, a tenant's default).
         ``encoding_format`` float or base64 (little-endian float32), ``dimensions`` truncates and
         re-normalizes. Any valid token may ask for the base model, a tenant's token only for its
         own tenant."""
