@@ -86,6 +86,7 @@ class Ask:
     chosen: dict | None = None  # auto: the tenant's profiled Tabi policy (c, k, alpha, w, gate)
     students: object = None  # runtime.student.serve.Students when students may answer it
     full: object = None  # the tenant's current full-depth ServingPet: its top; None: exact (context)
+    pin: str | None = None  # a pinned level's input source (plot, context or full); None: the policy's
 
 
 @dataclass
@@ -489,6 +490,8 @@ def _top(ask: Ask, ids) -> Row:
 
 def _row(ask: Ask, level, overloaded: bool = False) -> Row:
     """An ask's row (see the module doc): its input source, PET and what Tabi's gate needs."""
+    if ask.pin is not None:
+        return Row(ask.ids, ask.full if ask.pin == "full" else ask.pet, ask.pet.version, ask.pin)
     if ask.policy == "exact":
         return _top(ask, ask.ids)
     k = ask.students.k(level) if ask.students is not None else 0

@@ -2,7 +2,7 @@
 
 Texts come from the arguments or, with none (or ``-``), from stdin as JSON lines: each line an
 object ``{"text": ...}`` or ``{"ids": [...]}``, optionally with its own ``"tenant"`` (default
---tenant), ``"truncate"`` and ``"policy"``. Every text is one request; all of them run as one mixed batch
+--tenant), ``"truncate"``, ``"policy"`` and ``"level"``. Every text is one request; all of them run as one mixed batch
 through ``runtime.Runtime.infer``. ``--json`` prints one JSON object per request (JSON lines,
 in input order), as ``POST /v1/tenants/{tenant}/infer`` answers them.
 """
@@ -58,10 +58,13 @@ def read_requests(lines, tenant) -> list:
 @click.option("--truncate/--no-truncate", default=False, show_default=True,
               help="Cut texts longer than --max-len instead of refusing them.")
 @click.option("--policy", type=click.Choice(["fast", "auto", "exact"]), default=None,
-              help="Level: fast (PLOT), exact (full-context lower layers), auto (Tabi's dispatcher). "
-                   "Default: auto for a profiled tenant, else fast.")
+              help="fast (the PLOT level), exact (the tenant's top: its full-depth PET, else full-context lower "
+                   "layers), auto (Tabi's dispatcher). Default: auto for a profiled tenant, else fast.")
+@click.option("--level", type=click.Choice(["plot", "exact", "full"]), default=None,
+              help="Pin a level instead of a policy: plot, exact (full-context lower layers) or full (the "
+                   "full-depth PET).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per request (JSON lines).")
-def infer(store, texts, tenant, device, max_len, truncate, policy, as_json):
+def infer(store, texts, tenant, device, max_len, truncate, policy, level, as_json):
     """Classify or tag TEXTS with a tenant's model (or JSON lines from stdin)."""
     import runtime
 
@@ -71,9 +74,12 @@ def infer(store, texts, tenant, device, max_len, truncate, policy, as_json):
         if tenant is None:
             raise click.ClickException("give --tenant for the texts")
         requests = [{"tenant": tenant, "text": t} for t in texts]
-    if policy:
-        for r in requests:
-            r.setdefault("policy", policy)
+    if policy and level:
+        raise click.UsageError("give --policy or --level, not both")
+    for key, value in (("policy", policy), ("level", level)):
+        if value:
+            for r in requests:
+                r.setdefault(key, value)
     with runtime.open(store, device=device, max_len=max_len, truncate=truncate) as rt:
         results = rt.infer(requests)
     for r in results:

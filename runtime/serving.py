@@ -33,6 +33,7 @@ class Request:
     truncate: bool | None = None  # cut to max_len tokens instead of TextTooLong (None: the runtime's default)
     policy: str | None = None  # fast | auto | exact (runtime.level.serve; None: auto once profiled, else fast)
     students: int | None = None  # 0: the teacher; k: the first k students; None: the pruning policy's choice
+    level: str | None = None  # pins a level: plot, exact (full-context lower layers) or full; None: the policy's
 
 
 @dataclass
@@ -54,6 +55,9 @@ class Result:
     pruned: int = 0  # words level 2 did not see (Tabi word pruning); their tags are level 1's
     students: int = 0  # how many students answered (runtime.student); 0: the teacher
     level_name: str = "plot"  # the level by name: students, plot, exact (full-context lower layers) or full
+
+
+PINS = {"plot": "plot", "exact": "context", "full": "full"}  # a request's level pin -> its rows' input source
 
 
 def _cuda_available() -> bool:
@@ -284,13 +288,14 @@ class Runtime:
         for r in requests:
             if isinstance(r, Request):
                 tenant, text, ids, cut, policy, students = r.tenant, r.text, r.ids, r.truncate, r.policy, r.students
+                level = r.level
             elif isinstance(r, dict):
-                unknown = set(r) - {"tenant", "text", "ids", "truncate", "policy", "students"}
+                unknown = set(r) - {"tenant", "text", "ids", "truncate", "policy", "students", "level"}
                 if unknown:
                     raise BadRequest(f"unknown request fields {sorted(unknown)}; expected tenant, text or ids, "
-                                     "truncate, policy and students")
+                                     "truncate, policy, students and level")
                 tenant, text, ids, cut = r.get("tenant"), r.get("text"), r.get("ids"), r.get("truncate")
-                policy, students = r.get("policy"), r.get("students")
+                policy, students, level = r.get("policy"), r.get("students"), r.get("level")
             else:
                 raise BadRequest(f"a request is a dict or runtime.Request, got {type(r).__name__}")
             if tenant is None:
@@ -302,13 +307,18 @@ class Runtime:
             if students is not None and (not isinstance(students, (int, np.integer)) or isinstance(students, bool)
                                          or students < 0):
                 raise BadRequest(f"students must be a whole number >= 0 (0: the teacher), got {students!r}")
+            if level is not None:
+                if level not in PINS:
+                    raise BadRequest(f"level must be one of {', '.join(PINS)}, got {level!r}")
+                if policy is not None or students:
+                    raise BadRequest("a request pins a level or asks for a policy or students, not both")
             if text is not None:
                 if not isinstance(text, str):
                     raise BadRequest(f"text must be a string, got {type(text).__name__}")
                 if not text.strip():
                     raise EmptyText(f"tenant {tenant!r}: the text is empty")
                 texts.append(len(parsed))
-            parsed.append([tenant, ids, None, text, self.truncate if cut is None else bool(cut), 0, policy,
+            parsed.append([tenant, ids, None, text, self.truncate if cut is None else bool(cut), 0, (policy, level),
                            None if students is None else int(students)])
         if texts:
             encodings = self.encoder.tokenizer.encode_batch([parsed[j][3] for j in texts])
@@ -378,12 +388,28 @@ class Runtime:
                 fulls[tenant] = self.full(tenant, pets[tenant])
         snap = self.store.snapshot()
         asks = []
-        for tenant, ids, words, _, _, _, asked, students in parsed:
+        for tenant, ids, words, _, _, _, (asked, level), students in parsed:
             pet, full = pets[tenant], fulls[tenant]
+            positions = self._positions(pet, ids, words)
+            if level is not None:
+                self._check_pin(snap, tenant, level, full)
+                asks.append(Ask(tenant, [int(t) for t in ids], positions, pet, "fast", full=full, pin=PINS[level]))
+                continue
             policy, chosen = policy_of(pet, asked, full)
-            asks.append(Ask(tenant, [int(t) for t in ids], self._positions(pet, ids, words), pet, policy, chosen,
+            asks.append(Ask(tenant, [int(t) for t in ids], positions, pet, policy, chosen,
                             self.students.ask(snap, tenant, pet.meta, students, policy), full))
         return parsed, asks
+
+    @staticmethod
+    def _check_pin(snap, tenant, level, full):
+        """A pin to the full-depth level of a tenant without a current one is the caller's
+        mistake (BadRequest), never another level served in its place."""
+        if level != "full" or full is not None:
+            return
+        if tenant in snap.full:
+            raise BadRequest(f"tenant {tenant!r}'s full-depth level is stale: it was trained for an earlier PET "
+                             "(hkstore tenant update retrains it)")
+        raise BadRequest(f"tenant {tenant!r} has no full-depth level (hkstore tenant create --levels plot,full)")
 
     @staticmethod
     def _positions(pet, ids, words):

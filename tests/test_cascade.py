@@ -428,6 +428,45 @@ def test_exact_embeddings_of_a_full_depth_tenant_come_from_its_top(full_store):
     assert not np.allclose(stale[0], whole("adapter-cls", ids[0]), atol=1e-3)
 
 
+def test_a_pinned_level_is_served_by_that_level_or_refused(full_store):
+    import runtime
+
+    store, rt, texts = full_store
+    ids = rt.encoder.tokenize(texts[:1], max_len=rt.max_len)[0]
+    by_pin = {level: rt.infer([{"tenant": "lora-cls", "ids": ids, "level": level}])[0]
+              for level in ("plot", "exact", "full")}
+    assert {k: (r.level_name, r.level) for k, r in by_pin.items()} == {
+        "plot": ("plot", 1), "exact": ("exact", 2), "full": ("full", 2)}
+    np.testing.assert_allclose(by_pin["full"].logits, whole_encoder_logits(store, "lora-cls", ids), rtol=1e-4,
+                               atol=1e-4)
+    (fast,) = rt.infer([{"tenant": "lora-cls", "ids": ids, "policy": "fast"}])
+    np.testing.assert_allclose(by_pin["plot"].logits, fast.logits, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(by_pin["exact"].logits, by_pin["full"].logits, atol=1e-3)
+    # a tenant with exact as its top can pin exact, and nothing serves a missing or stale full level
+    assert rt.infer([{"tenant": "head-cls", "ids": ids, "level": "exact"}])[0].level_name == "exact"
+    for tenant, why in (("adapter-cls", "stale"), ("head-cls", "no full-depth level")):
+        with pytest.raises(runtime.BadRequest, match=why):
+            rt.infer([{"tenant": tenant, "ids": ids, "level": "full"}])
+    for bad in ({"level": "top"}, {"level": "plot", "policy": "auto"}, {"level": "plot", "students": 2}):
+        with pytest.raises(runtime.BadRequest):
+            rt.infer([{"tenant": "lora-cls", "ids": ids, **bad}])
+
+
+def test_the_cli_refuses_a_pin_to_a_missing_level_in_one_line(full_store):
+    from click.testing import CliRunner
+
+    from tools.cli import main
+
+    store, _, texts = full_store
+    r = CliRunner().invoke(main, ["infer", str(store), "--tenant", "adapter-cls", "--level", "full", "--device", "cpu",
+                                  "--max-len", "48", texts[0]])
+    assert r.exit_code != 0 and "stale" in r.output and "Traceback" not in r.output
+    assert len(r.output.strip().splitlines()) == 1
+    ok = CliRunner().invoke(main, ["infer", str(store), "--tenant", "lora-cls", "--level", "full", "--device", "cpu",
+                                   "--max-len", "48", "--json", texts[0]])
+    assert ok.exit_code == 0 and '"level_name": "full"' in ok.output, ok.output
+
+
 def _full_requests():
     return st.builds(lambda tenant, text, policy: {"tenant": tenant, "text": text, "policy": policy},
                      st.sampled_from([*FULL_TENANTS, "adapter-cls", "head-cls"]), st.integers(0, 40),

@@ -304,6 +304,20 @@ def request_counts(server):
             re.findall(r'hkstore_infer_requests_total\{code="(\d+)",tenant="([^"]*)"\} (\S+)', text)}
 
 
+def test_a_pinned_level_answers_and_names_itself(server):
+    """The env's tenant 'base' has both levels (tenant create's default): each pin is served by its level."""
+    c, h = server.client, auth(ADMIN)
+    got = {}
+    for level in ("plot", "exact", "full"):
+        r = c.post("/v1/tenants/base/infer", json={"text": "a short text", "level": level}, headers=h)
+        assert r.status_code == 200, r.text
+        got[level] = r.json()["results"][0]
+        assert got[level]["level_name"] == level
+    top = c.post("/v1/tenants/base/infer", json={"text": "a short text", "policy": "exact"}, headers=h).json()
+    assert top["results"][0]["probabilities"] == got["full"]["probabilities"]
+    assert got["plot"]["probabilities"] != got["full"]["probabilities"]
+
+
 def test_bad_requests_get_clear_4xx(server):
     c, h = server.client, auth(ADMIN)
     url = "/v1/tenants/base/infer"
@@ -312,7 +326,8 @@ def test_bad_requests_get_clear_4xx(server):
     assert bad_json.status_code == 400 and "JSON" in bad_json.text
     cases = [{"text": 5}, {"texts": "one"}, {"texts": []}, {"text": "a", "texts": ["b"]}, {}, {"text": ""},
              {"text": "   "}, {"text": "a", "tenant": "x"}, {"texts": ["a"] * 1025}, {"text": "x" * 20000},
-             {"text": "a", "truncate": "sometimes"}]
+             {"text": "a", "truncate": "sometimes"}, {"text": "a", "level": "top"},
+             {"text": "a", "level": "plot", "policy": "exact"}]
     for body in cases:
         r = c.post(url, json=body, headers=h)
         assert r.status_code == 422, (body, r.status_code, r.text)

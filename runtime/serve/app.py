@@ -692,7 +692,7 @@ def create_app(store_path, *, admin_token, max_batch=32, max_wait_ms=5, queue_li
             if len(texts) > svc.queue_limit:
                 raise HTTPError(422, f"{len(texts)} texts, more than the queue holds ({svc.queue_limit})")
             entries = await svc.dispatcher.offer(tenant, texts, t0 + svc.request_timeout_s, truncate=body.truncate,
-                                           policy=body.policy, students=body.students)
+                                           policy=body.policy, students=body.students, level=body.level)
             if entries is None:
                 m.rejected.labels("queue_full").inc()
                 raise HTTPError(429, f"the input queue is full ({svc.queue_limit} texts); retry later",

@@ -67,13 +67,13 @@ class Dispatcher:
         if self._dedicated is not None:
             self.engine.before.remove(self._dedicated.step)
 
-    async def offer(self, tenant, texts, deadline=float("inf"), truncate=None, policy=None, students=None):
+    async def offer(self, tenant, texts, deadline=float("inf"), truncate=None, policy=None, students=None, level=None):
         """Queue texts of one request (answer by `deadline`, perf_counter time); None when the
         queue has no room for them."""
         if self.depth + self._reserved + len(texts) > self.queue_limit:
             return None
-        options = {k: v for k, v in (("truncate", truncate), ("policy", policy), ("students", students))
-                   if v is not None}
+        options = {k: v for k, v in (("truncate", truncate), ("policy", policy), ("students", students),
+                                     ("level", level)) if v is not None}
         requests = [{"tenant": tenant, "text": t, **options} for t in texts]
         self._reserved += len(texts)
         try:

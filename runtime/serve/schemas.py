@@ -67,6 +67,9 @@ class InferBody(Strict):
         None, description="A tenant with students (hkstore students create): 0 the teacher answers, k the first k "
                           "students (policy fast or auto, not exact; 422 for a tenant without them or more than it has); "
                           "default: the server's pruning policy chooses per batch under the load")
+    level: Optional[Literal["plot", "exact", "full"]] = Field(
+        None, description="Pins a level instead of a policy: plot (PLOT inputs + the PET), exact (full-context lower "
+                          "layers + the PET) or full (the full-depth PET; 422 for a tenant without a current one)")
 
     @model_validator(mode="after")
     def _one(self):
