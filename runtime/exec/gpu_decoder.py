@@ -44,6 +44,17 @@ from runtime.exec.gpu import _F32_MIN, GpuExecutor
 from runtime.exec.plan import BatchPlan, ServingPet, prepare_pet
 
 
+# The tanh GELU as the chain 0.5 * y * (1.0 + tanh(c * (y + 0.044715 * y * y * y))) of CuPy's
+# fp32 element-wise kernels computes it (the Python floats taken as float32, evaluated left to
+# right): each product and sum rounded on its own (_rn: never contracted into an FMA), so the
+# result is the chain's to the bit.
+_GELU_TANH = """
+float t = __fmul_rn(__fmul_rn(__fmul_rn(0.044715f, y), y), y);
+t = tanhf(__fmul_rn(c, __fadd_rn(y, t)));
+out = __fmul_rn(__fmul_rn(0.5f, y), __fadd_rn(1.0f, t));
+"""
+
+
 class DeviceLogits:
     """A forward's next-token logits left on the device: argmax (B,) int64 and logprob (B,)
     float32 (each row's argmax's log-probability) on the host; host() copies the whole
@@ -75,6 +86,7 @@ class GpuDecoderExecutor(GpuExecutor):
         # that an id is not reused while the plan is kept); the plan is reused while the batch is the same
         self._stacked: dict = {}  # (layer, L) -> that plan's stacked PET weights of the layer
         self._last = (None, None)  # (shape, device mask) of _last_slot
+        self._gelu = None  # the fused tanh GELU kernel (CuPy), made at its first use
         self._zeros: dict = {}  # (shape, dtype) -> a zeroed device array (LayerNorm's residual), never written
         self.forward_seconds = 0.0
 
@@ -324,12 +336,33 @@ class GpuDecoderExecutor(GpuExecutor):
     def _act(self, y):
         cp, act = self.cp, self.config.act
         if act == "gelu_tanh":
-            return 0.5 * y * (1.0 + cp.tanh(math.sqrt(2.0 / math.pi) * (y + 0.044715 * y * y * y)))  # Python floats keep the dtype
+            return self._gelu_tanh(y)
         if act == "gelu":  # the erf GELU of the fused kernel, with a zero bias
-            return self.ops.bias_gelu(y, cp.zeros(y.shape[-1], dtype=y.dtype))
+            return self.ops.bias_gelu(y, self._zero(y[0]))
         if act == "relu":
             return y * (y > 0)
         return y / (1.0 + cp.exp(-y))  # silu
+
+    def _gelu_tanh(self, y):
+        """0.5 y (1 + tanh(sqrt(2 / pi) (y + 0.044715 y^3))): on CuPy in fp32 one kernel instead
+        of nine, every step rounded as the separate element-wise kernels round it (_GELU_TANH)."""
+        cp = self.cp
+        if y.dtype != np.float32 or not hasattr(cp, "ElementwiseKernel"):
+            return 0.5 * y * (1.0 + cp.tanh(math.sqrt(2.0 / math.pi) * (y + 0.044715 * y * y * y)))  # Python floats keep the dtype
+        if self._gelu is None:
+            self._gelu = cp.ElementwiseKernel("float32 y, float32 c", "float32 out", _GELU_TANH, "hk_decoder_gelu_tanh")
+        return self._gelu(y, np.float32(math.sqrt(2.0 / math.pi)))
+
+    def _run_edits(self, ys, x, groups):
+        """GpuExecutor._run_edits; on the compute stream alone (no lanes), each target's edits in
+        the reference order (bias, diff, LoRA) without costing the operators first: the order
+        differs from the lanes' chains only between edits of disjoint rows."""
+        if len(self.lane_streams) >= 2:
+            return super()._run_edits(ys, x, groups)
+        for target, y in ys.items():
+            for kind in ("bias", "diff", "lora"):
+                if (kind, target) in groups:
+                    self._edit(kind, y, x, groups[(kind, target)])
 
     def _plain_norm(self, w, name, x):
         g, b, eps = w[name + ".g"], w[name + ".b"], w[name + ".eps"]
