@@ -271,3 +271,17 @@ def test_a_steady_batch_reuses_its_plan_and_stacks_and_greedy_rows_copy_no_logit
     for got, want in zip(out["device"], out["cpu"]):
         assert got["ids"] == want["ids"] and got["text"] == want["text"]
         assert np.allclose(got["logprobs"], want["logprobs"], atol=1e-4)
+
+
+def test_the_host_stand_in_runs_the_decode_path(setup):
+    """The executor's code on benchmarks.host_device's NumPy stand-in (what profiles the decode
+    step's host time without a GPU) serves the same logits as the CPU path."""
+    from benchmarks.host_device import HostGpuExecutor, HostOps, host_cupy
+    from runtime.exec.gpu_decoder import GpuDecoderExecutor
+
+    class HostDecoderExecutor(GpuDecoderExecutor):
+        copy_h2d = HostGpuExecutor.copy_h2d
+
+    dec, snap = setup
+    ex = HostDecoderExecutor(dec, _cupy=host_cupy(), _ops=HostOps())
+    _teacher_forced(DevicePlotDecoder(snap, "root", dec, executor=ex), dec, snap, 1e-4)
