@@ -65,7 +65,8 @@ def host_cupy():
         runtime=types.SimpleNamespace(getDevice=lambda: 0, getDeviceCount=lambda: 1))
     return types.SimpleNamespace(
         cuda=cuda, asarray=np.asarray, empty=np.empty, zeros=np.zeros, ascontiguousarray=np.ascontiguousarray,
-        asnumpy=np.asarray, matmul=np.matmul, stack=np.stack, concatenate=np.concatenate, where=np.where, exp=np.exp)
+        asnumpy=np.asarray, matmul=np.matmul, stack=np.stack, concatenate=np.concatenate, where=np.where, exp=np.exp,
+        tanh=np.tanh)  # (the decoder executor's tanh GELU)
 
 
 def _tensor(a):

@@ -11,6 +11,8 @@ import sys
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import hkstore
 from runtime.construct.plot import build_root
@@ -212,3 +214,74 @@ def test_device_decoder_runtime_serves_generate(setup, standin, tmp_path):
         got = rt.generate(reqs)
         assert rt.stats()["device"] == "cuda"
     assert [g["ids"] for g in got] == [w["ids"] for w in want]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.data())
+def test_device_greedy_is_the_host_argmax_and_logprob(standin, data):
+    """What a greedy row takes from the device (DeviceLogits) is what the batcher's host path
+    computes: torch's argmax (the first of equal maxima: few distinct values, many ties) and
+    its log_softmax there; host() gives the logits unchanged."""
+    from runtime.exec.gpu_decoder import GpuDecoderExecutor
+
+    B, V = data.draw(st.integers(1, 6)), data.draw(st.integers(1, 40))
+    levels = data.draw(st.lists(st.floats(-30, 30, width=32), min_size=1, max_size=3))
+    picks = data.draw(st.lists(st.integers(0, len(levels) - 1), min_size=B * V, max_size=B * V))
+    logits = np.array([levels[k] for k in picks], dtype=np.float32).reshape(B, V)
+    ex = GpuDecoderExecutor.__new__(GpuDecoderExecutor)  # _greedy needs only the array module
+    ex.cp, ex.compute_stream = standin, standin.cuda.Stream()
+    out = ex._greedy(standin.asarray(logits))
+    want = torch.from_numpy(logits)
+    assert out.argmax.tolist() == want.argmax(-1).tolist()
+    lp = torch.log_softmax(want, -1).gather(1, want.argmax(-1)[:, None])[:, 0]
+    assert np.allclose(out.logprob, lp.numpy(), rtol=1e-5, atol=1e-5)
+    assert np.array_equal(out.host(), logits)
+
+
+@emulated
+def test_a_steady_batch_reuses_its_plan_and_stacks_and_greedy_rows_copy_no_logits(setup, standin):
+    """Decode steps of the same sequences: the executor's plan is the same object and no
+    layer's PET weights are stacked again; a batcher of greedy rows never copies logits back
+    (only argmax and log-prob) and generates what the CPU path does."""
+    dec, snap = setup
+    zoo = _zoo(dec)
+    gen = _device_gen(dec, snap, standin)
+    ex = gen.executor
+    stacked, copied = [], []
+    stack, to_host = ex._stack, ex.to_host
+    ex._stack = lambda *a: stacked.append(a[1]) or stack(*a)
+    ex.to_host = lambda *a: copied.append(1) or to_host(*a)
+    prompts = dec.tokenize(["the cat sat", "a dog ran", "storage engines"])
+    pets = [zoo["lora"], zoo["lora-r4"], None]
+    pool = gen.new_pool(64)
+    seqs = gen.prefill_many(prompts, pets, [pool.alloc(len(p) + 4) for p in prompts], pool)
+    gen.append(seqs, [5, 6, 7], pool)
+    plan, before = ex._plan[1], len(stacked)
+    assert before > 0
+    gen.append(seqs, [8, 9, 10], pool)
+    assert ex._plan[1] is plan and len(stacked) == before
+    assert not copied
+    out = {}
+    for name, g in (("cpu", PlotDecoder(snap, "root", dec)), ("device", gen)):
+        b = Batcher(g, kv_budget_bytes=1 << 30, max_running=2)
+        ids = [b.submit(p, SamplingParams(max_tokens=4, ignore_eos=True), pet) for p, pet in zip(prompts, pets)]
+        b.run()
+        out[name] = [b.result(i) for i in ids]
+    assert not copied
+    for got, want in zip(out["device"], out["cpu"]):
+        assert got["ids"] == want["ids"] and got["text"] == want["text"]
+        assert np.allclose(got["logprobs"], want["logprobs"], atol=1e-4)
+
+
+def test_the_host_stand_in_runs_the_decode_path(setup):
+    """The executor's code on benchmarks.host_device's NumPy stand-in (what profiles the decode
+    step's host time without a GPU) serves the same logits as the CPU path."""
+    from benchmarks.host_device import HostGpuExecutor, HostOps, host_cupy
+    from runtime.exec.gpu_decoder import GpuDecoderExecutor
+
+    class HostDecoderExecutor(GpuDecoderExecutor):
+        copy_h2d = HostGpuExecutor.copy_h2d
+
+    dec, snap = setup
+    ex = HostDecoderExecutor(dec, _cupy=host_cupy(), _ops=HostOps())
+    _teacher_forced(DevicePlotDecoder(snap, "root", dec, executor=ex), dec, snap, 1e-4)

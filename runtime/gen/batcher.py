@@ -35,7 +35,7 @@ import torch
 
 from runtime.gen.detok import IncrementalText
 from runtime.gen.lora_batch import lora_only
-from runtime.gen.sampling import Chooser, SamplingParams, find_stop
+from runtime.gen.sampling import GREEDY_BELOW, Chooser, SamplingParams, find_stop
 
 
 @dataclass
@@ -193,17 +193,22 @@ class Batcher:
                 req.pending = None
 
     def update(self, plan: Schedule) -> list[Event]:
-        """Choose every running sequence's next token (one log-softmax and one argmax for all),
+        """Choose every running sequence's next token (greedy rows of a generator with
+        greedy_choices from it; the others: one log-softmax and one argmax for all),
         detokenize it, check EOS, max_tokens and stop sequences; retire the finished and the
         cancelled, freeing their KV pages."""
         events = [Event(r.id, None, r.text, True, r.finish) for r in plan.cancelled]
         live = [r for r in self.running if r.finish is None]
         eos = self.gen.decoder.config.eos_id
-        if live:
-            logits = torch.stack([r.seq.logits for r in live]).float()
+        chosen = self._greedy_on_device(live)
+        rest = [b for b in range(len(live)) if b not in chosen]  # rows whose logits come to the host
+        if rest:
+            logits = torch.stack([live[b].seq.logits for b in rest]).float()
             logprobs, argmax = torch.log_softmax(logits, -1), logits.argmax(-1).tolist()
+            for j, b in enumerate(rest):
+                chosen[b] = live[b].chooser(logits[j], logprobs[j], argmax[j])
         for b, req in enumerate(live):
-            token, logprob, top = req.chooser(logits[b], logprobs[b], argmax[b])
+            token, logprob, top = chosen[b]
             if token == eos and not req.params.ignore_eos:
                 self._extend(req, req.detok.flush())
                 req.finish = "stop"
@@ -231,6 +236,15 @@ class Batcher:
             req.seq = None
             self.done[req.id] = req
         return events
+
+    def _greedy_on_device(self, live) -> dict:
+        """{index in live: (token, logprob, [])} of the greedy rows without top log-probs, when
+        the generator gives their argmax and its log-probability itself (the device path: no
+        logits copied back for them); what Chooser returns for such a row."""
+        choose = getattr(self.gen, "greedy_choices", None)
+        rows = [b for b, r in enumerate(live) if r.params.temperature < GREEDY_BELOW and not r.params.logprobs]
+        picks = choose([live[b].seq for b in rows]) if choose is not None and rows else None
+        return {} if picks is None else {b: (token, logprob, []) for b, (token, logprob) in zip(rows, picks)}
 
     @staticmethod
     def _extend(req: _Request, delta: str) -> bool:

@@ -16,6 +16,10 @@ A batcher step prefills the requests it admits in one forward (any PET kind: the
 segments every kind, so nothing is prefilled one request at a time) and decodes the running
 ones in another; rows are sorted by tenant before each forward (the executor's plan order) and
 each sequence keeps its own logits, so nothing is permuted back.
+
+A forward's logits stay on the device (runtime.exec.gpu_decoder.DeviceLogits): a greedy row
+takes its argmax and log-probability from there (greedy_choices, what the batcher asks first),
+and a sequence's ``logits`` come to the host, the whole step's at once, only when read.
 """
 
 from __future__ import annotations
@@ -23,7 +27,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from formats.backoff import windows as causal_windows
 from runtime.gen.kv_pool import Pages
 from runtime.gen.plot_decode import PlotDecoder, Sequence
 from runtime.plot.window import corpus_windows
@@ -41,6 +44,26 @@ class DeviceKVPool(Pages):
         raise TypeError("the device pool is filled by its own prefill (DevicePlotDecoder.prefill_many)")
 
 
+class DeviceSequence(Sequence):
+    """A Sequence whose logits are row `row` of a forward's DeviceLogits until read (then on the host)."""
+
+    step = None  # runtime.exec.gpu_decoder.DeviceLogits holding its latest logits, or None
+    row = 0
+
+    @property
+    def logits(self) -> torch.Tensor | None:
+        if self._logits is None and self.step is not None:
+            self._logits = torch.from_numpy(self.step.host()[self.row])
+        return self._logits
+
+    @logits.setter
+    def logits(self, value) -> None:
+        self._logits, self.step = value, None
+
+    def attach(self, step, row: int) -> None:
+        self._logits, self.step, self.row = None, step, row
+
+
 class DevicePlotDecoder(PlotDecoder):
     def __init__(self, snapshot, version, decoder, executor=None, **executor_options):
         super().__init__(snapshot, version, decoder)
@@ -50,6 +73,7 @@ class DevicePlotDecoder(PlotDecoder):
             executor = GpuDecoderExecutor(decoder, **executor_options)
         self.executor = executor
         self.window = snapshot.meta["window"]
+        self._table = (None, None, None)  # (ids of a decode step's sequences, their page table, them)
 
     def new_pool(self, positions: int) -> DeviceKVPool:
         return DeviceKVPool(self.executor, positions)
@@ -61,10 +85,33 @@ class DevicePlotDecoder(PlotDecoder):
         """One forward of the executor over seqs (in plan order); the served orders."""
         ex = self.executor
         h, orders = ex.inputs(self.snapshot, self.version, wins, lengths, starts)
-        logits = ex.forward(h, lengths, kv_len, pages, plan, pool.k, pool.v)
-        for s, row in zip(seqs, logits):
-            s.logits = torch.from_numpy(row)
+        step = ex.forward(h, lengths, kv_len, pages, plan, pool.k, pool.v, host=False)
+        for j, s in enumerate(seqs):
+            s.attach(step, j)
         return np.split(orders, np.cumsum(lengths)[:-1])
+
+    def greedy_choices(self, seqs) -> list | None:
+        """(argmax, its log-probability) of each sequence's latest logits, from the device (no
+        logits copied back); None when some sequence's logits are not a forward's of this path."""
+        if not all(isinstance(s, DeviceSequence) and s.step is not None for s in seqs):
+            return None
+        return [(int(s.step.argmax[s.row]), float(s.step.logprob[s.row])) for s in seqs]
+
+    def _pages(self, ordered, width: int) -> np.ndarray:
+        """(B, width) pages of the ordered sequences (each _row's), from a table made once while
+        the step's sequences stay the same ones in the same order (their slots never change)."""
+        key = tuple(map(id, ordered))
+        if self._table[0] != key:  # the sequences are held with the table: their ids stay theirs
+            size = max(len(s.slots) for s in ordered)
+            self._table = (key, np.stack([_row(s.slots, size) for s in ordered]), list(ordered))
+        table = self._table[1]
+        if width > table.shape[1]:  # (past every reservation: masked entries, each row's first page)
+            table = np.concatenate([table, np.repeat(table[:, :1], width - table.shape[1], 1)], 1)
+        return table[:, :width]
+
+    def _new_sequences(self, prompts, pets, slots) -> list[DeviceSequence]:
+        return [DeviceSequence(s.ids, s.prompt_len, s.pet, cache=None, slots=s.slots)
+                for s in super()._new_sequences(prompts, pets, slots)]
 
     def _plan_order(self, seqs: list[Sequence]):
         """(seqs in the executor's plan order (one tenant's rows contiguous), that plan)."""
@@ -91,11 +138,12 @@ class DevicePlotDecoder(PlotDecoder):
             self._check_room(len(s.ids) + 1)
             s.ids.append(int(t))
         ordered, plan = self._plan_order(seqs)
-        wins = np.stack([causal_windows(np.asarray(s.ids[-self.n:]), self.n, "causal", self.pad_id)[-1]
-                         for s in ordered])
+        wins = np.full((len(ordered), self.n), self.pad_id, dtype=np.uint32)  # the newest causal window:
+        for b, s in enumerate(ordered):                                        # the last n ids, left-padded
+            tail = s.ids[-self.n:]
+            wins[b, self.n - len(tail):] = tail
         kv_len = np.array([s.kv_len for s in ordered], dtype=np.int64)
-        width = int(kv_len.max()) + 1
-        pages = np.stack([_row(s.slots, width) for s in ordered])
+        pages = self._pages(ordered, int(kv_len.max()) + 1)
         orders = self._run(ordered, wins, np.ones(len(ordered), dtype=np.int64), kv_len, kv_len, pages, pool, plan)
         for s, o in zip(ordered, orders):
             s.kv_len += 1
