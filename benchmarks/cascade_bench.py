@@ -17,7 +17,8 @@ OUT/store first (segments and weights hard-linked: the bench adds tenants to it)
    run's when it scored dev, else drawn as the harness draws it (same size and seed);
 3. a fresh `hkstore serve` process (CPU, one torch thread, the run's max_len, --truncate)
    answers the test sample's queries one at a time over HTTP (benchmarks.loadgen's client, the
-   admin token) at policy fast, exact (the top) and auto, the systems interleaved in rotating
+   admin token) at policy fast, exact (the top) and auto, and with its students their best k
+   pinned (the students-first bound, benchmarks.cascade_report), the systems interleaved in rotating
    order after a few unmeasured dev queries each; per query the server process's CPU time (its
    process CPU-time clock, every thread included, read before and after the request), the
    wall latency and the level that answered (``level_name``), scored as the
@@ -242,11 +243,11 @@ class Server:
                                           extra=("--torch-threads", str(args.threads), "--truncate"))
         self.client = loadgen.Client(self.proc.url, self.token, [], timeout=300)
 
-    async def ask(self, tenant, text, policy) -> tuple[dict, float, float]:
-        """(the answer, server CPU seconds, wall seconds) of one request."""
+    async def ask(self, tenant, text, options) -> tuple[dict, float, float]:
+        """(the answer, server CPU seconds, wall seconds) of one request (options: its policy or pin)."""
         pid = self.proc.proc.pid
         c0 = cpu_seconds(pid)
-        status, wall, _, _, payload = await self.client.call(tenant, {"text": text, "policy": policy})
+        status, wall, _, _, payload = await self.client.call(tenant, {"text": text, **options})
         cpu = cpu_seconds(pid) - c0
         if status != 200:
             raise RuntimeError(f"the server answered {status}: {payload[:300]!r}")
@@ -257,21 +258,32 @@ class Server:
         self.proc.stop()
 
 
-async def serve_pass(server, tenant, task: Task, dev_texts, limit_s=None) -> dict:
+def systems_of(steps: dict) -> dict:
+    """The systems served, as request options: the three policies, and with students the tenant's
+    best k pinned (``students``: the oracle bound of a students-first cascade)."""
+    systems = {s: {"policy": s} for s in report.SYSTEMS}
+    k = (steps.get("students") or {}).get("best_k")
+    if k:
+        systems["students"] = {"students": int(k)}
+    return systems
+
+
+async def serve_pass(server, tenant, task: Task, dev_texts, systems: dict, limit_s=None) -> dict:
     """Every test query one at a time under each system, in rotating order; per system and
     query the scoring counts, CPU and wall seconds, the level that answered."""
     kind = task.kind
     texts = texts_of(kind, task.test_words)
+    names = list(systems)
     for text in dev_texts[:WARMUP]:
-        for policy in report.SYSTEMS:
-            await server.ask(tenant, text, policy)
+        for name in names:
+            await server.ask(tenant, text, systems[name])
     out = {s: {"counts": [], "cpu_s": [], "wall_s": [], "level_name": [], "students": [], "pred": []}
-           for s in report.SYSTEMS}
+           for s in names}
     t0, n = time.time(), len(texts)
     for q, text in enumerate(texts):
-        order = report.SYSTEMS[q % 3:] + report.SYSTEMS[:q % 3]
+        order = names[q % len(names):] + names[:q % len(names)]
         for policy in order:
-            result, cpu, wall = await server.ask(tenant, text, policy)
+            result, cpu, wall = await server.ask(tenant, text, systems[policy])
             answer = answer_of(task, q, result)
             row = out[policy]
             row["counts"].append(counts(task, q, answer))
@@ -282,7 +294,7 @@ async def serve_pass(server, tenant, task: Task, dev_texts, limit_s=None) -> dic
             row["pred"].append(answer)
         if (q + 1) % 50 == 0 or q + 1 == n:
             rate = (q + 1) / max(time.time() - t0, 1e-9)
-            say(f"  {task.name}: {q + 1}/{n} test queries x 3 systems, {rate:.1f} queries/s, ETA {(n - q - 1) / rate:.0f} s")
+            say(f"  {task.name}: {q + 1}/{n} test queries x {len(names)} systems, {rate:.1f} queries/s, ETA {(n - q - 1) / rate:.0f} s")
     for policy, row in out.items():
         row["score"] = task.score([scored(task, q, a) for q, a in enumerate(row["pred"])])
     return out
@@ -310,7 +322,7 @@ def run_task(args, config, task, store) -> dict:
 
     async def go():
         try:
-            return await serve_pass(server, tenant, t, texts_of(kind, dev_x))
+            return await serve_pass(server, tenant, t, texts_of(kind, dev_x), systems_of(steps))
         finally:
             await server.close()
 
@@ -319,7 +331,7 @@ def run_task(args, config, task, store) -> dict:
               else "entity_f1", "files": {"dev": str(dev), "test": str(test), "train": str(train)},
               "steps": steps, "served": served, "seconds": round(time.time() - t0, 1),
               "server": {"threads": args.threads, "max_len": config.get("max_len", 128), "device": "cpu"}}
-    for s in report.SYSTEMS:  # the counts' metric is Task.score's, query by query
+    for s in served:  # the counts' metric is Task.score's, query by query
         by_counts = report.metric(kind, served[s]["counts"])
         if abs(by_counts - served[s]["score"]) > 1e-9:
             raise RuntimeError(f"{task}/{s}: per-query counts give {by_counts}, Task.score {served[s]['score']}")

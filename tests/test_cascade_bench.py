@@ -93,6 +93,20 @@ def test_the_figures_of_a_task_that_meets_the_goal_and_one_that_cannot():
     assert report.markdown(t).count("\n") == 4
 
 
+def test_the_students_bound_is_the_oracle_from_the_students_to_the_top():
+    # the students answer 3 of 4 as the top does at 0.05 of its CPU: an oracle sends one query up
+    task = a_task("s", [0, 0, 1, 1], [1, 1, 1, 1], [1, 0, 1, 1], ["full", "plot", "plot", "plot"])
+    task["served"]["students"] = served("classification", [1, 0, 1, 1], 0.5, ["students"] * 4)
+    f = report.task_figures(task)
+    assert f["students_oracle_share"] == 0.25 and f["students_oracle_cost"] == pytest.approx(0.05 + 0.25 * 0.95)
+    assert f["oracle_cost"] == pytest.approx(0.6) and f["systems"]["students"]["score"] == 75
+    assert f["why"].startswith("auto 25.0 points below")  # the students' bound is under the limit: not "cannot"
+    total = report.summary([f, report.task_figures(a_task("p", [1], [1], [1], ["plot"]))])
+    assert total["students_oracle_cost_mean"] == pytest.approx(f["students_oracle_cost"])  # only tasks with students
+    row = report.table([f], report.summary([f]))["rows"][0]
+    assert row[-3:] == [75.0, round(f["students_oracle_cost"], 2), f["why"]]
+
+
 def test_the_results_file_gets_the_two_figures_and_one_cascade_table(tmp_path):
     path = tmp_path / "accuracy.json"
     shutil.copy(ROOT / "benchmarks" / "results" / "accuracy.json", path)
@@ -239,6 +253,7 @@ def test_the_driver_makes_profiles_and_serves_each_tasks_cascade(tmp_path, monke
         assert set(s["fast"]["level_name"]) == {"plot"} and set(s["exact"]["level_name"]) == {"full"}
         assert set(s["auto"]["level_name"]) <= {"plot", "full", "students"}
         assert all(c > 0 for name in report.SYSTEMS for c in s[name]["cpu_s"])
+        assert set(s["students"]["level_name"]) == {"students"}  # the best k pinned: the students' bound
         assert r["steps"]["profile"]["profile"]["top"] == "full"
         assert r["steps"]["students"]["tenant"] == r["tenant"] and r["steps"]["create"]["levels"] == ["plot", "full"]
         # the PLOT level served over HTTP scores what the harness's serving-path scorer gives it
