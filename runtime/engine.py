@@ -13,9 +13,11 @@
   exact reads the tenant's *top* (level 2): its current full-depth PET (``full``) when it has
   one, else the full-context lower layers (``context``); a tenant with students is answered
   by the first k of them when the request pins k or the students' pruning policy
-  (runtime.student.serve) picks k for the batch under the load (``students``); else the PLOT
-  (``plot``), with, under policy auto, Tabi's coverage gate and the attention word pruning
-  needs. Between gathering the PLOT inputs and computing, the engine applies the gate: a plot
+  (runtime.student.serve) picks k for the batch under the load (``students``); else, under
+  policy auto, the level 1 of the tenant's profiled policy (runtime.level.serve.level1): its
+  first k students for a students-first policy (no gate: they read no coverage; no attention),
+  or the PLOT (``plot``) with Tabi's coverage gate and the attention word pruning needs; else
+  the PLOT. Between gathering the PLOT inputs and computing, the engine applies the gate: a plot
   row whose coverage (runtime.level.dispatch.coverage) is under its gate becomes its top's row
   (``Step.tops``) in the same batch.
 * **bursts** move work down the cascade: the pruning policy hands a batch to students, and
@@ -28,7 +30,9 @@
 * **execute**: the executor (runtime.exec.cpu / gpu) runs the plan in three calls,
   ``gather`` -> ``prepare`` -> ``compute``; it computes what the rows say and decides nothing.
 * **update**: each row's logits become an answer (runtime.level.serve: calibrated, at the
-  level that computed it); Tabi's dispatcher may send an ``auto`` answer up: its pruned tokens
+  level that computed it); Tabi's dispatcher may send an ``auto`` answer of the policy's level 1
+  up (students the pruning policy or the request chose are never sent up: re-routing them would
+  add the work they save): its pruned tokens
   go back to the queue as a row of its top (full or context), new work of a next step (no
   second call), and ensemble with level 1's answer when they come back; the rest are answered.
 
@@ -67,7 +71,7 @@ from runtime.errors import Expired
 from runtime.exec.rows import Row
 from runtime.exec.threads import helper_thread_setup
 from runtime.level import dispatch
-from runtime.level.serve import rerouted, send_up, single
+from runtime.level.serve import level1, rerouted, send_up, single
 from runtime.sched.load import LoadMeter
 
 BATCHING = ("fifo", "length", "coordinated", "tenant")
@@ -463,9 +467,8 @@ class Engine:
                 continue
             students = row.k if row.source == "students" else 0
             answer = single(w.ask.pet, out, w.ask.positions, students, w.ask.full)
-            # students answer only under load: re-routing their answers would add the work they save
             up = None
-            if w.ask.policy == "auto" and row.source == "plot" and not step.overloaded:
+            if w.ask.policy == "auto" and not step.overloaded and _first(w.ask, row):
                 up = send_up(w.ask.tenant, w.ask.ids, w.ask.positions, answer, w.ask.chosen, received)
             if up is None:
                 w.future.set_result(answer)
@@ -488,6 +491,15 @@ def _top(ask: Ask, ids) -> Row:
     return Row(ids, ask.pet, ask.pet.version, "context")
 
 
+def _first(ask: Ask, row: Row) -> bool:
+    """Whether row is the level 1 of the ask's profiled policy, whose answers Tabi's dispatcher
+    may send up: the PLOT row, or a students-first policy's students. Students the pruning
+    policy or the request chose are not: re-routing them would add the work they save."""
+    if row.source != level1(ask.chosen):
+        return False
+    return row.source == "plot" or ask.students.asked is None
+
+
 def _row(ask: Ask, level, overloaded: bool = False) -> Row:
     """An ask's row (see the module doc): its input source, PET and what Tabi's gate needs."""
     if ask.pin is not None:
@@ -495,6 +507,8 @@ def _row(ask: Ask, level, overloaded: bool = False) -> Row:
     if ask.policy == "exact":
         return _top(ask, ask.ids)
     k = ask.students.k(level) if ask.students is not None else 0
+    if not k and ask.policy == "auto" and level1(ask.chosen) == "students" and ask.students is not None:
+        k = min(int(ask.chosen["students"]), ask.students.group.size)  # level 1 of a students-first policy
     if k:
         group = ask.students.group
         return Row(ask.ids, ask.pet, group.meta["version"], "students", group=group, k=k)

@@ -3,7 +3,9 @@
 The temperatures of both levels are fitted on --calibration (labelled text the tenant did not
 train on; default: --dev), the dispatch policy (c, k, alpha, w, coverage gate) is chosen on --dev
 for --target, and the record is stored in the tenant's PET meta, where `runtime.infer` and the
-server read it (policy "auto"). A record is made for one PET: after `tenant update` it is stale
+server read it (policy "auto"). Level 1 is the PLOT, or, for a tenant with complete, current students, its
+students when a cascade from them meets --target at less cost (students first; the record
+keeps the best PLOT-first policy for when the students go stale). A record is made for one PET: after `tenant update` it is stale
 and ignored (level 1 answers) until the tenant is profiled again, so run this after every
 create or update that should serve with levels. Level 2 is the tenant's top: its current
 full-depth PET when it has one, else the full-context lower layers (exact); the record names
@@ -49,8 +51,12 @@ def profile(store, tenant, dev_path, calibration_path, target, assurance, device
     p, pr = rec["policy"], rec["profile"]
     click.echo(f"{tenant}: level 2 is {pr['top']}; temperature level 1 {rec['temperature']['1']:.3g}, "
                f"level 2 {rec['temperature']['2']:.3g}")
-    click.echo(f"  policy c={p['c']:g} k={p['k']:g} alpha={p['alpha']:g} w={p['w']:g} gate={p['gate']:g}")
-    click.echo(f"  expected on dev: metric {100 * pr['expected_metric']:.1f} (level 1 {100 * pr['level1_metric']:.1f}, "
+    first = p.get("level1", "plot")
+    alone = (f"students {100 * pr['students_metric']:.1f} at cost {pr['students_cost']:.2f}, "
+             if "students_metric" in pr else "")
+    click.echo(f"  level 1 {first}" + (f" (the first {p['students']} students)" if first == "students" else "")
+               + f"; policy c={p['c']:g} k={p['k']:g} alpha={p['alpha']:g} w={p['w']:g} gate={p['gate']:g}")
+    click.echo(f"  expected on dev: metric {100 * pr['expected_metric']:.1f} (plot {100 * pr['level1_metric']:.1f}, {alone}"
                f"level 2 {100 * pr['level2_metric']:.1f}), cost {pr['expected_cost']:.2f} of level 2, "
                f"re-routed {100 * pr['expected_reroute']:.0f}%" + ("" if pr["met"] else "; target not met")
                + (f"; held in {100 * pr['assurance']:.0f}% of resamples" if pr["met"] and pr["assurance"] else ""))

@@ -378,7 +378,7 @@ class Runtime:
     def _asks(self, requests):
         """The parsed requests and their engine asks: policy, students and PET per request."""
         from runtime.engine import Ask
-        from runtime.level.serve import policy_of
+        from runtime.level.serve import follow, policy_of
 
         parsed = self._normalize(list(requests) if not isinstance(requests, (dict, Request)) else requests)
         pets, fulls = {}, {}
@@ -396,8 +396,11 @@ class Runtime:
                 asks.append(Ask(tenant, [int(t) for t in ids], positions, pet, "fast", full=full, pin=PINS[level]))
                 continue
             policy, chosen = policy_of(pet, asked, full)
-            asks.append(Ask(tenant, [int(t) for t in ids], positions, pet, policy, chosen,
-                            self.students.ask(snap, tenant, pet.meta, students, policy), full))
+            mine = self.students.ask(snap, tenant, pet.meta, students, policy)
+            if policy == "auto":  # a students-first policy needs the students it was profiled on
+                chosen = follow(chosen, mine)
+                policy = "auto" if chosen else "fast"
+            asks.append(Ask(tenant, [int(t) for t in ids], positions, pet, policy, chosen, mine, full))
         return parsed, asks
 
     @staticmethod

@@ -585,3 +585,102 @@ def test_the_cascade_on_the_emulated_gpu_executor_equals_the_cpu_one(full_store)
         assert (g.level, g.level_name, g.pruned) == (c.level, c.level_name, c.pruned)
         np.testing.assert_allclose(g.logits, c.logits, rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose(g.probs, c.probs, rtol=1e-4, atol=1e-5)
+
+
+# -- students first: level 1 from the tenant's students ------------------------------------------------
+
+GROUP = SimpleNamespace(meta={"version": "v1", "created": 5.0, "task": "classification"}, size=2)
+
+
+def _students_first(c, k=1000.0, w=0.0, created=5.0):
+    """A students-first policy profiled on GROUP (created), its PLOT-first fallback re-routing everything."""
+    return {"level1": "students", "students": 2, "students_created": created, "c": c, "k": k, "alpha": 0.0, "w": w,
+            "gate": 0.0, "plot": dict(REROUTE, level1="plot")}
+
+
+def _served_ask(pet, full=None, students=None):
+    """An auto ask as runtime.serving builds it: the policy its students let it follow."""
+    from runtime.level.serve import follow
+
+    name, chosen = policy_of(pet, None, full)
+    chosen = follow(chosen, students)
+    return Ask("t", [101, 7, 8, 9, 102], None, pet, name if chosen else "fast", chosen, students, full)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.floats(0.0, 1.01), st.sampled_from([10.0, 1000.0]), st.sampled_from([0.0, 0.5]), st.booleans(),
+       st.booleans())
+def test_auto_answers_confident_queries_from_the_students_and_reroutes_the_rest(c, k, w, has_full, burst):
+    """A students-first tenant: its students answer (the profiled k, no gate, no attention); the
+    dispatcher sends exactly the answers Eq. 4 draws up to the top, ensembled with weight w;
+    under a burst they all stay with the students."""
+    from runtime.level import dispatch
+    from runtime.student.serve import Students
+
+    full = _full() if has_full else None
+    top = "full" if has_full else "context"
+    fake = Fake()
+    engine = _engine(fake, overload_s=0.5)
+    engine.load.wait = 2.0 if burst else 0.0
+    pet = _pet(_students_first(c, k, w), "full" if has_full else "exact", full_created=7.0)
+    try:
+        answer, = engine.serve([_served_ask(pet, full, Students(GROUP, 2))])
+    finally:
+        engine.close()
+    first = fake.batches[0][0]
+    assert (first.source, first.k, first.gate, first.attention, first.group) == ("students", 2, 0.0, False, GROUP)
+    p_students = _softmax(LOGITS["students"])
+    up = not burst and dispatch.reroute("t", [101, 7, 8, 9, 102], p_students.max(), c, k)
+    assert [[r.source for r in b] for b in fake.batches] == [["students"]] + ([[top]] if up else [])
+    if up:
+        assert (answer.level, answer.level_name, answer.students) == (2, "full" if has_full else "exact", 0)
+        np.testing.assert_allclose(answer.probs, w * p_students + (1 - w) * _softmax(LOGITS[top]), rtol=1e-5)
+    else:
+        assert (answer.level, answer.level_name, answer.students) == (1, "students", 2)
+        np.testing.assert_allclose(answer.probs, p_students, rtol=1e-5)
+
+
+def test_stale_or_other_students_are_never_used_and_the_plot_first_fallback_is_followed():
+    """Students-first needs the students it was profiled on: with none servable (stale,
+    unfinished: runtime.student.serve gives no Students record), other ones, or a request for
+    the teacher, the record's PLOT-first policy serves (here: re-route everything)."""
+    from runtime.student.serve import Students
+
+    pet = _pet(_students_first(c=0.0))  # students-first would never re-route
+    fake = Fake()
+    engine = _engine(fake)
+    other = SimpleNamespace(meta=dict(GROUP.meta, created=6.0), size=2)  # distilled again since
+    try:
+        for students in (None, Students(other, 2)):
+            fake.batches.clear()
+            ask = _served_ask(pet, None, students)
+            assert ask.chosen == dict(REROUTE, level1="plot")
+            answer, = engine.serve([ask])
+            assert [[r.source for r in b] for b in fake.batches] == [["plot"], ["context"]]
+            assert answer.level_name == "exact"
+        fake.batches.clear()  # the profiled students, pinned to one: answered by it, never re-routed
+        pinned, = engine.serve([_served_ask(pet, None, Students(GROUP, 2, asked=1))])
+        assert [[(r.source, r.k) for r in b] for b in fake.batches] == [[("students", 1)]]
+        assert (pinned.level_name, pinned.students) == ("students", 1)
+    finally:
+        engine.close()
+    no_fallback = _pet({k: v for k, v in _students_first(c=0.0).items() if k != "plot"})
+    ask = _served_ask(no_fallback, None, None)
+    assert (ask.policy, ask.chosen) == ("fast", None)
+
+
+def test_an_old_record_without_level1_means_plot():
+    from runtime.level.serve import follow, level1
+    from runtime.student.serve import Students
+
+    students = Students(GROUP, 2)
+    assert level1(REROUTE) == "plot" and level1(None) == "plot" and follow(REROUTE, students) == REROUTE
+    row = _row(_served_ask(_pet(REROUTE), None, students), "teacher")
+    assert (row.source, row.k) == ("plot", 0)  # the tenant has students; its record starts from the PLOT
+    fake = Fake()
+    engine = _engine(fake)
+    try:
+        answer, = engine.serve([_served_ask(_pet(REROUTE), None, students)])
+    finally:
+        engine.close()
+    assert [[r.source for r in b] for b in fake.batches] == [["plot"], ["context"]] and answer.level_name == "exact"

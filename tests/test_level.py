@@ -5,6 +5,7 @@ batches of both levels equal one request at a time); the executor's opt-in atten
 
 from __future__ import annotations
 
+import itertools
 import json
 import pathlib
 import shutil
@@ -325,7 +326,7 @@ def test_profile_on_saved_outputs(tiny, store_copy):
     profile.save(store_copy, "adapter-cls", rec)
     assert hkstore.verify(str(store_copy))["ok"]
     with runtime.open(store_copy, device="cpu", max_len=48) as rt:
-        assert rt.pet("adapter-cls").meta["levels"]["policy"] == {k: res["chosen"][k] for k in grid}
+        assert rt.pet("adapter-cls").meta["levels"]["policy"] == {"level1": "plot", **{k: res["chosen"][k] for k in grid}}
         out = rt.infer([{"tenant": "adapter-cls", "text": texts[0]}])[0]
         assert out.level in (1, 2) and out.confidence is not None
 
@@ -403,7 +404,8 @@ def test_levels_profile_command_stores_a_policy_that_serving_follows(tiny, store
     assert r.exit_code == 0, r.output
     rec = json.loads(r.output)
     assert set(rec["temperature"]) == {"1", "2"} and all(t > 0 for t in rec["temperature"].values())
-    assert set(rec["policy"]) == {"c", "k", "alpha", "w", "gate"} and rec["profile"]["examples"] == len(tiny[1]["texts"])
+    assert set(rec["policy"]) == {"level1", "c", "k", "alpha", "w", "gate"} and rec["policy"]["level1"] == "plot"
+    assert rec["profile"]["examples"] == len(tiny[1]["texts"]) and "students_metric" not in rec["profile"]
     assert rec["profile"]["assurance"] == profile.ASSURANCE > 0
     assert hkstore.verify(str(store_copy))["ok"]
     with runtime.open(store_copy, device="cpu", max_len=48) as rt:
@@ -413,6 +415,7 @@ def test_levels_profile_command_stores_a_policy_that_serving_follows(tiny, store
     human = CliRunner().invoke(main, ["levels", "profile", str(store_copy), "adapter-cls", "--dev", str(dev),
                                       "--device", "cpu", "--assurance", "0"])
     assert human.exit_code == 0 and "temperature level 1" in human.output and "resamples" not in human.output
+    assert "level 1 plot;" in human.output  # the adapter tenant has no students
     with runtime.open(store_copy, device="cpu", max_len=48) as rt:
         assert rt.pet("adapter-cls").meta["levels"]["profile"]["assurance"] == 0.0
     for args, says in ((["nobody", "--dev", str(dev)], "nobody"),
@@ -645,3 +648,106 @@ def test_held_counts_resamples_within_target():
     draws = np.array([[0, 3, 0], [0, 0, 3]], dtype=np.float64)  # all query 1, all query 2
     assert profile.held(draws, rows, rows2, metric, 0.0) == 0.5
     assert profile.held(draws, rows, rows2, metric, 1.0) == 1.0
+
+
+# -- students first: level 1 from the tenant's students -----------------------------------------------
+
+GRID_FIRST = {"c": [0.0, 0.6, 0.9, 1.01], "k": [10.0, 1000.0], "alpha": [0.0], "w": [0.0, 0.5], "gate": [0.0, 0.5, 1.01]}
+
+
+def _saved_with_students(rng, n, seconds):
+    """Random saved outputs of n three-class queries at the PLOT level, the students' and level 2."""
+    def logits():
+        return [rng.normal(0, 2, 3).astype(np.float32) for _ in range(n)]
+
+    tokens = rng.integers(3, 30, n)
+    s1, s_students, s2 = seconds
+    return profile.Saved("classification", tokens, rng.uniform(0, 1, n), logits(), {0.0: logits()}, {0.0: [None] * n},
+                         {0.0: tokens.copy()}, {"level1": s1, "retrieval": 0.2 * s1, "level2": s2, "level2@0.0": s2,
+                                                "students": s_students},
+                         students=logits(), group={"k": 2, "created": 5.0})
+
+
+def _brute_force(saved, temps, targets, grid):
+    """Every candidate's expected accuracy and cost by a loop over queries, from the definitions:
+    a PLOT-first query under the gate costs its lookup (none for a gate above 1) and level 2 and
+    scores level 2's answer; any other query costs its level 1 and, with Eq. 4's probability p,
+    level 2, and scores level 1's answer or, with p, the ensemble's. Students answer at T = 1."""
+    def softmax(z, t):
+        e = np.exp((np.asarray(z, dtype=np.float64) - np.max(z)) / t)
+        return e / e.sum()
+
+    n, tok = len(saved.tokens), saved.tokens / saved.tokens.sum()
+    sec = saved.seconds
+    ref = sum(sec["level2"] * tok)
+    out = {}
+    for first, logits, t1, gates in (("plot", saved.logits1, temps["1"], grid["gate"]),
+                                     ("students", saved.students, 1.0, [0.0])):
+        for g, c, k, w in itertools.product(gates, grid["c"], grid["k"], grid["w"]):
+            right = cost = 0.0
+            for q in range(n):
+                p1 = softmax(logits[q], t1)
+                p2 = softmax(saved.logits2[0.0][q], temps["2"])
+                ok2 = float(np.argmax(p2) == targets[q])
+                if first == "plot" and saved.coverage[q] < g:
+                    right += ok2
+                    cost += ((sec["retrieval"] if g <= 1 else 0.0) + sec["level2"]) * tok[q]
+                    continue
+                p = dispatch.reroute_probability(p1.max(), c, k)
+                ens = float(np.argmax(w * p1 + (1 - w) * p2) == targets[q])
+                right += (1 - p) * float(np.argmax(p1) == targets[q]) + p * ens
+                cost += (sec["level1" if first == "plot" else "students"] + p * sec["level2"]) * tok[q]
+            out[(first, g, c, k, w)] = (right / n, cost / ref)
+    return out
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 10_000), st.integers(3, 16), st.sampled_from([0.0, 0.05, 0.3]),
+       st.tuples(st.floats(0.3, 1.0), st.floats(0.05, 1.0)))
+def test_choose_picks_students_first_exactly_when_it_meets_the_target_cheaper(seed, n, target, seconds):
+    rng = np.random.default_rng(seed)
+    saved = _saved_with_students(rng, n, (*seconds, 1.0))
+    targets = rng.integers(0, 3, n)
+    temps = {"1": float(rng.uniform(0.5, 2)), "2": float(rng.uniform(0.5, 2))}
+
+    def stats(p, q):
+        return np.array([float(np.argmax(p) == targets[q]), 1.0])
+
+    res = profile.choose(saved, temps, stats, lambda s: s[0] / s[1], target, GRID_FIRST)
+    ref = _brute_force(saved, temps, targets, GRID_FIRST)
+    got = {(x["level1"], x["gate"], x["c"], x["k"], x["w"]): (x["metric"], x["cost"]) for x in res["candidates"]}
+    assert got.keys() == ref.keys()
+    for key, (metric, cost) in ref.items():
+        assert got[key] == pytest.approx((metric, cost), abs=1e-9), key
+    m2 = ref[("plot", 1.01, 0.0, 10.0, 0.0)][0]  # every query to level 2
+
+    def best(first):  # (cost, -metric) of the cheapest candidate of that level 1 within the target
+        within = [(c, -m) for (f, *_), (m, c) in ref.items() if f == first and m >= m2 - target - 1e-12]
+        return min(within)
+
+    students_first = best("students") < best("plot")  # ties go to the PLOT, the cascade served before
+    assert (res["chosen"]["level1"] == "students") == students_first
+    assert res["chosen"]["cost"] == pytest.approx(min(best("plot"), best("students"))[0], abs=1e-9)
+    assert res["plot"]["level1"] == "plot" and res["plot"]["cost"] == pytest.approx(best("plot")[0], abs=1e-9)
+    assert res["students"]["cost"] == pytest.approx(seconds[1], rel=1e-9)  # level 2 took 1 s
+    if students_first:
+        assert (res["chosen"]["gate"], res["chosen"]["alpha"], res["chosen"]["students"]) == (0.0, 0.0, 2)
+        rec = profile.record(temps, {}, res["chosen"], res, target, n)
+        assert rec["policy"]["level1"] == "students" and rec["policy"]["students_created"] == 5.0
+        assert rec["policy"]["plot"] == {k: res["plot"][k] for k in ("level1", "c", "k", "alpha", "w", "gate")}
+
+
+def test_without_students_choose_and_the_record_keep_to_the_plot():
+    rng = np.random.default_rng(0)
+    saved = _saved_with_students(rng, 8, (0.6, 0.1, 1.0))
+    saved.students = saved.group = None
+    targets = rng.integers(0, 3, 8)
+
+    def stats(p, q):
+        return np.array([float(np.argmax(p) == targets[q]), 1.0])
+
+    res = profile.choose(saved, {"1": 1.0, "2": 1.0}, stats, lambda s: s[0] / s[1], 1.0, GRID_FIRST)
+    assert {x["level1"] for x in res["candidates"]} == {"plot"} and res["students"] is None
+    rec = profile.record({"1": 1.0, "2": 1.0}, {}, res["chosen"], res, 1.0, 8)
+    assert rec["policy"]["level1"] == "plot" and "students" not in rec["policy"]
+    assert "students_metric" not in rec["profile"]

@@ -344,6 +344,98 @@ def test_students_of_an_updated_pet_are_stale_until_distilled_again(env):
     assert bad.exit_code == 1 and "--dev is needed" in bad.output and len(bad.output.strip().splitlines()) == 1
 
 
+# -- students first: profiling chooses the cascade's level 1 ----------------------------------------
+
+
+def _profile(store, tenant, dev, target, seconds, monkeypatch):
+    """hkstore levels profile --json with each level's measured seconds set to `seconds` (per
+    row, by its source): the costs are the test's, the outputs the tenant's own."""
+    import json
+
+    from click.testing import CliRunner
+
+    from runtime.level import profile
+    from tools.cli import main
+
+    monkeypatch.setattr(profile, "_timed", lambda engine, rows: (engine.run(rows), seconds[rows[0].source] * len(rows)))
+    r = CliRunner().invoke(main, ["levels", "profile", store, tenant, "--dev", dev, "--device", "cpu", "--json",
+                                  "--assurance", "0", "--target", str(target)])
+    assert r.exit_code == 0, r.output
+    return json.loads(r.output)
+
+
+def _auto_against_the_levels_alone(rt, tenant, texts, policy):
+    """Each auto answer against its level alone: the students' (pinned to the policy's k) where
+    Eq. 4 keeps it, else the ensemble of theirs and the top's (policy exact)."""
+    from runtime.level import dispatch
+
+    auto = rt.infer([{"tenant": tenant, "text": x} for x in texts])
+    alone = rt.infer([{"tenant": tenant, "text": x, "students": policy["students"]} for x in texts])
+    exact = rt.infer([{"tenant": tenant, "text": x, "policy": "exact"} for x in texts])
+    ids = [rt.encoder.tokenizer.encode(x).ids for x in texts]
+    for a, s, e, i in zip(auto, alone, exact, ids):
+        if dispatch.reroute(tenant, i, s.confidence, policy["c"], policy["k"]):
+            assert (a.level_name, a.students) == ("exact", 0)
+            np.testing.assert_allclose(a.probabilities, policy["w"] * np.asarray(s.probabilities)
+                                       + (1 - policy["w"]) * np.asarray(e.probabilities), atol=1e-5)
+        else:
+            assert (a.level_name, a.students) == ("students", policy["students"])
+            np.testing.assert_allclose(a.logits, s.logits, rtol=1e-5, atol=1e-5)
+    return [a.level_name for a in auto]
+
+
+@pytest.mark.parametrize("tenant", ["cls", "tag"])
+def test_a_profiled_tenant_with_students_serves_auto_from_the_level_1_it_chose(env, tmp_path, monkeypatch, tenant):
+    """Students cheaper than the PLOT: the profile starts the cascade from them, auto answers
+    from them where they are sure and from the top elsewhere; students dearer: from the PLOT,
+    never the students. Distilled again, the students the record was profiled on are gone: the
+    PLOT-first fallback serves."""
+    import shutil
+
+    from runtime.level import profile
+
+    store = str(tmp_path / "store")
+    shutil.copytree(env["store"], store)
+    dev = env["cls"] if tenant == "cls" else env["tag"]
+    texts = short_texts(env)[:8]
+    with hkstore.open(store) as st:
+        group = st.snapshot().read_students(tenant).meta
+    cheap = {"plot": 0.6, "students": 0.2, "context": 1.0, "full": 1.0}
+    rec = _profile(store, tenant, dev, 100.0, cheap, monkeypatch)  # any cascade meets it: the cheapest wins
+    policy = rec["policy"]
+    assert (policy["level1"], policy["students"], policy["gate"], policy["alpha"]) == \
+        ("students", int(group.get("best_k") or group["students"]), 0.0, 0.0)
+    assert policy["students_created"] == group["created"] and policy["plot"]["level1"] == "plot"
+    assert rec["profile"]["students_cost"] == pytest.approx(0.2) and rec["profile"]["level1_cost"] == pytest.approx(0.6)
+    assert rec["profile"]["expected_cost"] < 0.5
+    with runtime.open(store, device="cpu", max_len=32) as rt:
+        names = _auto_against_the_levels_alone(rt, tenant, texts, policy)
+        assert set(names) <= {"students", "exact"} and "students" in names
+        # the same record cut at the students' median confidence: half of the answers go up
+        sure = sorted(a.confidence for a in rt.infer([{"tenant": tenant, "text": x, "students": policy["students"]}
+                                                       for x in texts]))
+        cut = dict(policy, c=sure[len(sure) // 2], k=1000.0, w=0.25)
+        profile.save(store, tenant, dict(rec, policy=cut))
+        rt.refresh()
+        names = _auto_against_the_levels_alone(rt, tenant, texts, cut)
+        assert 0 < names.count("exact") < len(names)
+        dear = _profile(store, tenant, dev, 100.0, dict(cheap, students=0.9), monkeypatch)
+        assert dear["policy"]["level1"] == "plot" and "students" not in dear["policy"]
+        rt.refresh()
+        auto = rt.infer([{"tenant": tenant, "text": x} for x in texts])
+        fast = rt.infer([{"tenant": tenant, "text": x, "policy": "fast"} for x in texts])
+        assert all(a.level_name == "plot" for a in auto)  # c = 0 at any target: the PLOT alone
+        for a, f in zip(auto, fast):
+            np.testing.assert_allclose(a.logits, f.logits, rtol=1e-5, atol=1e-5)
+        rec = _profile(store, tenant, dev, 100.0, cheap, monkeypatch)
+        students_create(store, tenant, dev_path=dev, students=2, epochs=1, lr=1e-3, min_gain=-1.0, head_epochs=1,
+                        progress=False)
+        rt.refresh()
+        auto = rt.infer([{"tenant": tenant, "text": x} for x in texts])
+        assert {a.level_name for a in auto} == {"plot"}  # the fallback: the cheapest PLOT-first policy
+        assert rt.infer([{"tenant": tenant, "text": texts[0], "students": 1}])[0].students == 1  # the new ones serve
+
+
 @pytest.mark.parametrize("tenant", ["cls", "tag"])
 def test_students_under_the_emulated_gpu_executor_equal_the_cpu_ones(env, tenant):
     """The GPU executor (runtime.exec.students_gpu, the CUDA-on-CPU emulation) answers students

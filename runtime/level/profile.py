@@ -20,6 +20,15 @@ each level, shared over queries in proportion to their tokens (level 2 on a prun
 its kept tokens); a query below the coverage gate costs the lookup plus level 2 (a gate
 above 1, every query to level 2, needs no lookup).
 
+Level 1 is one of two (``policy.level1``): the PLOT row (``plot``) or, for a tenant with
+complete, current students, its first k students at their best k (``students``: no coverage
+gate, since they read no coverage, and no word pruning, since they report no attention: gate
+and alpha 0; their answers at T = 1, as they are served). ``collect`` runs the students' level
+too when it is given them, and ``choose`` scores both cascades' candidates alike, each at its
+measured cost: the students-first cascade is chosen when it meets the target cheaper. Its
+record keeps the best PLOT-first policy beside it (``policy.plot``), which serving follows
+while the students it was profiled on are not servable (runtime.level.serve.follow).
+
 The chosen candidate is the cheapest whose expected metric is within ``target`` of level 2's
 (else the most accurate), and, with an ``assurance``, that also stays within it in that share
 of bootstrap resamples of the queries (a few hundred queries are a noisy sample); ``save``
@@ -59,7 +68,9 @@ class Saved:
     logits2: dict  # alpha -> per query logits at the reported positions level 2 saw
     seen: dict  # alpha -> per query indices (into the reported positions) level 2 saw
     kept_tokens: dict  # alpha -> (N,) tokens level 2 ran on
-    seconds: dict = field(default_factory=dict)  # level1, retrieval, level2 (full text)
+    seconds: dict = field(default_factory=dict)  # level1, retrieval, level2 (full text), students
+    students: list | None = None  # the students' level: per query its logits at the reported positions
+    group: dict | None = None  # and which: {"k": students, "created": the group's created}
 
 
 def _timed(engine, rows):
@@ -73,15 +84,22 @@ def top_row(pet, full, ids) -> Row:
     return Row(ids, full, pet.version, "full") if full is not None else Row(ids, pet, pet.version, "context")
 
 
-def collect(engine, pet, queries, alphas=GRID["alpha"], n: int = 3, batch: int = 32, full=None) -> Saved:
+def collect(engine, pet, queries, alphas=GRID["alpha"], n: int = 3, batch: int = 32, full=None,
+            students=None) -> Saved:
     """Saved level outputs of queries: (ids, positions) each; positions as serve.answer takes
-    them (None for classification). Chunk by chunk of `batch` queries: level 1, then level 2
-    (the top: `full`, the tenant's full-depth ServingPet, else exact) at each alpha, so that
-    the levels' seconds are measured interleaved (a shared machine's load changes within a run)."""
+    them (None for classification). Chunk by chunk of `batch` queries: level 1, the students'
+    level when `students` is (group, k) (the tenant's runtime.model.student.Group and how many
+    answer), then level 2 (the top: `full`, the tenant's full-depth ServingPet, else exact) at
+    each alpha, so that the levels' seconds are measured interleaved (a shared machine's load
+    changes within a run)."""
     alphas = sorted(set(alphas) | {0.0})
     saved = Saved(pet.task, np.array([len(ids) for ids, _ in queries]), np.zeros(len(queries)), [],
                   {a: [] for a in alphas}, {a: [] for a in alphas}, {a: [] for a in alphas},
                   {"level1": 0.0, "retrieval": 0.0, **{f"level2@{a}": 0.0 for a in alphas}})
+    if students is not None:
+        group, k = students
+        saved.students, saved.group = [], {"k": int(k), "created": group.meta.get("created")}
+        saved.seconds["students"] = 0.0
     for start in range(0, len(queries), batch):
         chunk = queries[start:start + batch]
         outs, s1 = _timed(engine, [Row(list(ids), pet, pet.version, "plot", attention=True) for ids, _ in chunk])
@@ -91,6 +109,13 @@ def collect(engine, pet, queries, alphas=GRID["alpha"], n: int = 3, batch: int =
             logits = np.asarray(o.logits, dtype=np.float32)
             saved.logits1.append(logits if pos is None else logits[pos])
             saved.coverage[start + j] = dispatch.coverage(o.served[1], n)
+        if students is not None:
+            outs_s, ss = _timed(engine, [Row(list(ids), pet, group.meta["version"], "students", group=group, k=k)
+                                         for ids, _ in chunk])
+            saved.seconds["students"] += ss
+            for o, (_, pos) in zip(outs_s, chunk):
+                logits = np.asarray(o.logits, dtype=np.float32)
+                saved.students.append(logits if pos is None else logits[pos])
         for alpha in alphas:
             kept_all = []
             for (ids, pos), o in zip(chunk, outs):
@@ -129,9 +154,11 @@ def calibrate(saved: Saved, targets) -> dict:
     return out
 
 
-def _probs(saved, temps, alpha, w):
-    """Per query the answer probabilities of a re-routed query at (alpha, w)."""
-    p1 = [cal.softmax(z, temps["1"]) for z in saved.logits1]
+def _probs(saved, temps, alpha, w, p1=None):
+    """Per query the answer probabilities of a re-routed query at (alpha, w); p1: level 1's
+    calibrated probabilities (default: the PLOT level's)."""
+    if p1 is None:
+        p1 = [cal.softmax(z, temps["1"]) for z in saved.logits1]
     out = []
     for q, z2 in enumerate(saved.logits2[alpha]):
         p2 = cal.softmax(z2, temps["2"])
@@ -142,53 +169,113 @@ def _probs(saved, temps, alpha, w):
     return out
 
 
+@dataclass
+class _Level2:
+    """What every candidate shares: level 2 on the full text and the costs per query."""
+
+    st2: np.ndarray  # (N, counts) level 2's scoring counts per query
+    per_tok: dict  # seconds per token of each measured level
+    tok: np.ndarray  # (N,) tokens per query
+    ref_cost: float  # level 2 alone on every query
+
+
 def choose(saved: Saved, temps: dict, stats, metric, target: float, grid: dict = GRID, assurance: float = 0.0,
            resamples: int = 200, seed: int = 0) -> dict:
     """Evaluate every candidate of grid on saved outputs; stats(probs, q) -> counts vector of
     query q, metric(summed counts) -> score. Returns {"chosen", "candidates", "level1",
-    "level2"} (candidates: dicts with c, k, alpha, w, gate, metric, cost (relative to level 2
-    alone), reroute (expected share)). assurance > 0: the chosen candidate must also be within
-    target of level 2 in that share of `resamples` bootstrap resamples of the queries (held,
-    below); 0 takes the cheapest within target on the queries as they are."""
+    "level2", "students", "plot", "met"} (candidates: dicts with level1 (plot or students), c,
+    k, alpha, w, gate, metric, cost (relative to level 2 alone), reroute (expected share), and
+    for students-first ones students (k); "students": the students' level alone, None when not
+    measured; "plot": the best PLOT-first candidate, the fallback of a students-first choice).
+    assurance > 0: the chosen candidate must also be within target of level 2 in that share of
+    `resamples` bootstrap resamples of the queries (held, below); 0 takes the cheapest within
+    target on the queries as they are."""
     N = len(saved.logits1)
-    p1 = [cal.softmax(z, temps["1"]) for z in saved.logits1]
-    st1 = np.array([stats(p, q) for q, p in enumerate(p1)], dtype=np.float64)
-    conf = np.array([dispatch.confidence(p, saved.task) for p in p1])
     tok = saved.tokens.astype(np.float64)
     per_tok = {k: v / tok.sum() for k, v in saved.seconds.items()}
-    c1 = per_tok["level1"] * tok
-    lookup = per_tok["retrieval"] * tok
-    full2 = per_tok["level2"] * tok
     st2 = np.array([stats(p, q) for q, p in enumerate(_probs(saved, temps, 0.0, 0.0))])
-    ref_cost = full2.sum()
-    m1, m2 = metric(st1.sum(0)), metric(st2.sum(0))
-    ens = {(a, w): np.array([stats(p, q) for q, p in enumerate(_probs(saved, temps, a, w))])
+    base = _Level2(st2, per_tok, tok, float((per_tok["level2"] * tok).sum()))
+    m2 = metric(st2.sum(0))
+    cands, how = [], []  # how: each candidate's (gated, p, st1, ste), to rebuild its rows for `held`
+    p1 = [cal.softmax(z, temps["1"]) for z in saved.logits1]
+    st1 = _plot_candidates(saved, temps, stats, metric, grid, p1, base, cands, how)
+    alone = None
+    if saved.students is not None:
+        alone = _students_candidates(saved, temps, stats, metric, grid, base, cands, how)
+    draws = np.random.default_rng(seed).multinomial(N, np.full(N, 1 / N), size=resamples).astype(np.float64) \
+        if assurance else None
+
+    def pick(allowed):
+        return _pick(cands, how, allowed, m2, target, st2, metric, draws, assurance)
+
+    chosen, met = pick(range(len(cands)))
+    plot = chosen if cands[chosen]["level1"] == "plot" else pick([j for j, x in enumerate(cands)
+                                                                   if x["level1"] == "plot"])[0]
+    return {"chosen": cands[chosen], "candidates": cands,
+            "level1": {"metric": metric(st1.sum(0)), "cost": float((per_tok["level1"] * tok).sum() / base.ref_cost)},
+            "level2": {"metric": m2, "cost": 1.0}, "students": alone, "plot": cands[plot], "met": met}
+
+
+def _pick(cands, how, allowed, m2, target, st2, metric, draws, assurance) -> tuple:
+    """(index of the chosen one among the allowed candidates, whether it met the target): the
+    cheapest within target (and held in `assurance` of the resamples `draws`), else the most
+    accurate."""
+    allowed = list(allowed)
+    ok = sorted((j for j in allowed if cands[j]["metric"] >= m2 - target),
+                key=lambda j: (cands[j]["cost"], -cands[j]["metric"]))
+    if assurance and ok:
+        def holds(j):
+            gated, p, st1, ste = how[j]
+            return held(draws, _expected_rows(gated, p, st1, st2, ste), st2, metric, target) >= assurance
+
+        ok = [next((j for j in ok if holds(j)), ok[-1])]  # level 2 itself (a gate above 1) always holds
+    if ok:
+        return ok[0], True
+    return max(allowed, key=lambda j: cands[j]["metric"]), False
+
+
+def _plot_candidates(saved, temps, stats, metric, grid, p1, base, cands, how) -> np.ndarray:
+    """The PLOT-first candidates of grid, appended to cands (and how); returns level 1's counts."""
+    st1 = np.array([stats(p, q) for q, p in enumerate(p1)], dtype=np.float64)
+    conf = np.array([dispatch.confidence(p, saved.task) for p in p1])
+    per_tok, tok = base.per_tok, base.tok
+    c1, lookup, full2 = per_tok["level1"] * tok, per_tok["retrieval"] * tok, per_tok["level2"] * tok
+    ens = {(a, w): np.array([stats(p, q) for q, p in enumerate(_probs(saved, temps, a, w, p1))])
            for a in grid["alpha"] for w in grid["w"] if a in saved.logits2}
-    cands, how = [], []  # how: each candidate's (gated, p, ste), to rebuild its rows for `held`
     for g, c, k in itertools.product(grid["gate"], grid["c"], grid["k"]):
         gated = saved.coverage < g
         p = np.where(gated, 0.0, dispatch.reroute_probability(conf, c, k))
         probe = lookup[gated].sum() if g <= 1 else 0.0  # a gate above 1 needs no lookup (serve.answer)
         base_cost = probe + full2[gated].sum() + c1[~gated].sum()
         for (a, w), ste in ens.items():
-            rows = _expected_rows(gated, p, st1, st2, ste)
+            rows = _expected_rows(gated, p, st1, base.st2, ste)
             cost = base_cost + (p[~gated] * per_tok["level2"] * saved.kept_tokens[a][~gated]).sum()
-            cands.append({"c": c, "k": k, "alpha": a, "w": w, "gate": g, "metric": float(metric(rows.sum(0))),
-                          "cost": float(cost / ref_cost), "reroute": float((p.sum() + gated.sum()) / N)})
-            how.append((gated, p, ste))
-    ok = sorted((j for j, x in enumerate(cands) if x["metric"] >= m2 - target),
-                key=lambda j: (cands[j]["cost"], -cands[j]["metric"]))
-    if assurance and ok:
-        draws = np.random.default_rng(seed).multinomial(N, np.full(N, 1 / N), size=resamples).astype(np.float64)
+            cands.append({"level1": "plot", "c": c, "k": k, "alpha": a, "w": w, "gate": g,
+                          "metric": float(metric(rows.sum(0))), "cost": float(cost / base.ref_cost),
+                          "reroute": float((p.sum() + gated.sum()) / len(p))})
+            how.append((gated, p, st1, ste))
+    return st1
 
-        def holds(j):
-            gated, p, ste = how[j]
-            return held(draws, _expected_rows(gated, p, st1, st2, ste), st2, metric, target) >= assurance
 
-        ok = [next((j for j in ok if holds(j)), ok[-1])]  # level 2 itself (a gate above 1) always holds
-    chosen = cands[ok[0]] if ok else max(cands, key=lambda x: x["metric"])
-    return {"chosen": chosen, "candidates": cands, "level1": {"metric": m1, "cost": float(c1.sum() / ref_cost)},
-            "level2": {"metric": m2, "cost": 1.0}, "met": bool(ok)}
+def _students_candidates(saved, temps, stats, metric, grid, base, cands, how) -> dict:
+    """The students-first candidates of grid (gate and alpha 0: students read no coverage and
+    report no attention), appended to cands (and how); returns the students' level alone."""
+    ps = [cal.softmax(z, 1.0) for z in saved.students]  # served at T = 1 (runtime.level.serve.single)
+    sts = np.array([stats(p, q) for q, p in enumerate(ps)], dtype=np.float64)
+    conf = np.array([dispatch.confidence(p, saved.task) for p in ps])
+    cs, full2 = base.per_tok["students"] * base.tok, base.per_tok["level2"] * base.tok
+    none = np.zeros(len(ps), dtype=bool)
+    ens = {w: np.array([stats(p, q) for q, p in enumerate(_probs(saved, temps, 0.0, w, ps))]) for w in grid["w"]}
+    for c, k in itertools.product(grid["c"], grid["k"]):
+        p = dispatch.reroute_probability(conf, c, k)
+        for w, ste in ens.items():
+            rows = _expected_rows(none, p, sts, base.st2, ste)
+            cands.append({"level1": "students", "students": saved.group["k"], "c": c, "k": k, "alpha": 0.0, "w": w,
+                          "gate": 0.0, "metric": float(metric(rows.sum(0))),
+                          "cost": float((cs.sum() + (p * full2).sum()) / base.ref_cost),
+                          "reroute": float(p.sum() / len(p))})
+            how.append((none, p, sts, ste))
+    return {"metric": float(metric(sts.sum(0))), "cost": float(cs.sum() / base.ref_cost), **saved.group}
 
 
 def _expected_rows(gated, p, st1, st2, ste):
@@ -209,13 +296,25 @@ def record(temps: dict, ece: dict, chosen: dict, result: dict, target: float, ex
     """The levels record a tenant's PET meta keeps (FORMAT.md §5); full: the full-depth
     ServingPet level 2 was (None: exact)."""
     top = {"top": "exact"} if full is None else {"top": "full", "full_created": full.meta.get("created")}
-    return {"levels": [1, 2], "temperature": temps, "ece": ece,
-            "policy": {k: chosen[k] for k in ("c", "k", "alpha", "w", "gate")},
+    alone = result.get("students")
+    return {"levels": [1, 2], "temperature": temps, "ece": ece, "policy": policy(chosen, result),
             "profile": {**top, "target": target, "assurance": assurance, "expected_metric": chosen["metric"],
                         "expected_cost": chosen["cost"],
                         "expected_reroute": chosen["reroute"], "level1_metric": result["level1"]["metric"],
                         "level2_metric": result["level2"]["metric"], "level1_cost": result["level1"]["cost"],
+                        **({"students_metric": alone["metric"], "students_cost": alone["cost"]} if alone else {}),
                         "met": result["met"], "examples": examples, "profiled": time.time()}}
+
+
+def policy(chosen: dict, result: dict) -> dict:
+    """The record's policy (FORMAT.md §5) of a chosen candidate: a students-first one names its
+    students (how many, and the group's created) and keeps the best PLOT-first one as its fallback."""
+    out = {k: chosen.get(k, "plot" if k == "level1" else None) for k in ("level1", "c", "k", "alpha", "w", "gate")}
+    if out["level1"] == "students":
+        fallback = result.get("plot") or {}
+        out.update(students=int(chosen["students"]), students_created=(result.get("students") or {}).get("created"),
+                   plot=policy(fallback, {}) if fallback else None)
+    return out
 
 
 def save(store_path, tenant: str, levels: dict) -> None:
@@ -237,8 +336,9 @@ def profile_tenant(rt, store_path, tenant: str, dev_path, calibration_path=None,
     the ones fitted at tenant create / update when the PET has them and the top is exact, the
     level they were fitted on, else dev_path), the policy
     chosen on dev_path for `target` (the metric as a fraction: 0.005 is half a point below level
-    2) and held in `assurance` of dev's resamples (choose), the record saved in the tenant's PET
-    meta. Returns the record."""
+    2) and held in `assurance` of dev's resamples (choose), level 1 the PLOT or, when the tenant
+    has complete, current students, their best k if that cascade is cheaper, the record saved in
+    the tenant's PET meta. Returns the record."""
     from runtime.level.queries import read_queries
 
     pet = rt.pet(tenant)
@@ -259,10 +359,20 @@ def profile_tenant(rt, store_path, tenant: str, dev_path, calibration_path=None,
     else:
         saved_c = collect(rt.engine, pet, calib.pairs(), alphas=[0.0], n=n, batch=batch, full=full)
         temps = calibrate(saved_c, calib.targets)
-    saved_d = collect(rt.engine, pet, dev.pairs(), alphas=list(alphas), n=n, batch=batch, full=full)
+    saved_d = collect(rt.engine, pet, dev.pairs(), alphas=list(alphas), n=n, batch=batch, full=full,
+                      students=_students(rt, tenant, pet))
     result = choose(saved_d, temps["temperature"], dev.stats, dev.metric, target, dict(GRID, alpha=list(alphas)),
                     assurance=assurance)
     levels = record(temps["temperature"], temps["ece"], result["chosen"], result, target, len(dev), assurance, full)
     save(store_path, tenant, levels)
     rt.refresh()
     return levels
+
+
+def _students(rt, tenant: str, pet):
+    """(group, k) of the tenant's servable students (complete and current) at their best k, the
+    students-first level 1 profiling measures; None when it has none."""
+    group, _ = rt.students.group(rt.store.snapshot(), tenant, pet.meta)
+    if group is None:
+        return None
+    return group, int(group.meta.get("best_k") or group.size)

@@ -19,6 +19,13 @@ T = 1 and ``auto`` means ``fast`` for it (there is no profiled policy to follow)
 profiled against another top than the tenant's current one (``profile.top``, exact when
 absent; for full, also the full-depth PET's ``created``) is not followed: its policy and
 level-2 temperature were measured on other outputs.
+
+Level 1 is what the record's ``policy.level1`` says (``level1``): ``plot`` (absent, in every
+older record: the PLOT row) or ``students`` (the tenant's first ``policy.students`` students,
+answering at T = 1 as they always do; the dispatcher re-routes their unsure answers to the top).
+A students-first policy is followed only with the students it was profiled on (``follow``):
+with none servable (unfinished, stale, removed) or other ones, the record's ``policy.plot``,
+the best PLOT-first policy of the same profile, is followed instead.
 """
 
 from __future__ import annotations
@@ -108,6 +115,22 @@ def policy_of(pet, asked, full=None):
     if asked == "auto" and not chosen:
         return "fast", None
     return asked, chosen
+
+
+def level1(chosen) -> str:
+    """The level 1 a profiled policy starts from: plot (absent: every older record) or students."""
+    return (chosen or {}).get("level1", "plot")
+
+
+def follow(chosen, students):
+    """The policy an auto request follows, given its runtime.student.serve.Students record (None:
+    no servable students, or the request asked for the teacher): a students-first policy only
+    with the students it was profiled on, else its PLOT-first fallback (None when it has none)."""
+    if level1(chosen) != "students":
+        return chosen
+    if students is not None and students.group.meta.get("created") == chosen.get("students_created"):
+        return chosen
+    return chosen.get("plot")
 
 
 def send_up(tenant, ids, positions, first: Answer, chosen: dict, received) -> tuple | None:
