@@ -51,12 +51,20 @@ def profile(store, tenant, dev_path, calibration_path, target, assurance, device
     p, pr = rec["policy"], rec["profile"]
     click.echo(f"{tenant}: level 2 is {pr['top']}; temperature level 1 {rec['temperature']['1']:.3g}, "
                f"level 2 {rec['temperature']['2']:.3g}")
-    first = p.get("level1", "plot")
     alone = (f"students {100 * pr['students_metric']:.1f} at cost {pr['students_cost']:.2f}, "
              if "students_metric" in pr else "")
-    click.echo(f"  level 1 {first}" + (f" (the first {p['students']} students)" if first == "students" else "")
-               + f"; policy c={p['c']:g} k={p['k']:g} alpha={p['alpha']:g} w={p['w']:g} gate={p['gate']:g}")
-    click.echo(f"  expected on dev: metric {100 * pr['expected_metric']:.1f} (plot {100 * pr['level1_metric']:.1f}, {alone}"
+    click.echo(f"  level 1 {_first(p)}; policy c={p['c']:g} k={p['k']:g} alpha={p['alpha']:g} w={p['w']:g} "
+               f"gate={p['gate']:g}")
+    click.echo(f"  expected on dev: metric {100 * pr['expected_metric']:.1f} (plot {100 * pr['level1_metric']:.1f} "
+               f"at cost {pr['level1_cost']:.2f}, {alone}"
                f"level 2 {100 * pr['level2_metric']:.1f}), cost {pr['expected_cost']:.2f} of level 2, "
                f"re-routed {100 * pr['expected_reroute']:.0f}%" + ("" if pr["met"] else "; target not met")
                + (f"; held in {100 * pr['assurance']:.0f}% of resamples" if pr["met"] and pr["assurance"] else ""))
+
+
+def _first(policy: dict) -> str:
+    """The level 1 a policy starts from, as the summary names it (an older record's: plot)."""
+    if policy.get("level1", "plot") != "students":
+        return "plot"
+    n = policy["students"]
+    return f"students ({n} student{'s' if n != 1 else ''})"

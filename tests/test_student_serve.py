@@ -347,7 +347,7 @@ def test_students_of_an_updated_pet_are_stale_until_distilled_again(env):
 # -- students first: profiling chooses the cascade's level 1 ----------------------------------------
 
 
-def _profile(store, tenant, dev, target, seconds, monkeypatch):
+def _profile(store, tenant, dev, target, seconds, monkeypatch, as_json=True):
     """hkstore levels profile --json with each level's measured seconds set to `seconds` (per
     row, by its source): the costs are the test's, the outputs the tenant's own."""
     import json
@@ -358,10 +358,10 @@ def _profile(store, tenant, dev, target, seconds, monkeypatch):
     from tools.cli import main
 
     monkeypatch.setattr(profile, "_timed", lambda engine, rows: (engine.run(rows), seconds[rows[0].source] * len(rows)))
-    r = CliRunner().invoke(main, ["levels", "profile", store, tenant, "--dev", dev, "--device", "cpu", "--json",
-                                  "--assurance", "0", "--target", str(target)])
+    r = CliRunner().invoke(main, ["levels", "profile", store, tenant, "--dev", dev, "--device", "cpu",
+                                  "--assurance", "0", "--target", str(target)] + (["--json"] if as_json else []))
     assert r.exit_code == 0, r.output
-    return json.loads(r.output)
+    return json.loads(r.output) if as_json else r.output
 
 
 def _auto_against_the_levels_alone(rt, tenant, texts, policy):
@@ -408,6 +408,9 @@ def test_a_profiled_tenant_with_students_serves_auto_from_the_level_1_it_chose(e
     assert policy["students_created"] == group["created"] and policy["plot"]["level1"] == "plot"
     assert rec["profile"]["students_cost"] == pytest.approx(0.2) and rec["profile"]["level1_cost"] == pytest.approx(0.6)
     assert rec["profile"]["expected_cost"] < 0.5
+    human = _profile(store, tenant, dev, 100.0, cheap, monkeypatch, as_json=False)
+    assert f"level 1 students ({policy['students']} student" in human
+    assert "at cost 0.20" in human and "at cost 0.60" in human  # the students' level and the PLOT's, alone
     with runtime.open(store, device="cpu", max_len=32) as rt:
         names = _auto_against_the_levels_alone(rt, tenant, texts, policy)
         assert set(names) <= {"students", "exact"} and "students" in names
