@@ -1,7 +1,8 @@
 """The cascade (runtime.engine, runtime.level.serve, runtime.serving): a tenant's top is its
 current full-depth PET when it has one, else exact; policy exact pins it, Tabi's gate and
-re-routing go to it, bursts keep auto requests at level 1, answers name their level, and
-profiling measures level 2 on the top.
+re-routing go to it, bursts keep auto requests at level 1, answers name their level,
+profiling measures level 2 on the top, and a students-first policy starts from the tenant's
+students (only the ones it was profiled on; else its PLOT-first fallback).
 
 The routing tests run the engine with a fake executor that computes nothing: each row's logits
 say which input source computed it, and its lookup serves every window at one order. The end
@@ -684,3 +685,16 @@ def test_an_old_record_without_level1_means_plot():
     finally:
         engine.close()
     assert [[r.source for r in b] for b in fake.batches] == [["plot"], ["context"]] and answer.level_name == "exact"
+
+
+def test_profiling_runs_the_students_level_as_rows_it_routes_itself():
+    engine = Recording()
+    queries = [([101, 5, 6, 102], None), ([101, 7, 102], None), ([101, 8, 102], None)]
+    saved = profile.collect(engine, _pet(), queries, alphas=[0.0], n=N, batch=2, students=(GROUP, 2))
+    students = [r for r in engine.rows if r.source == "students"]
+    assert [(r.ids, r.k, r.group, r.version) for r in students] == [(ids, 2, GROUP, "v1") for ids, _ in queries]
+    assert [r.source for r in engine.rows[:3]] == ["plot", "plot", "students"]  # interleaved, chunk by chunk
+    assert saved.group == {"k": 2, "created": 5.0} and "students" in saved.seconds
+    for z in saved.students:
+        np.testing.assert_allclose(z, LOGITS["students"])
+    assert profile.collect(Recording(), _pet(), queries, alphas=[0.0], n=N).students is None
