@@ -3,7 +3,7 @@ the delivered score, the share each level answered, the server's CPU time per qu
 oracle bound; the six-task means and the goal; the table and the figures for
 benchmarks/results/accuracy.json.
 
-    python -m benchmarks.cascade_report OUT [--results benchmarks/results/accuracy.json] [--write]
+    python -m benchmarks.cascade_report OUT [OUT ...] [--results benchmarks/results/accuracy.json] [--write]
 
 A task's output keeps, per system (fast, exact = the top, auto) and per test query, the
 scoring counts (correct, 1, 1) for accuracy or (spans found, predicted, gold) for entity F1, the
@@ -209,13 +209,14 @@ def load(out: Path, tasks=None) -> list[dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("out", type=Path, help="benchmarks.cascade_bench's output directory")
+    p.add_argument("out", type=Path, nargs="+",
+                   help="benchmarks.cascade_bench output directories (runs of some tasks each, reported together)")
     p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results" / "accuracy.json")
     p.add_argument("--write", action="store_true", help="write the figures into --results")
     args = p.parse_args(argv)
-    figures = [task_figures(r) for r in load(args.out)]
+    figures = [task_figures(r) for out in args.out for r in load(out)]
     if not figures:
-        raise SystemExit(f"{args.out}: no finished task (OUT/<task>.json)")
+        raise SystemExit(f"{' '.join(map(str, args.out))}: no finished task (OUT/<task>.json)")
     total = summary(figures)
     print(markdown(table(figures, total)))
     if args.write:

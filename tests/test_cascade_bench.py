@@ -125,6 +125,19 @@ def test_the_results_file_gets_the_two_figures_and_one_cascade_table(tmp_path):
     assert {k: v for k, v in after.items() if k not in added} == {k: v for k, v in before.items() if k != "tables"}
 
 
+def test_the_report_joins_runs_of_some_tasks_each(tmp_path, capsys):
+    results = tmp_path / "accuracy.json"
+    shutil.copy(ROOT / "benchmarks" / "results" / "accuracy.json", results)
+    for name, out in (("x", "a"), ("y", "b")):
+        (tmp_path / out).mkdir()
+        (tmp_path / out / f"{name}.json").write_text(json.dumps(a_task(name, [1, 0], [1, 1], [1, 1], ["plot", "full"])))
+    assert report.main([str(tmp_path / "a"), str(tmp_path / "b"), "--results", str(results), "--write"]) == 0
+    assert "| mean of 2 |" in capsys.readouterr().out
+    assert set(json.loads(results.read_text())["cascade"]["by_task"]) == {"x", "y"}
+    with pytest.raises(SystemExit, match="no finished task"):
+        report.main([str(tmp_path / "c")])
+
+
 # -- a tagging answer's words -------------------------------------------------------------------
 
 
