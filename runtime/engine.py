@@ -78,6 +78,9 @@ BATCHING = ("fifo", "length", "coordinated", "tenant")
 log = logging.getLogger("hkstore.engine")
 
 
+LEVEL_ONE = ("plot", "students")  # the input sources of the pruning policy's levels
+
+
 @dataclass
 class Ask:
     """A request as the engine routes it (runtime.serving fills it in)."""
@@ -444,7 +447,10 @@ class Engine:
         seconds = prepared.timings["retrieval"] + compute
         self.batch_seconds += 0.2 * (seconds - self.batch_seconds)
         lengths = [len(r.ids) for r in step.rows]
-        if self.students is not None:
+        if self.students is not None and all(r.source in LEVEL_ONE for r in step.rows):
+            # the pruning policy prices its own levels (the teacher's PLOT rows, students): a
+            # batch with rows at a tenant's top costs what none of them does, and counted as
+            # the teacher's it made a half-idle server look too slow for the teacher
             self.students.observe(step.level, lengths, seconds)
         timings = dict(prepared.timings)
         timings.setdefault("compute", compute)

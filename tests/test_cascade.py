@@ -203,6 +203,35 @@ def test_bursts_keep_auto_requests_at_level_1_and_the_end_of_a_burst_reroutes_ag
     assert calm[1] == ["plot", "full", "full", "full", "full"]
 
 
+class Pricing:
+    """The students' side of the engine as the pruning policy sees it: always the teacher, and
+    the batches it is told about."""
+
+    policy = SimpleNamespace(target_s=math.inf)
+
+    def __init__(self):
+        self.seen = []
+
+    def choose(self, load):
+        return "teacher"
+
+    def observe(self, level, lengths, seconds):
+        self.seen.append((level, len(lengths)))
+
+
+def test_only_batches_at_the_pruning_policys_levels_price_them():
+    pricing, full = Pricing(), _full()
+    asker = SimpleNamespace(asked=None, k=lambda level: 0)
+    engine = _engine(students=pricing)
+    try:
+        up = engine.serve([_ask(_pet(ALL_UP, "full", full_created=7.0), "auto", full, asker) for _ in range(3)])
+        assert [a.level_name for a in up] == ["full"] * 3 and pricing.seen == []
+        fast = engine.serve([_ask(_pet(), "fast", full, asker) for _ in range(3)])
+        assert [a.level_name for a in fast] == ["plot"] * 3 and pricing.seen == [("teacher", 3)]
+    finally:
+        engine.close()
+
+
 def test_the_engine_is_overloaded_when_the_pruning_policy_prunes_or_the_oldest_waits_too_long():
     engine = _engine(students=SimpleNamespace(policy=SimpleNamespace(target_s=0.3)))
     try:
