@@ -14,6 +14,7 @@ results.md hold the scores (resumable per task, as the harness's). Candidates (C
   lora16         LoRA r16 (scale 2) on q,k,v,o,ffn_in,ffn_out of the upper layers with the
                  full-depth level's recipe: lr 1e-3, warm-up 6%, dropout 0.1, LoRA dropout 0.1
   lora16-2e-3    the same at lr 2e-3
+  lora16-5e-3    the same at lr 5e-3 (the shipped LoRA recipe's rate)
 
 The candidates are few on purpose: each is one change a reader can name, and the one chosen must
 hold on tasks outside the suite, so nothing is tuned per task.
@@ -36,6 +37,7 @@ CANDIDATES = {  # name -> (harness row, {PET type: recipe keywords}) patched int
     "adapter-drop": ("hplm", {"adapter": dict(lr=2e-3, dropout=0.1, bottleneck=64)}),
     "lora16": ("hplm-lora", {"lora": dict(lr=1e-3, **LORA16)}),
     "lora16-2e-3": ("hplm-lora", {"lora": dict(lr=2e-3, **LORA16)}),
+    "lora16-5e-3": ("hplm-lora", {"lora": dict(lr=5e-3, **LORA16)}),
 }
 
 
