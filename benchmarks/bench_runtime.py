@@ -11,7 +11,13 @@
         hPLM          PLOT retrieval instead of the lower layers + adapters on the upper
                       layers: the runtime's engine (pipelined retrieval, layer-wise
                       prefetch) and executor;
-      plus hPLM@10K / hPLM@1 and hPLM / dedicated at 16 tenants.
+      plus hPLM@10K / hPLM@1 and hPLM / dedicated at 16 tenants. On the CPU also
+        full-depth    the full-depth level: every request a full row (runtime.exec.rows) of
+                      its tenant's full-depth PET (the product's recipe, LoRA r16 on all six
+                      targets of every layer), through the same engine and executor: the
+                      lower layers as the batch's full rows, then the upper layers + heads;
+      in a table of its own: requests/s, full-depth / dedicated, full-depth@T / @1 and host
+      memory per tenant against dedicated's.
   (b) HMI Table 6: hPLM pipelined vs without pipelined retrieval vs without layer-wise
       prefetch vs synchronized (both off).
   (c) Punica Fig. 8: the LoRA operator (rank 16) as SGMV vs a per-tenant loop vs gather-BMM
@@ -23,7 +29,8 @@
       shared GEMMs, PET ops, ...) as a table and a PNG (--figures DIR).
 
 CPU always; the GPU executor and kernels too when CuPy and a GPU are present. What is
-synthetic, and why: tenants' PETs are random adapters (bottleneck 64) and heads (training
+synthetic, and why: tenants' PETs are random adapters (bottleneck 64), full-depth LoRAs (B != 0,
+as trained ones) and heads (training
 10K tenants would take days), drawn from a pool of 64 distinct weight sets with a distinct
 tenant identity each, so the batch plan sees as many tenants as asked; dedicated tenants
 share 4 distinct full weight copies for the same reason (10K x 90 MB does not fit in RAM; a
@@ -152,6 +159,7 @@ class Workload:
                 # as the runtime's host cache holds them: each layer's parts in one block
                 pets.append(cpu_batched.pack_layers(prepare_pet(self.enc, petlib.export(pet), key=("pool", kind, k))))
             self.pool[kind] = pets
+        self.pool["full"] = full_depth_pool(self.enc, g)
         rng = np.random.default_rng(0)
         L = args.seq_len
         cls, sep = (self.enc.tokenizer.token_to_id(t) for t in ("[CLS]", "[SEP]"))
@@ -175,6 +183,26 @@ class Workload:
         who = rng.integers(0, tenants, size=count)
         which = rng.integers(0, len(self.seqs), size=count)
         return [(int(t), self.seqs[int(s)]) for t, s in zip(who, which)]
+
+
+def full_depth_pool(enc, g, size=64):
+    """`size` random full-depth PETs of the product's recipe (runtime.construct.recipe: LoRA r16,
+    all six targets, every layer) in the host cache's form; A and B both random, as a trained
+    PET's are (the work is the same with B = 0, but then every tenant would answer alike)."""
+    from runtime.construct.recipe import FULL_PET_TYPE
+    from runtime.exec import cpu_batched
+    from runtime.exec.plan import prepare_pet
+    from runtime.model import pet as petlib
+
+    options = dict(recipe_options())
+    pets = []
+    for k in range(size):
+        pet = petlib.create_pet(enc, FULL_PET_TYPE, "classification", ["a", "b", "c"], level="full", seed=k, **options)
+        with torch.no_grad():
+            for v in pet.tensors.values():
+                v.copy_(torch.randn(v.shape, generator=g) * 0.02)
+        pets.append(cpu_batched.pack_layers(prepare_pet(enc, petlib.export(pet), key=("pool", "full", k))))
+    return pets
 
 
 def synthetic_store(path, enc, seqs):
@@ -323,10 +351,23 @@ def hplm_executor(w, gpu, prefetch=True, hot_tier_rows=None):
 
 def hplm(w, executor, reqs, pipeline=True):
     """The runtime's path: the engine (preparation thread when pipelining) + executor."""
-    from runtime.engine import Engine
     from runtime.exec.rows import Row
 
-    rows = [Row(s, w.pet("adapter", t), "root") for t, s in reqs]
+    return serve_rows(w, executor, [Row(s, w.pet("adapter", t), "root") for t, s in reqs], pipeline)
+
+
+def full_depth(w, executor, reqs) -> float:
+    """Seconds to serve reqs at the full-depth level: each a full row of its tenant's
+    full-depth PET, through the engine and executor as hPLM's rows are."""
+    from runtime.exec.rows import Row
+
+    return serve_rows(w, executor, [Row(s, w.pet("full", t), "root", source="full") for t, s in reqs])[0]
+
+
+def serve_rows(w, executor, rows, pipeline=True):
+    """(wall seconds, seconds per stage summed over batches) of the engine running rows."""
+    from runtime.engine import Engine
+
     engine = Engine(executor, w.store.snapshot, max_batch=w.args.batch, pipeline=pipeline, batching="fifo")
     try:
         t0 = time.perf_counter()
@@ -352,10 +393,15 @@ def section_a(w, gpu, out):
     tenant_counts = args.tenants
     sysm = Systems(w, gpu)
     ex = hplm_executor(w, gpu)
+    # the full-depth level on the CPU executor only (its own executor: hPLM's PET-stacking
+    # profile stays hPLM's)
+    ex_full = hplm_executor(w, gpu) if gpu is None else None
     n = args.requests
     log(f"(a) warm-up ({'GPU' if gpu is not None else 'CPU'})")
     warm = w.requests(4, min(n, args.batch), 99)
     hplm(w, ex, warm)
+    if ex_full is not None:
+        full_depth(w, ex_full, warm)
     sysm.shared_or_adapter(warm[: max(2, args.batch // 4)], "adapter")
     rows, results, spread, swap_rows = [], {}, {}, []
     counts = sorted(set(tenant_counts) | {16})
@@ -375,6 +421,8 @@ def section_a(w, gpu, out):
         if T in tenant_counts:
             runs["adapter-only"] = lambda: n / timed(lambda: sysm.shared_or_adapter(reqs, "adapter"))
             runs["shared"] = lambda: n / timed(lambda: sysm.shared_or_adapter(reqs, "head"))
+            if ex_full is not None:
+                runs["full-depth"] = lambda: n / full_depth(w, ex_full, reqs)
         # Systems take turns, repeats_a rounds, and each reports its median: one pass per cell
         # moved cells by 20-30% between runs on this shared 2-core machine.
         seen = {k: [] for k in runs}
@@ -442,11 +490,64 @@ def section_a(w, gpu, out):
                f"{fmt_bytes(10000 * adapter_b)} of host memory in all")
     if gpu is not None:
         out.append(f"- GPU executor caches: {ex.stats()}")
+    if ex_full is not None:
+        full_depth_table(w, results, out)
+        ex_full.close()
     sysm.close()
     close = getattr(ex, "close", None)
     if close:
         close()
     return results
+
+
+def full_depth_memory(full_b, pet_b, T) -> dict:
+    """Host bytes per tenant at T tenants: dedicated keeps a whole model per tenant; the
+    full-depth level one shared model (embeddings and every layer: its rows run them all) and
+    a full-depth PET per tenant."""
+    return {"dedicated": float(full_b), "full-depth": (full_b + T * pet_b) / T}
+
+
+def full_depth_table(w, results, out):
+    """The full-depth level against dedicated models: throughput, scaling, memory."""
+    args, counts = w.args, w.args.tenants
+    full_b, pet_b = w.full_bytes, w.pool["full"][0].nbytes
+    lo = min(counts)
+    rows = []
+    for T in counts:
+        r, mem = results[T], full_depth_memory(full_b, pet_b, T)
+        rows.append([f"{T:,}", f"{r['full-depth']:.2f}", f"{r['dedicated']:.2f}",
+                     f"{r['full-depth'] / r['dedicated']:.2f}x", f"{r['full-depth'] / results[lo]['dedicated']:.2f}x",
+                     f"{r['full-depth'] / results[lo]['full-depth']:.2f}",
+                     fmt_bytes(mem["full-depth"]), fmt_bytes(mem["dedicated"]),
+                     f"{mem['full-depth'] / mem['dedicated']:.2%}"])
+    opts = dict(recipe_options())
+    out.append(f"\n### CPU: the full-depth level (full rows, LoRA r{opts['rank']} on {', '.join(opts['targets'])} "
+               f"of all {w.enc.config.num_layers} layers) vs dedicated models: requests/s ({args.seq_len} tokens, "
+               f"batches of {args.batch}) and host memory per tenant\n")
+    # dedicated @lo: one dedicated model serving its own tenant(s), no swaps when lo is 1
+    out.append(md_table(["tenants", "full-depth req/s", "dedicated req/s", "full-depth / dedicated",
+                         f"full-depth / dedicated @{lo:,}", f"full-depth @T / @{lo:,}", "full-depth memory / tenant", "dedicated memory / tenant",
+                         "full-depth / dedicated memory"], rows))
+    at = 1000
+    mem = full_depth_memory(full_b, pet_b, at)
+    out.append(f"\n- at {at:,} tenants: dedicated models need {fmt_bytes(at * full_b)} ({at:,} x {fmt_bytes(full_b)}); "
+               f"the full-depth level {fmt_bytes(full_b + at * pet_b)} (one model + {at:,} PETs of "
+               f"{fmt_bytes(pet_b)}, {pet_b / full_b:.2%} of the model each): "
+               f"**{mem['full-depth'] / mem['dedicated']:.2%}** of dedicated's")
+    c, r = w.enc.config, opts["rank"]
+    base = 2 * (4 * c.d * c.d + 2 * c.d * c.ffn) + 4 * args.seq_len * c.d  # a token's layer: projections, attention
+    lora = 2 * r * (4 * 2 * c.d + 2 * (c.d + c.ffn))  # its six LoRA products
+    out.append(f"- FLOP bound of full-depth vs one dedicated model without swaps (the same layers + the LoRAs, "
+               f"{lora / base:.1%} more FLOPs): **{base / (base + lora):.2f}x**")
+    out.append("- full-depth is served as hkstore serves it: the engine (fifo, preparation thread) and the CPU "
+               "executor, the full rows' lower layers as a sub-batch, then every row's upper layers and heads; "
+               "shared GEMMs once per batch, each tenant's LoRA by the batched segment ops")
+
+
+def recipe_options() -> dict:
+    from runtime.construct.recipe import FULL_PET_TYPE, recipe
+
+    return recipe(FULL_PET_TYPE, "full").options
 
 
 # -- (b) ablation -----------------------------------------------------------------------------
