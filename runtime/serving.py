@@ -494,12 +494,11 @@ class Runtime:
                 if full is not None:
                     ids, mask = lower.pad(batch)
                     hidden = self.encoder.full(self.encoder.embed(ids), mask, full)
+                elif exact:
+                    ids, mask = lower.pad(batch)
+                    hidden = self.encoder.upper(lower.lower(ids, mask), mask, pet)
                 else:
-                    if exact:
-                        ids, mask = lower.pad(batch)
-                        inputs = lower.lower(ids, mask)
-                    else:
-                        inputs, mask, _ = retrieve(snap, version, batch)
+                    inputs, mask, _ = retrieve(snap, version, batch)
                     hidden = self.encoder.upper(inputs, mask, pet)
                 m = mask[..., None].to(hidden.dtype)
                 pooled = (hidden * m).sum(1) / m.sum(1).clamp(min=1)
