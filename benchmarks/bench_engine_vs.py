@@ -109,7 +109,7 @@ class Server:
     serve_with (the same app with a batching mode)."""
 
     def __init__(self, tree, args, out, batching=None):
-        from benchmarks.loadgen import _end_with_parent, free_port
+        from benchmarks.loadgen import _end_with_parent, free_port, wait_healthy
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -121,22 +121,7 @@ class Server:
         self.log = open(os.path.join(out, "server.log"), "w")
         self.proc = subprocess.Popen([sys.executable, *cmd, *common], cwd=tree, env=env_for(tree), stdout=self.log,
                                      stderr=subprocess.STDOUT, preexec_fn=_end_with_parent)
-        self._wait()
-
-    def _wait(self):
-        import httpx
-
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited ({self.proc.returncode}); see {self.log.name}")
-            try:
-                if httpx.get(self.url + "/healthz", timeout=5).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
-        raise RuntimeError(f"the server did not start; see {self.log.name}")
+        wait_healthy(self.proc, self.url, f"the server (see {self.log.name})")
 
     def stop(self):
         self.proc.terminate()

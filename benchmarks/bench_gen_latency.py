@@ -82,18 +82,9 @@ class Server:
                                       "--torch-threads", str(threads)], stdout=self.log, stderr=subprocess.STDOUT,
                                      env=env)
         self.url = f"http://127.0.0.1:{self.port}"
-        import httpx
+        from benchmarks.loadgen import wait_healthy
 
-        for _ in range(600):
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited; see {self.log.name}")
-            try:
-                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError("the server did not start")
+        wait_healthy(self.proc, self.url, f"the server (see {self.log.name})", timeout=120)
 
     def stop(self):
         self.proc.terminate()

@@ -151,10 +151,27 @@ def _end_with_parent():
         pass
 
 
+def wait_healthy(proc, url: str, what: str, timeout: float = 180.0) -> float:
+    """Wait until the server process `proc` answers GET url/healthz with 200; the seconds it
+    took. RuntimeError naming `what` when the process exits first or `timeout` passes."""
+    import httpx
+
+    t0 = time.monotonic()
+    with httpx.Client(base_url=url, timeout=5) as c:
+        while time.monotonic() - t0 < timeout:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{what} exited ({proc.returncode})")
+            try:
+                if c.get("/healthz").status_code == 200:
+                    return time.monotonic() - t0
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+    raise RuntimeError(f"{what} did not start in {timeout:.0f} s")
+
+
 class ServerProcess:
     def __init__(self, args, mode, token_file, log, extra=()):
-        import httpx
-
         self.port = free_port()
         self.url = f"http://{LOOPBACK}:{self.port}"
         self.log_path = os.path.join(args.out, f"server-{mode}.log")
@@ -168,21 +185,12 @@ class ServerProcess:
         with open(self.log_path, "wb") as out:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                                          preexec_fn=_end_with_parent)
-        t0 = time.perf_counter()
-        deadline = time.monotonic() + 180
-        with httpx.Client(base_url=self.url, timeout=5) as c:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"the {mode} server exited ({self.proc.returncode}); see {self.log_path}")
-                try:
-                    if c.get("/healthz").status_code == 200:
-                        log(f"{mode} server up on {self.url} in {time.perf_counter() - t0:.1f} s")
-                        return
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"the {mode} server did not start in 180 s; see {self.log_path}")
+        try:
+            took = wait_healthy(self.proc, self.url, f"the {mode} server (see {self.log_path})")
+        except RuntimeError:
+            self.stop()
+            raise
+        log(f"{mode} server up on {self.url} in {took:.1f} s")
 
     def metrics(self) -> dict:
         import httpx
