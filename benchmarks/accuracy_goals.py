@@ -17,7 +17,8 @@ code, so a rerun reproduces it, e.g. NCBI-disease seed 0: 67.6 both times). Adds
 
 The table it prints is the BENCHMARKS section's (benchmarks.claims checks them against each
 other). With ``--pareto DEV_OUT`` (an ``experiments.full_depth`` run on dev with several rows) it
-writes the size table instead: each PET's bytes and share of the encoder against its six-task
+writes the size table instead (further dev runs of the fd-lora row add theirs: other ranks,
+the recipe as shipped): each PET's bytes and share of the encoder against its six-task
 gap to dedicated and its worst task (benchmarks/results/accuracy_full_depth.json). Standard
 library only.
 """
@@ -94,18 +95,26 @@ PARETO = {  # experiments.full_depth row -> what it is
 }
 
 
-def pareto(out: Path) -> dict:
-    """The size table of a dev run: PET bytes (without the head) against the gap to dedicated."""
+def pareto(out: Path, more: list[Path] = ()) -> dict:
+    """The size table of a dev run: PET bytes (without the head) against the gap to dedicated.
+    more: further dev runs of the fd-lora row (other ranks, the recipe as shipped), scored
+    against out's dedicated row on the same sample."""
     results = json.loads((out / "results.json").read_text())
     rows, encoder = results["rows"], results["encoder_bytes"]
     tasks = [t for t in rows if "dedicated" in rows[t]]
+    found = [(title, row, rows) for row, title in PARETO.items()]
+    for extra in more:
+        got = json.loads((extra / "results.json").read_text())
+        cfg = got["config"]
+        found.append((f"full-depth LoRA r{cfg['rank']}, six targets, layers 0-5, lr {cfg['lr']:g}, "
+                      f"dropout {cfg.get('dropout', 0.0):g}", ROW, got["rows"]))
     table = []
-    for row, title in PARETO.items():
-        if not all(row in rows[t] for t in tasks):
+    for title, row, scores in found:
+        if not all(row in scores.get(t, {}) for t in tasks):
             continue
-        size = encoder if row == "dedicated" else rows[tasks[0]][row]["pet_bytes_no_head"]
-        gaps = {t: round(100 * (rows[t]["dedicated"]["score"] - rows[t][row]["score"]), 1) for t in tasks}
-        mean = round(statistics.mean(100 * rows[t][row]["score"] for t in tasks), 1)
+        size = encoder if row == "dedicated" else scores[tasks[0]][row]["pet_bytes_no_head"]
+        gaps = {t: round(100 * (rows[t]["dedicated"]["score"] - scores[t][row]["score"]), 1) for t in tasks}
+        mean = round(statistics.mean(100 * scores[t][row]["score"] for t in tasks), 1)
         worst = max(gaps, key=gaps.get)
         table.append([title, size, round(100 * size / encoder, 2), mean, round(statistics.mean(gaps.values()), 1),
                       "–" if row == "dedicated" else f"{worst} {gaps[worst]}"])
@@ -120,12 +129,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("outs", nargs="+", type=Path, help="experiments.full_depth output directories (test split)")
     p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results" / "accuracy.json")
-    p.add_argument("--pareto", action="store_true", help="OUTS[0] is a dev run: write the size table")
+    p.add_argument("--pareto", action="store_true",
+                   help="OUTS[0] is a dev run: write the size table; further OUTS add their fd-lora rows")
     args = p.parse_args(argv)
     if args.pareto:
         path = args.results.parent / "accuracy_full_depth.json"
         old = json.loads(path.read_text()) if path.exists() else {}
-        new = old | pareto(args.outs[0])
+        new = old | pareto(args.outs[0], args.outs[1:])
         path.write_text(json.dumps(new, indent=1, ensure_ascii=False) + "\n")
         for r in new["tables"][0]["rows"]:
             print("| " + " | ".join(str(c) for c in r) + " |")

@@ -79,7 +79,7 @@ def fig13_run(tree, args, out):
                   "--scores", args.scores, "--burst-threads", str(args.burst_threads),
                   "--burst-stagger", str(args.burst_stagger),
                   "--burst-period", str(args.burst_period), "--burst-count", str(args.burst_count), "--rounds", "1",
-                  "--target-ms", "500", "--threads", "1", "--out", out, "--figure", os.path.join(out, "f.png")],
+                  "--target-ms", str(args.target_ms), "--threads", "1", "--out", out, "--figure", os.path.join(out, "f.png")],
            os.path.join(out, "fig13.log"))
     rows = {r["mode"]: r for r in json.load(open(os.path.join(out, "bench_students_fig13.json")))["pooled"]}
     return {"teacher_p99_ms": rows["teacher"]["p99_ms"], "adaptive_p99_ms": rows["adaptive"]["p99_ms"],
@@ -89,7 +89,7 @@ def fig13_run(tree, args, out):
 def stepped_run(tree, args, out):
     run_in(tree, ["-m", "benchmarks.bench_students", "--store", args.store, *tenant_args(args), "--scores",
                   args.scores, "--skip-accuracy", "--rates", *map(str, args.rates), "--seconds",
-                  *map(str, args.seconds), "--rounds", "1", "--target-ms", "500", "--threads", "1", "--out", out,
+                  *map(str, args.seconds), "--rounds", "1", "--target-ms", str(args.target_ms), "--threads", "1", "--out", out,
                   "--figure", os.path.join(out, "s.png")], os.path.join(out, "stepped.log"))
     rows = json.load(open(os.path.join(out, "bench_students.json")))["pooled"]
     burst = {r["mode"]: r for r in rows if r["phase"] == 1}
@@ -105,8 +105,7 @@ def tenant_args(args) -> list:
 
 
 class Server:
-    """A server in its own process: `hkstore serve` of a checkout, or this module's
-    serve_with (the same app with a batching mode)."""
+    """`hkstore serve` of a checkout in its own process (with --batching when given)."""
 
     def __init__(self, tree, args, out, batching=None):
         from benchmarks.loadgen import _end_with_parent, free_port, wait_healthy
@@ -115,9 +114,9 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.token = open(args.token_file).read().strip()
         common = [args.store, "--port", str(self.port), "--max-batch", "32", "--max-wait-ms", "5"]
-        cmd = (["-m", "benchmarks.bench_engine_vs", "--serve-with", batching, "--token-file", args.token_file]
-               if batching else ["-m", "runtime.serve.cli", "--admin-token-file", args.token_file, "--device", "cpu",
-                                 "--max-len", "128", "--truncate", "--queue-limit", "8192", "--request-timeout", "120"])
+        cmd = ["-m", "runtime.serve.cli", "--admin-token-file", args.token_file, "--device", "cpu", "--max-len", "128",
+               "--truncate", "--queue-limit", "8192", "--request-timeout", "120",
+               *(["--batching", batching] if batching else [])]
         self.log = open(os.path.join(out, "server.log"), "w")
         self.proc = subprocess.Popen([sys.executable, *cmd, *common], cwd=tree, env=env_for(tree), stdout=self.log,
                                      stderr=subprocess.STDOUT, preexec_fn=_end_with_parent)
@@ -131,26 +130,6 @@ class Server:
             self.proc.kill()
             self.proc.wait()
         self.log.close()
-
-
-def serve_with(argv) -> None:
-    """The serving app as `hkstore serve` builds it, with runtime.open(batching=MODE)."""
-    import uvicorn
-
-    from runtime.serve.app import create_app
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("store")
-    ap.add_argument("--serve-with", choices=MODES, required=True)
-    ap.add_argument("--token-file", required=True)
-    ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--max-batch", type=int, default=32)
-    ap.add_argument("--max-wait-ms", type=float, default=5)
-    a = ap.parse_args(argv)
-    app = create_app(a.store, admin_token=open(a.token_file).read().strip(), max_batch=a.max_batch,
-                     max_wait_ms=a.max_wait_ms, queue_limit=8192, request_timeout_s=120, device="cpu",
-                     runtime_options={"batching": a.serve_with, "truncate": True})
-    uvicorn.run(app, host="127.0.0.1", port=a.port, log_level="warning")
 
 
 def texts_of(args, lengths) -> list:
@@ -279,7 +258,8 @@ def per_round(runs, key_fn) -> dict:
 def row(label, values, digits) -> list:
     old, new, ratio = values
     med = statistics.median(ratio)
-    return [label, round(statistics.median(old), digits), round(statistics.median(new), digits),
+    rnd = (lambda x: int(round(x))) if digits == 0 else (lambda x: round(x, digits))
+    return [label, rnd(statistics.median(old)), rnd(statistics.median(new)),
             f"{med:.2f} ({min(ratio):.2f}-{max(ratio):.2f})"]
 
 
@@ -291,8 +271,11 @@ def versus_table(report) -> dict:
     for name, label in (("fig13", "Fig. 13 burst: p99 adaptive / teacher-only"),
                         ("stepped", "stepped load, burst: p99 adaptive / teacher-only")):
         if name in report:
-            got = per_round(report[name], lambda r: {"x": r["p99_ratio"]})
-            rows += [row(label, got["x"], 3)] if got else []
+            got = per_round(report[name], lambda r: {"x": r["p99_ratio"], "teacher": r["teacher_p99_ms"],
+                                                     "adaptive": r["adaptive_p99_ms"]})
+            what = label.split(":")[0]
+            rows += [row(label, got["x"], 3), row(f"{what}: p99 ms, teacher-only", got["teacher"], 0),
+                     row(f"{what}: p99 ms, adaptive", got["adaptive"], 0)] if got else []
     if "latency" in report:
         got = per_round(report["latency"], lambda r: {(w, p): r[w][p] for w in ("sequential", "poisson")
                                                       for p in ("p50_ms", "p99_ms")})
@@ -334,8 +317,6 @@ def save(args, report):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    if "--serve-with" in argv:
-        return serve_with(argv)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--old", required=True, help="the older checkout (its C extension built)")
     ap.add_argument("--store", required=True)
@@ -352,6 +333,8 @@ def main(argv=None):
     ap.add_argument("--burst-stagger", type=float, default=0.05)
     ap.add_argument("--burst-period", type=float, default=1.0)
     ap.add_argument("--burst-count", type=int, default=6)
+    ap.add_argument("--target-ms", type=float, default=500.0,
+                    help="fig13, stepped: the students' latency target (a burst must push teacher-only past it)")
     ap.add_argument("--rates", type=float, nargs=2, default=(15.0, 120.0), metavar=("LOW", "BURST"))
     ap.add_argument("--seconds", type=float, nargs=3, default=(4, 6, 6))
     ap.add_argument("--sequential", type=int, default=300)

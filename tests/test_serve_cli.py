@@ -93,3 +93,19 @@ def test_tenant_labels_are_bounded():
     label = TenantLabels(limit=2)
     assert [label(t) for t in ("a", "b", "c", "a", "other", "d", "b")] == ["a", "b", "other", "a", "other", "other",
                                                                           "b"]
+
+
+def test_batching_reaches_the_runtime_and_is_refused_under_ray(store, monkeypatch):
+    import uvicorn
+
+    from runtime.serve import cli
+
+    made = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)
+    monkeypatch.setattr(cli, "create_app", lambda path, **kw: made.append(kw["runtime_options"]))
+    r = CliRunner().invoke(serve, [store, "--device", "cpu", "--batching", "coordinated", "--truncate"])
+    assert r.exit_code == 0, r.output
+    assert made == [{"batching": "coordinated", "truncate": True}]
+    assert "Ray replicas batch by length" in one_line_error(
+        CliRunner().invoke(serve, [store, "--ray", "--batching", "fifo"]))
+    assert "'lifo' is not one of" in CliRunner().invoke(serve, [store, "--batching", "lifo"]).output

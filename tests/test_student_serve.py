@@ -497,6 +497,30 @@ def test_the_policy_never_picks_a_level_dearer_than_a_more_accurate_one():
     assert policy.choose(queued_tokens=100, oldest_wait_s=0.0, rate=1e6) == "teacher"
 
 
+def test_a_level_shut_out_by_one_slow_batch_is_measured_again():
+    """One slow students batch (a process-wide pause) priced them above the teacher, and the
+    rule that skips a dearer, less accurate level kept them out for the rest of a burst: one
+    batch moves an estimate at most so far, and a skipped level is measured again in time."""
+    from runtime.student.policy import PruningPolicy
+
+    policy = PruningPolicy(["teacher", 1], target_s=0.2, stale_s=1.0)
+    for n in (512, 1024):
+        policy.observe("teacher", n, 1e-4 * n, now=0.0)
+        policy.observe(1, n, 0.4e-4 * n, now=0.0)
+    burst = dict(queued_tokens=3000, oldest_wait_s=0.05, rate=5000.0)
+    assert policy.choose(**burst, now=0.1) == 1
+    policy.observe(1, 1024, 0.5, now=0.2)  # the pause counts as 3x the prediction: still cheaper
+    assert policy.choose(**burst, now=0.3) == 1
+    for _ in range(3):  # a real slowdown: 3x, then 9x, ... the estimate follows within batches
+        policy.observe(1, 1024, 0.5, now=0.4)
+    assert policy.choose(**burst, now=0.5) == "teacher"  # cheapest by the estimates
+    assert policy.choose(**burst, now=1.3) == "teacher"
+    assert policy.choose(**burst, now=1.5) == 1  # its estimate is 1.1 s old: measure it again
+    for _ in range(10):
+        policy.observe(1, 1024, 0.4e-4 * 1024, now=1.6)
+    assert policy.choose(**burst, now=1.7) == 1  # back at its real price, it serves the burst
+
+
 def test_the_policy_prices_arrivals_with_the_padding_batches_have_had():
     """Arrivals are counted in their requests' tokens, costs per padded token: at 1.6x padding
     the teacher keeps up with 1/1.6 of the tokens it would without padding."""

@@ -58,6 +58,9 @@ def admin_token_source(store, token_file=None) -> str:
 @click.option("--max-batch", type=click.IntRange(1, 4096), default=32, show_default=True)
 @click.option("--max-wait-ms", type=click.FloatRange(0, 60_000), default=5, show_default=True)
 @click.option("--queue-limit", type=click.IntRange(1, 1 << 20), default=1024, show_default=True)
+@click.option("--batching", type=click.Choice(["length", "coordinated", "fifo"]), default="length", show_default=True,
+              help="Which waiting texts form a batch: similar lengths (Student Parallelism's buffer), PetS's "
+                   "coordinated batching, or first come first served (BENCHMARKS, One engine).")
 @click.option("--request-timeout", type=click.FloatRange(0.001, 3600), default=30, show_default=True,
               help="Seconds before an infer request gets 504.")
 @click.option("--max-len", type=click.IntRange(3, 4096), default=128, show_default=True, help="Tokens per text.")
@@ -93,7 +96,8 @@ def admin_token_source(store, token_file=None) -> str:
 @click.option("--router", type=click.Choice(["multiplex", "punica", "round_robin"]), default="multiplex",
               show_default=True, help="--ray: routing among replicas (multiplex: by tenant, Ray's default).")
 @click.option("--autoscale", default=None, metavar="MIN:MAX", help="--ray: autoscale the workers on queue length.")
-def serve(stores, host, port, admin_token_file, device, max_batch, max_wait_ms, queue_limit, request_timeout, max_len,
+def serve(stores, host, port, admin_token_file, device, max_batch, max_wait_ms, queue_limit, batching, request_timeout,
+          max_len,
           truncate, mode, dedicated_resident, job_threads, torch_threads, metrics_public, header_timeout, body_timeout,
           min_body_rate, log_level, access_log, use_ray, **ray_options):
     """Serve STORE over HTTP: POST /v1/tenants/TENANT/infer for every tenant, POST /v1/embeddings,
@@ -116,6 +120,8 @@ def serve(stores, host, port, admin_token_file, device, max_batch, max_wait_ms, 
             raise click.ClickException(f"{store}: not a store (no CURRENT); make one with hkstore build or hkstore init")
     if len(stores) > 1 and use_ray:
         raise click.ClickException("--ray serves one store")
+    if use_ray and batching != "length":
+        raise click.ClickException("--batching: Ray replicas batch by length")
     if len(stores) > 1:
         try:
             read_stores(stores)  # unique names, before an admin token is written
@@ -146,7 +152,7 @@ def serve(stores, host, port, admin_token_file, device, max_batch, max_wait_ms, 
                    "max_wait_ms": max_wait_ms, "queue_limit": queue_limit, "request_timeout_s": request_timeout,
                    "device": device, "max_len": max_len, "mode": mode, "dedicated_resident": dedicated_resident,
                    "job_threads": job_threads, "torch_threads": torch_threads, "metrics_public": metrics_public,
-                   "runtime_options": {"truncate": True} if truncate else None}
+                   "runtime_options": {"batching": batching, **({"truncate": True} if truncate else {})}}
         app = create_app(store, **options) if len(stores) == 1 else create_stores_app(stores, **options)
     except (StoreError, ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None

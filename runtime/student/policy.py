@@ -18,6 +18,11 @@ accurate feasible level serves the batch, else the cheapest; a level that is les
 no cheaper in a full batch than one above it is never chosen. Under a burst the last-trained
 students are dropped, and as soon as the queue drains and arrivals slow down the full group
 (or the teacher) is feasible again, with no hysteresis to wait out.
+That rule reads estimates, and a level it passes over is never observed again, so one slow
+batch (a pause of the whole process) could shut it out for good, leaving the teacher to answer
+a burst (BENCHMARKS, One engine). So a batch counts at most `outlier` times what its level's
+estimate predicts for it, and a level the rule would pass over whose estimate no batch has
+refreshed for `stale_s` serves the batch instead, which measures it again.
 """
 
 from __future__ import annotations
@@ -36,6 +41,9 @@ class PruningPolicy:
     cost: dict = field(default_factory=dict)  # level -> seconds per padded token, at the margin
     fixed: dict = field(default_factory=dict)  # level -> seconds a batch costs whatever its size
     rate_window_s: float = 1.0
+    stale_s: float = 1.0  # an estimate older than this is measured again before the rule skips it
+    outlier: float = 3.0  # a batch counts at most this many times its predicted seconds
+    _seen: dict = field(default_factory=dict)  # level -> perf_counter of its last observation
     _arrivals: list = field(default_factory=list)  # (time, tokens)
     _moments: dict = field(default_factory=dict)  # level -> EWMAs of (n, t, n*n, n*t) per batch
     _largest: dict = field(default_factory=dict)  # level -> the most padded tokens a batch had: a full batch
@@ -52,9 +60,13 @@ class PruningPolicy:
             self._arrivals.pop(0)
         return sum(t for _, t in self._arrivals) / self.rate_window_s
 
-    def observe(self, level, padded_tokens: int, seconds: float, tokens: int | None = None) -> None:
+    def observe(self, level, padded_tokens: int, seconds: float, tokens: int | None = None,
+                now: float | None = None) -> None:
         """A batch of `level` computed padded_tokens (its requests held `tokens`) in seconds."""
+        self._seen[level] = time.perf_counter() if now is None else now
         n = max(padded_tokens, 1)
+        if level in self.cost:
+            seconds = min(seconds, self.outlier * (self.fixed.get(level, 0.0) + self.cost[level] * n))
         if tokens:
             self.padding = (1 - self.alpha) * self.padding + self.alpha * n / tokens
         self._largest[level] = max(self._largest.get(level, 0), n)
@@ -74,7 +86,8 @@ class PruningPolicy:
         """The level for the next batch; rate: arrivals in tokens/s when the caller measures
         them (runtime.sched.load), else those recorded by `arrived`."""
         # arrivals and the queue count their requests' tokens, the costs are per padded token
-        rate = (self.arrival_rate(now) if rate is None else rate) * self.padding
+        now = time.perf_counter() if now is None else now
+        rate = self.arrival_rate(now) * self.padding if rate is None else rate * self.padding
         queued_tokens *= self.padding
         cheapest, cheapest_cost = self.levels[-1], math.inf
         for level in self.levels:
@@ -84,6 +97,8 @@ class PruningPolicy:
             f, full = self.fixed.get(level, 0.0), self._largest.get(level, 1)
             per_token = c + f / full
             if per_token >= cheapest_cost:
+                if now - self._seen.get(level, now) > self.stale_s:
+                    return level  # skipped on an old estimate: measure it again
                 # less accurate and no cheaper in a full batch than a level above it (e.g. two 2-layer
                 # students against a 3-layer teacher): under load it only adds to the queue
                 continue

@@ -1,0 +1,43 @@
+"""benchmarks.accuracy_goals --pareto: the size table from full_depth dev runs."""
+
+import json
+
+from benchmarks import accuracy_goals
+
+TASKS = ("NCBI-disease", "sciie")
+
+
+def _run(path, rows: dict, rank=16, lr=1e-3, dropout=None):
+    """A full_depth results.json: rows {row: {task: (score, pet bytes)}}."""
+    path.mkdir()
+    config = {"eval_split": "dev", "seed": 0, "rank": rank, "lr": lr}
+    if dropout is not None:
+        config["dropout"] = dropout
+    out = {t: {row: {"score": s, "pet_bytes_no_head": b} for row, per in rows.items() for s, b in [per[t]]}
+           for t in TASKS}
+    (path / "results.json").write_text(json.dumps({"rows": out, "config": config, "encoder_bytes": 1000}))
+    return path
+
+
+def test_pareto_adds_other_runs_against_the_first_runs_dedicated(tmp_path):
+    first = _run(tmp_path / "a", {"dedicated": {t: (0.60, 1000) for t in TASKS},
+                                  "fd-lora": {"NCBI-disease": (0.58, 40), "sciie": (0.50, 40)}})
+    r8 = _run(tmp_path / "b", {"fd-lora": {"NCBI-disease": (0.55, 20), "sciie": (0.57, 20)}}, rank=8, dropout=0.1)
+    rows = accuracy_goals.pareto(first, [r8])["tables"][0]["rows"]
+    by = {r[0]: r for r in rows}
+    assert by["every weight (full fine-tuning)"][1:5] == [1000, 100.0, 60.0, 0.0]
+    assert by["full-depth LoRA r16, six targets, layers 0-5"][1:] == [40, 4.0, 54.0, 6.0, "sciie 10.0"]
+    extra = [r for r in rows if r[0].startswith("full-depth LoRA r8")]
+    assert len(extra) == 1 and "dropout 0.1" in extra[0][0]
+    assert extra[0][1:] == [20, 2.0, 56.0, 4.0, "NCBI-disease 5.0"]
+
+
+def test_pareto_leaves_out_a_run_missing_a_task(tmp_path):
+    first = _run(tmp_path / "a", {"dedicated": {t: (0.60, 1000) for t in TASKS}})
+    partial = tmp_path / "b"
+    partial.mkdir()
+    (partial / "results.json").write_text(json.dumps({
+        "rows": {"NCBI-disease": {"fd-lora": {"score": 0.5, "pet_bytes_no_head": 20}}},
+        "config": {"rank": 8, "lr": 1e-3}, "encoder_bytes": 1000}))
+    rows = accuracy_goals.pareto(first, [partial])["tables"][0]["rows"]
+    assert [r[0] for r in rows] == ["every weight (full fine-tuning)"]
