@@ -241,11 +241,14 @@ def burst(reqs, mode, args, seed):
     """(each client's requests, the fields pinning teacher-only modes to the teacher)."""
     rng = random.Random(seed)
     plan = [[reqs[rng.randrange(len(reqs))] for _ in range(args.burst_count)] for _ in range(args.burst_threads)]
-    return plan, {"students": 0} if mode.startswith("teacher") else {}
+    pin = {"students": 0} if mode.startswith("teacher") else {"level": "full"} if mode == "top" else {}
+    return plan, pin
 
 
 def run_fig13(store_path, reqs, mode, args, seed) -> dict:
-    """One Fig. 13 burst against runtime.open(store).infer (module doc); mode teacher | adaptive."""
+    """One Fig. 13 burst against runtime.open(store).infer (module doc); mode teacher | adaptive,
+    or for --cascade top (every request pinned to the tenant's full-depth top) | auto (the
+    tenant's profiled cascade, the default policy)."""
     import threading
 
     import runtime
@@ -255,6 +258,8 @@ def run_fig13(store_path, reqs, mode, args, seed) -> dict:
                       length_buffer=not mode.endswith("fifo")) as rt:
         warm = reqs[:args.max_batch]
         rt.infer([{"tenant": q["tenant"], "ids": q["ids"]} for q in warm])  # loads PETs and groups
+        if pin:
+            rt.infer([{"tenant": q["tenant"], "ids": q["ids"], **pin} for q in warm])
         # the policy starts with measured costs: one timed batch at every level
         for level in rt.students.policy.levels:
             t0 = time.perf_counter()
@@ -274,7 +279,7 @@ def run_fig13(store_path, reqs, mode, args, seed) -> dict:
                 r = rt.infer([{"tenant": q["tenant"], "ids": q["ids"], **pin}])[0]
                 pred = np.asarray(r.logits).argmax(-1)
                 records[i].append((sent - t_start, time.perf_counter() - sent, r.students, q,
-                                   int(pred) if pred.ndim == 0 else pred.tolist()))
+                                   int(pred) if pred.ndim == 0 else pred.tolist(), r.level_name))
 
         threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(len(plan))]
         for t in threads:
@@ -283,14 +288,16 @@ def run_fig13(store_path, reqs, mode, args, seed) -> dict:
             t.join()
         wall = time.perf_counter() - t_start
         padding = 1 - rt.engine.tokens / max(rt.engine.padded_tokens, 1)
-    flat = sorted(x for rs in records for x in rs)
+    flat = sorted((x for rs in records for x in rs), key=lambda x: x[0])
+    names = [x[5] for x in flat]
 
     class _A:
         def __init__(self, p):
             self.prediction = p
 
     return {**fig13_summary(mode, [(x[0], x[1], x[2], x[3]["tenant"]) for x in flat], wall),
-            "scored": delivered_score([x[3] for x in flat], [_A(x[4]) for x in flat]), "padding_share": padding}
+            "scored": delivered_score([x[3] for x in flat], [_A(x[4]) for x in flat]), "padding_share": padding,
+            "levels": {n: names.count(n) / len(names) for n in sorted(set(names))}}
 
 
 def fig13_summary(mode, latency, wall) -> dict:
@@ -370,7 +377,7 @@ def fig13_figure(results, path, via="runtime.infer"):
     for r in results:
         lat = np.sort([x[1] * 1e3 for x in r["latency"]])
         axes[0].plot(lat, np.arange(1, len(lat) + 1) / len(lat), label=f"{r['mode']} (round {r['round']})")
-        if r["mode"].startswith("adaptive"):
+        if r["mode"].startswith("adaptive") or r["mode"] == "auto":
             pts = np.array([(x[0], x[2]) for x in r["latency"]], dtype=float)
             axes[1].scatter(pts[:, 0], pts[:, 1] + 0.08 * r["round"], s=5, alpha=0.4, label=f"round {r['round']}")
     axes[0].set_xscale("log")
@@ -402,7 +409,8 @@ def main_fig13(args, tenants, earlier, report):
     reqs = load_requests(args.store, tenants, args.load_requests)
     results = []
     for rnd in range(args.rounds):
-        modes = ["teacher", "adaptive"] + (["teacher-fifo", "adaptive-fifo"] if args.fifo else [])
+        modes = ["top", "auto"] if args.cascade else \
+            ["teacher", "adaptive"] + (["teacher-fifo", "adaptive-fifo"] if args.fifo else [])
         for mode in (modes if rnd % 2 == 0 else modes[::-1]):
             before = uptime()
             r = (run_fig13_http if args.http else run_fig13)(args.store, reqs, mode, args, seed=200 + rnd)
@@ -413,7 +421,7 @@ def main_fig13(args, tenants, earlier, report):
             print(f"round {rnd} {mode}: {r['requests']} requests in {r['wall_s']:.1f} s ({r['throughput']:.2f} req/s), "
                   f"p50 {r['p50_ms']:.0f} ms p99 {r['p99_ms']:.0f} ms, teacher {r['teacher_share']:.2f}, "
                   f"students {r['students_mean']:.2f}, padding {r.get('padding_share', float('nan')):.3f}, "
-                  f"scored {json.dumps(r['scored'])}, "
+                  f"scored {json.dumps(r['scored'])}, levels {json.dumps(r.get('levels'))}, "
                   f"delivered {json.dumps(r.get('delivered'))}; {r['machine_after']}", flush=True)
     pooled_rows = []
     for mode in dict.fromkeys(r["mode"] for r in results):
@@ -455,6 +463,8 @@ def main(argv=None):
     ap.add_argument("--scores", default=None, help="JSON of an earlier run's accuracy (tenant -> students eval), "
                                                     "with --skip-accuracy")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--cascade", action="store_true", help="--fig13 in process: the tenants' full-depth top "
+                    "(level pinned) against their profiled cascade (policy auto) instead of teacher / adaptive")
     ap.add_argument("--fig13", action="store_true", help="HMI Fig. 13's burst through runtime.infer (module doc)")
     ap.add_argument("--fifo", action="store_true", help="--fig13 in-process: also both systems with first come "
                                                          "first served batches instead of the length-aware buffer")

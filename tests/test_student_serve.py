@@ -497,6 +497,32 @@ def test_the_policy_never_picks_a_level_dearer_than_a_more_accurate_one():
     assert policy.choose(queued_tokens=100, oldest_wait_s=0.0, rate=1e6) == "teacher"
 
 
+def test_students_worse_than_the_plot_level_never_take_a_burst(env, tmp_path):
+    """A tenant whose profile measured its students more than its target below its PLOT level
+    keeps the PLOT level when the pruning policy hands a batch to students; a client's pin
+    still reaches them, and a students-first cascade still starts from them."""
+    import shutil
+
+    from runtime.level import profile
+    from runtime.student.serve import below_plot
+
+    store = str(tmp_path / "store")
+    shutil.copytree(env["store"], store)
+    record = {"levels": [1, 2], "policy": {"level1": "plot", "c": 0.0, "k": 10.0, "alpha": 0.0, "w": 0.0, "gate": 0.0},
+              "profile": {"target": 0.01, "level1_metric": 0.60, "students_metric": 0.30}}
+    assert below_plot({"levels": record}) and not below_plot({})
+    assert not below_plot({"levels": dict(record, profile={**record["profile"], "students_metric": 0.595})})
+    assert not below_plot({"levels": dict(record, policy={"level1": "students"})})
+    profile.save(store, "cls", record)
+    with runtime.open(store, device="cpu", max_len=32) as rt:
+        rt.students.policy.choose = lambda *a, **k: 1  # a burst: the policy hands every batch to one student
+        texts = env["texts"][:4]
+        burst = rt.infer([{"tenant": t, "text": x} for t in ("cls", "tag") for x in texts])
+        assert [a.students for a in burst] == [0] * 4 + [1] * 4  # tag has no record: its students answer
+        assert all(a.level_name == "plot" for a in burst[:4])
+        assert rt.infer([{"tenant": "cls", "text": texts[0], "students": 1}])[0].students == 1
+
+
 def test_a_level_shut_out_by_one_slow_batch_is_measured_again():
     """One slow students batch (a process-wide pause) priced them above the teacher, and the
     rule that skips a dearer, less accurate level kept them out for the rest of a burst: one

@@ -10,6 +10,12 @@ level that holds the latency target, the teacher or k students (``k`` caps it at
 best, chosen on dev), for every unpinned request of the batch; ``observe`` then learns what
 the level cost per padded token. The engine routes, runtime.exec.students computes.
 
+The policy may hand an unpinned request to students only where they are not worse than the
+PLOT level they stand in for: a tenant whose profile (runtime.level.profile, FORMAT.md §5)
+measured its students more than its target below its PLOT level on dev keeps the PLOT level
+under bursts (on the tagging tasks the students scored 11-30 F1 under a burst where the PLOT
+level scores 22-54: BENCHMARKS, Student Parallelism: bursts).
+
 A request that asks for students (k >= 1) of a tenant without a servable group, more than its
 group holds, or at policy exact is a BadRequest with the reason.
 """
@@ -37,6 +43,17 @@ class Students:
         if self.asked is not None:
             return self.asked
         return 0 if level in (None, "teacher") else min(level, self.best)
+
+
+def below_plot(pet_meta) -> bool:
+    """Whether the tenant's profile measured its students more than its target below its PLOT
+    level (never for a students-first cascade: its students are its level 1)."""
+    levels = pet_meta.get("levels") or {}
+    if (levels.get("policy") or {}).get("level1") == "students":
+        return False
+    profile = levels.get("profile") or {}
+    students, plot = profile.get("students_metric"), profile.get("level1_metric")
+    return students is not None and plot is not None and students < plot - profile.get("target", 0.0)
 
 
 class StudentServing:
@@ -84,7 +101,7 @@ class StudentServing:
                 raise BadRequest(f"tenant {tenant!r} has {group.size} students, {asked} were asked for")
             if policy == "exact":
                 raise BadRequest("students answer at the PLOT level (policy fast or auto), not at policy exact")
-        if group is None or policy == "exact":
+        if group is None or policy == "exact" or (asked is None and below_plot(pet_meta)):
             return None
         return Students(group, int(group.meta.get("best_k") or group.size), asked)
 
