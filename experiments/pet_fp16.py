@@ -3,8 +3,9 @@ fp32 head: runtime.construct.full.stored_tensors), served as full rows on the ta
 
 Both are scored through the serving path (the CPU executor; the fp16 PET held in fp16 as the
 runtime's host cache holds it, computed in fp32), on the dev sample of experiments.int8_accuracy
-(600/400, max-len 64, seed 0). Per task: the fp32 score, the fp16 score, their difference and
-the share of dev predictions (per example, or per token for tagging) that changed.
+(600/400, max-len 64, seed 0). Per task: the fp32 score, the fp16 score, their difference,
+the share of dev predictions (per example, or per token for tagging) that changed and the
+largest logit gap over the first batch.
 
     python -m experiments.pet_fp16 RUN/pets --out OUT [--tasks sciie,chemprot]
 """
@@ -19,7 +20,7 @@ import sys
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from experiments.int8_accuracy import dev_tasks, load_full_pets, score_full
+from experiments.int8_accuracy import dev_tasks, full_rows, load_full_pets, score_full, serve
 
 
 def compare(encoder, pets, tasks, batch) -> dict:
@@ -39,9 +40,16 @@ def compare(encoder, pets, tasks, batch) -> dict:
                      "examples": len(task.test_ids), "fp32": round(r["fp32"]["score"], 3),
                      "fp16": round(r["fp16"]["score"], 3),
                      "fp16 - fp32": round(r["fp16"]["score"] - r["fp32"]["score"], 3),
-                     "changed %": round(100 - r["fp16"]["agree"], 3)}
+                     "changed %": round(100 - r["fp16"]["agree"], 3),
+                     "max |logit gap|": logit_gap(ex, servings, task.test_ids[:batch])}
         print(json.dumps({name: out[name]}), flush=True)
     return out
+
+
+def logit_gap(ex, servings, ids) -> float:
+    """The largest |fp16 - fp32| logit over ids (predictions alone hide a gap short of a flip)."""
+    got = {k: serve(ex, full_rows(p, ids)) for k, p in servings.items()}
+    return float(max(abs(a - b).max() for a, b in zip(got["fp16"], got["fp32"])))
 
 
 def main(argv=None):

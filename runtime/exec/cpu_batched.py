@@ -101,14 +101,13 @@ def stack_into(buffers: dict, key, tensors: list, pad_dim: int | None = None) ->
     if pad_dim is not None:
         shape[pad_dim] = max(t.shape[pad_dim] for t in tensors)
     shape = [len(tensors), *shape]
-    out = scratch(buffers, key, shape)
-    full = pad_dim is None or all(t.shape[pad_dim] == shape[pad_dim + 1] for t in tensors)
-    if full and all(t.dtype == out.dtype for t in tensors):
-        return torch.stack(tensors, out=out)
-    if not full:
+    out = scratch(buffers, key, shape)  # the copies below cast fp16 as they go
+    if pad_dim is None or all(t.shape[pad_dim] == shape[pad_dim + 1] for t in tensors):
+        torch.stack(tensors, out=out)
+    else:
         out.zero_()
-    for j, t in enumerate(tensors):
-        (out[j] if full else out[j].narrow(pad_dim, 0, t.shape[pad_dim])).copy_(t)
+        for j, t in enumerate(tensors):
+            out[j].narrow(pad_dim, 0, t.shape[pad_dim]).copy_(t)
     return out
 
 
