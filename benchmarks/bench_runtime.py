@@ -187,8 +187,11 @@ class Workload:
 
 def full_depth_pool(enc, g, size=64):
     """`size` random full-depth PETs of the product's recipe (runtime.construct.recipe: LoRA r16,
-    all six targets, every layer) in the host cache's form; A and B both random, as a trained
-    PET's are (the work is the same with B = 0, but then every tenant would answer alike)."""
+    all six targets, every layer) in the host cache's form: stored as `tenant create` stores
+    them (runtime.construct.full.stored_tensors: fp16 layers) and loaded as the runtime loads
+    them (fp16 kept), so their nbytes is what the runtime holds; A and B both random, as a
+    trained PET's are (the work is the same with B = 0, but then every tenant would answer alike)."""
+    from runtime.construct.full import stored_tensors
     from runtime.construct.recipe import FULL_PET_TYPE
     from runtime.exec import cpu_batched
     from runtime.exec.plan import prepare_pet
@@ -201,7 +204,8 @@ def full_depth_pool(enc, g, size=64):
         with torch.no_grad():
             for v in pet.tensors.values():
                 v.copy_(torch.randn(v.shape, generator=g) * 0.02)
-        pets.append(cpu_batched.pack_layers(prepare_pet(enc, petlib.export(pet), key=("pool", "full", k))))
+        held = petlib.load_pet(enc, stored_tensors(petlib.export(pet).tensors), pet.meta, half=True)
+        pets.append(cpu_batched.pack_layers(prepare_pet(enc, held, key=("pool", "full", k))))
     return pets
 
 

@@ -124,12 +124,14 @@ def calibrate(encoder, tasks, servings, n, batch=64) -> dict:
 
 def score_full(executors, serving, task, batch) -> dict:
     """Each executor's score of one task (its PET as full rows), its compute CPU seconds, and the
-    share of its predictions (per example or per token) equal to the first executor's."""
+    share of its predictions (per example or per token) equal to the first executor's. serving:
+    the ServingPet every executor serves, or {executor name: its ServingPet}."""
     predicted = {k: [] for k in executors}
     seconds = dict.fromkeys(executors, 0.0)
     for start in range(0, len(task.test_ids), batch):
-        rows = full_rows(serving, task.test_ids[start:start + batch])
+        ids = task.test_ids[start:start + batch]
         for k, ex in executors.items():
+            rows = full_rows(serving[k] if isinstance(serving, dict) else serving, ids)
             t0 = time.thread_time()
             logits = serve(ex, rows)
             seconds[k] += time.thread_time() - t0
@@ -167,20 +169,27 @@ def main_full(args, ap):
             json.dump(out, f, indent=1)
 
 
-def full_depth(args, schemes, calibrated, Int8Shared) -> dict:
+def dev_tasks(names, encoder, out, data=None) -> dict:
+    """{task: benchmarks.hmi_accuracy.Task} of the harness's dev sample (600/400, max-len 64,
+    seed 0), sampled into OUT/data; data: the SciBERT task data (default the harness's)."""
     from pathlib import Path
 
     from benchmarks.hmi_accuracy import SCIBERT, Task, prepare_data
+
+    hargs = argparse.Namespace(tasks=list(names), data=data or str(SCIBERT), max_train=600, max_test=400, seed=0,
+                               eval_split="dev", max_domain_docs=0, general="")
+    sampled = prepare_data(hargs, Path(out))
+    return {name: Task(name, sampled["tasks"][name], encoder, 64) for name in names}
+
+
+def full_depth(args, schemes, calibrated, Int8Shared) -> dict:
     from runtime.model.encoder import load_encoder
 
     encoder = load_encoder(None, 2)  # full rows run the lower layers (here 0-1) and the upper ones alike
     pets = load_full_pets(args.full_depth, args.row, encoder)
     if not pets:
         raise SystemExit(f"no {args.row} PETs in {args.full_depth}")
-    hargs = argparse.Namespace(tasks=list(pets), data=args.data or str(SCIBERT), max_train=600, max_test=400, seed=0,
-                               eval_split="dev", max_domain_docs=0, general="")
-    data = prepare_data(hargs, Path(args.out))
-    tasks = {name: Task(name, data["tasks"][name], encoder, 64) for name in pets}
+    tasks = dev_tasks(pets, encoder, args.out, args.data)
     fp32 = CpuExecutor(encoder, prefetch=False)
     servings = {name: fp32.load_pet(p, key=name) for name, p in pets.items()}
     absmax = None

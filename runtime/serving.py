@@ -242,8 +242,8 @@ class Runtime:
         record = snap.read_full(tenant)
         meta = record.meta
         self._check_base(tenant, meta, "full-depth PET")
-        try:
-            pet = load_pet(self.encoder, record.tensors, pet_meta(meta))
+        try:  # its fp16 tensors stay fp16 in the host cache (half a tenant's bytes): the executor computes in fp32
+            pet = load_pet(self.encoder, record.tensors, pet_meta(meta), half=True)
         except ValueError as e:
             raise IncompatiblePet(f"tenant {tenant!r}'s full-depth PET does not fit the model: {e}") from None
         pet.meta.update(version=meta.get("version"), tenant=tenant, created=meta.get("created"),
@@ -267,7 +267,7 @@ class Runtime:
             raise IncompatiblePet(f"tenant {tenant!r} was trained on PLOT version {version!r}, "
                                   "which this store does not hold")
         try:
-            pet = load_pet(self.encoder, record.tensors, pet_meta(meta))
+            pet = load_pet(self.encoder, record.tensors, pet_meta(meta), half=True)
         except ValueError as e:
             raise IncompatiblePet(f"tenant {tenant!r}'s PET does not fit the model: {e}") from None
         from runtime.level.serve import calibration, current

@@ -1,6 +1,7 @@
 """Section (a) of benchmarks/bench_runtime.py, its full-depth system: the synthetic pool is the
-product's full-depth recipe with distinct, non-zero weights; memory per tenant is one shared
-model plus a PET each; a --quick run reports full-depth throughput for every tenant count."""
+product's full-depth recipe with distinct, non-zero weights, held as the runtime holds a stored
+one (fp16 layers); memory per tenant is one shared model plus a PET each; a --quick run reports
+full-depth throughput for every tenant count."""
 
 import torch
 from hypothesis import given
@@ -33,6 +34,11 @@ def test_the_pool_is_the_full_depth_recipe_with_distinct_nonzero_weights():
     for k in a:
         assert all(t.abs().sum() > 0 for t in a[k])  # B != 0: every tenant's edit is live
         assert not all(torch.equal(x, y) for x, y in zip(a[k], b[k]))
+    # memory per tenant counts what the runtime holds of a stored full-depth PET: fp16 layers, fp32 head
+    p = pool[0]
+    layer_values = sum(t.numel() for part in p.parts.values() for t in part)
+    assert {t.dtype for part in p.parts.values() for t in part} == {torch.float16}
+    assert p.nbytes == 2 * layer_values + 4 * (p.head_weight.numel() + p.head_bias.numel())
 
 
 def test_quick_run_reports_full_depth_throughput(tmp_path):

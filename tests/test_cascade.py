@@ -350,15 +350,17 @@ def _softmax(z):
 # -- end to end on a tiny store ---------------------------------------------------------------------
 
 
-def put_full_pet(store_path, tenant, seed, pet_created=None):
+def put_full_pet(store_path, tenant, seed, pet_created=None, fp16=False):
     """A random full-depth LoRA PET on every layer of the tenant's encoder, stored beside its PET
-    (pet_created: the PET it claims to be trained with; default the tenant's current one)."""
+    (pet_created: the PET it claims to be trained with; default the tenant's current one), in
+    fp32 as older writers stored it or (fp16) as tenant create stores it now."""
     import time
 
     import torch
 
     import hkstore
     from formats.pack import PetRecord
+    from runtime.construct.full import stored_tensors
     from runtime.model import pet as petlib
     from runtime.model.stored import base_encoder
 
@@ -373,6 +375,8 @@ def put_full_pet(store_path, tenant, seed, pet_created=None):
                 if name.endswith(".B"):  # B = 0 would leave every layer as the base model's
                     t.copy_(0.3 * torch.randn(t.shape, generator=g))
         tensors = {k: v.detach().numpy() for k, v in petlib.export(pet).tensors.items()}
+        if fp16:
+            tensors = stored_tensors(tensors)
         full = dict(pet.meta, tenant=tenant, base_model=meta["base_model"], version=meta["version"],
                     created=time.time(), pet_created=meta["created"] if pet_created is None else pet_created)
         st.put_full(PetRecord(tenant, full, tensors))
@@ -397,6 +401,7 @@ def whole_encoder_logits(store_path, tenant, ids):
 
 
 FULL_TENANTS = ("lora-cls", "bitfit-tag")  # with a current full-depth PET; adapter-cls has a stale one
+FP16_TENANTS = ("bitfit-tag",)  # its record as tenant create writes it now (fp16 layers); lora-cls's an older fp32 one
 
 
 @pytest.fixture(scope="module")
@@ -410,7 +415,7 @@ def full_store(tmp_path_factory):
     store = tmp_path_factory.mktemp("cascade") / "store"
     shutil.copytree(tiny[0], store)
     for j, tenant in enumerate(FULL_TENANTS):
-        put_full_pet(store, tenant, seed=j)
+        put_full_pet(store, tenant, seed=j, fp16=tenant in FP16_TENANTS)
     put_full_pet(store, "adapter-cls", seed=5, pet_created=1.0)  # trained with an earlier PET: never served
     with runtime.open(store, device="cpu", max_len=48) as rt:
         yield store, rt, tiny[1]["texts"]
@@ -428,6 +433,27 @@ def test_policy_exact_of_a_full_depth_tenant_is_the_whole_encoder_with_its_pet(f
     plain = rt.infer([{"tenant": "head-cls", "ids": ids[0], "policy": "exact"}])[0]
     assert (stale.level_name, plain.level_name) == ("exact", "exact")
     assert not np.allclose(got[0].logits, whole_encoder_logits(store, "lora-cls", ids[1]))  # the check can fail
+
+
+def test_an_fp16_full_depth_record_serves_its_pet_from_half_the_bytes(full_store):
+    """bitfit-tag's record is fp16 (lora-cls's, fp32, is served above as before): the runtime
+    answers with its PET as stored (read back in fp32: the reference) and its host cache holds
+    the record's own bytes, fp16 layers and an fp32 head."""
+    import hkstore
+
+    store, rt, texts = full_store
+    with hkstore.open(store) as st:
+        record = st.get_full("bitfit-tag")
+    assert {v.dtype for k, v in record.tensors.items() if k.startswith("layers.")} == {np.dtype(np.float16)}
+    ids = rt.encoder.tokenize(texts[:3], max_len=rt.max_len)
+    for i, r in zip(ids, rt.infer([{"tenant": "bitfit-tag", "ids": i, "level": "full"} for i in ids])):
+        assert r.level_name == "full"
+        np.testing.assert_allclose(r.logits, whole_encoder_logits(store, "bitfit-tag", i), rtol=1e-4, atol=1e-4)
+    held = rt.full("bitfit-tag", rt.pet("bitfit-tag"))
+    assert held.nbytes == sum(v.nbytes for v in record.tensors.values())
+    wide = sum(4 * v.size for v in record.tensors.values())
+    head = record.tensors["head.weight"].nbytes + record.tensors["head.bias"].nbytes
+    assert held.nbytes - head == (wide - head) // 2
 
 
 def test_exact_embeddings_of_a_full_depth_tenant_come_from_its_top(full_store):

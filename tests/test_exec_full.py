@@ -8,6 +8,10 @@ its PET on its PLOT inputs, for a context row the same on the base lower layers'
 a full row every layer with its full-depth PET from the embeddings (Encoder.full) + head.
 Checked on the CPU executor (batched and reference kernels) and on the GPU executor through
 the kernel emulation. An upper-only PET that edits a lower layer is refused.
+
+A full-depth PET whose record stores its layer tensors in fp16 (runtime.construct.full) is held
+in fp16 by the executors' host form (half the bytes) and answers what the same PET rounded to
+fp16 and held in fp32 answers, beside old fp32 records and PLOT-level PETs in one batch.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from runtime.construct.full import stored_tensors
 from runtime.exec.cpu import CpuExecutor
 from runtime.exec.plan import prepare_pet
 from runtime.exec.rows import Gathered, Row
@@ -81,11 +86,13 @@ def batches(draw, n_upper, n_full, vocab):
     return out
 
 
-def run_batch(ex, enc, upper, full, batch, seed):
-    """The executor's logits per row, and the reference's."""
+def run_batch(ex, enc, upper, full, batch, seed, served=None):
+    """The executor's logits per row, and the reference's; served[j]: the PET the executor loads
+    for full PET j (default full[j], the reference's)."""
     # tenant j's ordinary PET and full-depth PET share the key "t{j}": the executor must keep them apart
     serving = {("u", j): ex.load_pet(p, key=f"t{j}", token=0) for j, p in enumerate(upper)}
-    serving |= {("f", j): ex.load_pet(p, key=f"t{j}", token=0) for j, p in enumerate(full)}
+    served = full if served is None else served
+    serving |= {("f", j): ex.load_pet(p, key=f"t{j}", token=0) for j, p in enumerate(served)}
     rows = [Row(ids, serving[("f" if s == "full" else "u", j)], "v", source=s) for s, j, ids in batch]
     plot = [b for b, r in enumerate(rows) if r.source == "plot"]
     g = torch.Generator().manual_seed(seed)
@@ -157,6 +164,67 @@ def test_source_and_pet_must_agree(zoo):
             ex.prepare(Gathered([], None, [None], {"retrieval": 0.0}), rows)
 
 
+# -- full-depth records in fp16 ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def halves(zoo):
+    """The zoo's full-depth PETs as their records store them (fp16 layers, fp32 head): (held in
+    fp16 as the runtime loads them, rounded the same and held in fp32: the reference)."""
+    enc, _, full = zoo
+    stored = [stored_tensors(p.tensors) for p in full]
+    held = [petlib.load_pet(enc, t, p.meta, half=True) for t, p in zip(stored, full)]
+    return held, [petlib.load_pet(enc, t, p.meta) for t, p in zip(stored, full)]
+
+
+def mixed_records(full, halves, fp16):
+    """(what the executor loads, the reference) per full PET: fp16 records where fp16[j], old fp32 ones elsewhere."""
+    held, rounded = halves
+    served = [held[j] if fp16[j] else p for j, p in enumerate(full)]
+    return served, [rounded[j] if fp16[j] else p for j, p in enumerate(full)]
+
+
+@SETTINGS
+@given(data=st.data())
+def test_fp16_full_depth_records_answer_as_their_rounded_pets_beside_fp32_ones(zoo, halves, data):
+    enc, upper, full = zoo
+    batch = data.draw(batches(len(upper), len(full), enc.config.vocab_size))
+    served, want_pets = mixed_records(full, halves, data.draw(st.lists(st.booleans(), min_size=len(full),
+                                                                       max_size=len(full))))
+    ex = CpuExecutor(enc, kernels=data.draw(st.sampled_from(["batched", "reference"])),
+                     prefetch=data.draw(st.booleans()), context=BaseContext(enc))
+    got, want = run_batch(ex, enc, upper, want_pets, batch, data.draw(st.integers(0, 2**31 - 1)), served)
+    ex.close()
+    for g, w in zip(got, want):
+        torch.testing.assert_close(torch.from_numpy(np.asarray(g)), w, rtol=1e-4, atol=2e-5)
+
+
+def test_fp16_rounding_moves_the_answer_beyond_the_checks_tolerance(zoo, halves):
+    """The fp16 record's answer is not the fp32 PET's within that tolerance: the check above can fail."""
+    enc, upper, full = zoo
+    ex = CpuExecutor(enc, context=BaseContext(enc))
+    batch = [("full", 0, [5, 6, 7, 8, 9])]
+    (got,), _ = run_batch(ex, enc, upper, full, batch, 0, halves[0])
+    (exact,), _ = run_batch(ex, enc, upper, full, batch, 0)
+    assert not np.allclose(np.asarray(got), np.asarray(exact), rtol=1e-4, atol=2e-5)
+
+
+def test_the_host_form_of_an_fp16_record_holds_half_its_layer_bytes(zoo, halves):
+    """ServingPet.nbytes (what runtime.sched.pet_cache.PetCache counts) is the fp16 bytes held:
+    half the fp32 PET's for every layer tensor, the same for the fp32 head and int32 indices."""
+    from runtime.sched.pet_cache import PetCache
+
+    enc, _, full = zoo
+    ex = CpuExecutor(enc)
+    for p, held in zip(full, halves[0]):
+        wide, narrow = ex.load_pet(p), ex.load_pet(held)
+        fixed = sum(4 * v.numel() for k, v in p.tensors.items() if k.startswith("head.") or k.endswith(".index"))
+        assert narrow.nbytes - fixed == (wide.nbytes - fixed) // 2 > 0
+        assert all(b.dtype == torch.float16 for b, _ in narrow.blocks.values())
+        cache = PetCache()
+        assert cache.get("t/full", 0, lambda: narrow) is narrow and cache.nbytes == narrow.nbytes
+
+
 # -- the GPU executor through the kernel emulation (as tests/test_executor_gpu.py) --------------
 
 
@@ -192,3 +260,29 @@ def test_emulated_gpu_mixed_batch_with_full_rows_equals_each_row_alone(zoo, data
             np.testing.assert_allclose(g, w, rtol=1e-4, atol=5e-5)
         else:  # fp16 activations and weights: within 1e-2 of the logits' scale, as tests/test_executor_gpu.py
             assert np.abs(g - w).max() <= 1e-2 * max(np.abs(w).max(), 1.0)
+
+
+@emulated
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                               HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_emulated_gpu_serves_fp16_full_depth_records_as_their_rounded_pets(zoo, halves, data):
+    from runtime.exec import ops_gpu
+    from runtime.exec.emu import cupy_standin
+    from runtime.exec.gpu import GpuExecutor
+
+    enc, upper, full = zoo
+    batch = data.draw(batches(len(upper), len(full), enc.config.vocab_size))
+    served, want_pets = mixed_records(full, halves, data.draw(st.lists(st.booleans(), min_size=len(full),
+                                                                       max_size=len(full))))
+    with ops_gpu.use_cupy(cupy_standin):
+        ex = GpuExecutor(enc, _cupy=cupy_standin, _ops=ops_gpu, max_batch=4, max_len=8, hot_tier_rows=0,
+                         prefetch=data.draw(st.booleans()), context=BaseContext(enc))
+        got, want = run_batch(ex, enc, upper, want_pets, batch, data.draw(st.integers(0, 2**31 - 1)), served)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), w.numpy(), rtol=1e-4, atol=5e-5)
+    # the device cache keeps an fp16 record's layers in fp16 too
+    fp16_keys = {("full", f"t{j}") for j, p in enumerate(served) if p is not full[j]}
+    for (key, _, layer), (arrays, _, _) in ex.pet_cache.entries.items():
+        if key in fp16_keys and layer >= 0:
+            assert all(a.dtype == np.float16 for part in arrays.values() for a in part if a.dtype.kind == "f")

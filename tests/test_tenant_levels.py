@@ -55,6 +55,7 @@ def test_create_trains_a_current_full_depth_pet_beside_the_pet(cli, env):
     assert full.meta["pet_type"] == "lora" and full.meta["targets"] == list(recipe.ALL_TARGETS)
     assert full.meta["train"]["epochs"] == 1 and full.meta["train"]["lr"] == recipe.FULL["lora"].lr
     assert out["full"]["pet_bytes"] > out["pet_bytes"]
+    assert_stored_dtypes(pet, full)
 
     r = run(cli, "tenant", "info", env["store"], "both", "--json")
     assert r.exit_code == 0, r.output
@@ -63,6 +64,14 @@ def test_create_trains_a_current_full_depth_pet_beside_the_pet(cli, env):
     assert not info["levels"]["full"]["stale"] and info["cascade"]["state"] == "none"
     for level in ("plot", "exact", "full"):  # scored on the calibration share held out of training
         assert 0 <= info["levels"][level]["held_out"] <= 1, level
+
+
+def assert_stored_dtypes(pet, full):
+    """A full-depth record stores every layer tensor in fp16 and its head in fp32; the PLOT-level PET stays fp32."""
+    layers = {k: v.dtype for k, v in full.tensors.items() if k.startswith("layers.")}
+    assert layers and set(layers.values()) == {np.dtype(np.float16)}, layers
+    assert full.tensors["head.weight"].dtype == full.tensors["head.bias"].dtype == np.float32
+    assert {v.dtype for v in pet.tensors.values()} == {np.dtype(np.float32)}
 
 
 def test_levels_plot_stores_no_full_depth_pet(cli, env):
@@ -84,6 +93,7 @@ def test_update_retrains_the_full_depth_pet_with_the_new_pet(cli, env):
     pet, full = records(env["store"], "upd")
     assert full.meta["pet_created"] == pet.meta["created"] != before.meta["pet_created"]
     assert full.meta["train"]["updates"] == 1
+    assert_stored_dtypes(pet, full)  # trained further in fp32 from its fp16 record, stored in fp16 again
     assert any(not np.array_equal(full.tensors[k], before.tensors[k]) for k in full.tensors)
 
 

@@ -10,6 +10,11 @@ lower layers: serving runs a full row's lower layers with the base weights.
     whole = whole_encoder(store)
     exported, log, cfg = train_full(whole, task, labels, ids, targets, seed=0)
     record = full_record(pet_record, exported, {"train": {...}})  # Store.put_full(record)
+
+The record stores the PET's layer tensors in float16 (FORMAT.md, Full-depth PET): a tenant's
+full-depth PET is most of what a tenant costs the host, and the serving path keeps it in float16
+and computes in float32. Training stays float32; what a trained PET is scored with (held_out)
+is the PET rounded as its record stores it (``rounded``), so the score is the served one's.
 """
 
 from __future__ import annotations
@@ -19,6 +24,31 @@ import time
 import numpy as np
 
 from runtime.construct import recipe as recipes
+
+LAYER_DTYPE = np.float16  # a full-depth record's layer tensors; the head stays float32 (small: labels hinge on it)
+
+
+def stored_tensors(tensors: dict) -> dict:
+    """A full-depth PET's tensors (torch or NumPy) as its record stores them: every float
+    tensor of a layer in LAYER_DTYPE, the head float32, index lists unchanged."""
+    out = {}
+    for name, v in tensors.items():
+        a = np.asarray(v.detach().cpu().numpy() if hasattr(v, "detach") else v)
+        if a.dtype.kind == "f":
+            a = a.astype(LAYER_DTYPE if name.startswith("layers.") else np.float32)
+        out[name] = np.ascontiguousarray(a)
+    return out
+
+
+def rounded(pet):
+    """The PET (runtime.model.pet.Pet) with its layer tensors rounded as its record stores
+    them, held in float32: what serving its record computes."""
+    import torch
+
+    from runtime.model.pet import Pet
+
+    return Pet({k: torch.from_numpy(v).float() if v.dtype.kind == "f" else torch.from_numpy(v)
+                for k, v in stored_tensors(pet.tensors).items()}, dict(pet.meta))
 
 
 def whole_encoder(store):
@@ -93,8 +123,7 @@ def full_record(pet_record, exported, extra: dict):
     meta.update({k: v for k, v in extra.items() if k not in ("tenant", "version", "created", "level")})
     meta.update(level="full", tenant=pet_record.tenant, base_model=pet_record.meta["base_model"],
                 version=pet_record.meta["version"], created=time.time(), pet_created=pet_record.meta["created"])
-    tensors = {k: np.ascontiguousarray(v.detach().cpu().numpy()) for k, v in exported.tensors.items()}
-    return PetRecord(tenant=pet_record.tenant, meta=meta, tensors=tensors)
+    return PetRecord(tenant=pet_record.tenant, meta=meta, tensors=stored_tensors(exported.tensors))
 
 
 def is_stale(full_meta: dict, pet_meta: dict) -> bool:
@@ -110,6 +139,7 @@ def train_full_level(store, pet_record, ids, targets, held=None, *, epochs=None,
     meta = pet_record.meta
     exported, log, cfg = train_full(whole, meta["task"], meta["labels"], ids, targets, epochs=epochs,
                                     batch_size=batch_size, seed=seed, progress=progress)
+    exported = rounded(exported)
     extra = {"train": _train_meta(meta, cfg, ids, log, 0)}
     if held:
         extra["held_out"] = held_out(whole, exported, *held, meta)
@@ -125,6 +155,7 @@ def update_full_level(store, pet_record, old, ids, targets, held=None, *, epochs
     _, cfg = recipes.settings(old.meta["pet_type"], "full", lr=train.get("lr"), epochs=epochs, batch_size=batch_size,
                               seed=seed, progress=progress)
     exported, log = continue_full(whole, old, ids, targets, cfg)
+    exported = rounded(exported)
     keep = {k: v for k, v in old.meta.items() if k not in exported.meta and k not in ("pet_created", "held_out")}
     extra = dict(keep, train=_train_meta(pet_record.meta, cfg, ids, log, int(train.get("updates", 0)) + 1))
     if held:

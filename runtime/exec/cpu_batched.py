@@ -94,13 +94,14 @@ def scratch(buffers: dict, key, shape, dtype=torch.float32) -> torch.Tensor:
 
 
 def stack_into(buffers: dict, key, tensors: list, pad_dim: int | None = None) -> torch.Tensor:
-    """torch.stack(tensors) into scratch(buffers, key), zero-padding dimension pad_dim (of each
-    tensor) to the largest."""
+    """torch.stack(tensors) into scratch(buffers, key), fp32 (fp16 tensors, as the host cache
+    may hold a PET's, are upcast here), zero-padding dimension pad_dim (of each tensor) to the
+    largest."""
     shape = list(tensors[0].shape)
     if pad_dim is not None:
         shape[pad_dim] = max(t.shape[pad_dim] for t in tensors)
     shape = [len(tensors), *shape]
-    out = scratch(buffers, key, shape, tensors[0].dtype)
+    out = scratch(buffers, key, shape)  # the copies below cast fp16 as they go
     if pad_dim is None or all(t.shape[pad_dim] == shape[pad_dim + 1] for t in tensors):
         torch.stack(tensors, out=out)
     else:
@@ -208,7 +209,8 @@ def pack_layers(pet):
     """Make each layer's float parts of a ServingPet views into one contiguous block per layer
     (pet.blocks[layer] = (block, layout)), once, when the PET enters the host cache; then a
     batch whose tenants share a layer's layout stacks the layer with one copy (stack_layer)
-    instead of one per tensor. In place (same values, no extra memory); returns pet."""
+    instead of one per tensor. In place (same values and dtype: a block is fp16 when all its
+    parts are, no extra memory); returns pet."""
     if pet.blocks:
         return pet
     by_layer: dict = {}
@@ -216,7 +218,7 @@ def pack_layers(pet):
         if part[0] in _BLOCK_KINDS:
             by_layer.setdefault(part[1], []).append(part)
     for layer, parts in by_layer.items():
-        block = torch.cat([a.reshape(-1).float() for p in parts for a in pet.parts[p]])
+        block = torch.cat([a.reshape(-1) for p in parts for a in pet.parts[p]])  # mixed dtypes: fp32
         layout, off = [], 0
         for p in parts:
             views = []
@@ -276,7 +278,7 @@ def stack_group_into(buffers: dict, plan, group) -> dict:
         return {"delta": st(0, "delta")}
     if group.kind == "diff":
         sizes = [len(a[0]) for a in arrays]
-        return {"index": torch.cat([a[0] for a in arrays]), "value": torch.cat([a[1] for a in arrays]),
+        return {"index": torch.cat([a[0] for a in arrays]), "value": torch.cat([a[1] for a in arrays]).float(),
                 "offsets": torch.tensor(np.concatenate([[0], np.cumsum(sizes)]), dtype=torch.int64)}
     if group.kind == "adapter":
         return {"down": st(0, "down", 0), "down_bias": st(1, "down_bias", 0), "up": st(2, "up", 1),

@@ -12,8 +12,11 @@ from runtime.exec.plan import tenant_key
 class DevicePetCache:
     """Device copies of PET weights: entries (tenant key, record token, layer) -> arrays.
 
-    Layer -1 holds the head (fp32). Entries of the batch being computed are never evicted
-    (a batch may thus exceed the budget for its duration). Host-to-device uploads go through
+    Layer -1 holds the head (fp32). A layer's fp16 tensors (a full-depth record's, as the host
+    cache holds them) stay fp16 on the device too when the executor computes in fp32: its
+    stacking casts them (GpuExecutor._stack), so the cache holds half their fp32 bytes.
+    Entries of the batch being computed are never evicted (a batch may thus exceed the budget
+    for its duration). Host-to-device uploads go through
     a pinned staging buffer, asynchronously on the caller's current stream; the staging
     buffer is appended to ``keep`` so the caller holds it until that stream has passed.
     """
@@ -68,7 +71,7 @@ class DevicePetCache:
             dtype_of = lambda a: np.float32  # noqa: E731 - heads always run in fp32
         else:
             host = {part: tuple(a.numpy() for a in arrays) for part, arrays in pet.parts.items() if part[1] == layer}
-            dtype_of = lambda a: np.int32 if a.dtype.kind in "iu" else ex.dtype  # noqa: E731
+            dtype_of = lambda a: np.int32 if a.dtype.kind in "iu" else _float_dtype(a, ex.dtype)  # noqa: E731
         flat_f, flat_i, layout = [], [], []
         off_f = off_i = 0
         for part, arrays in host.items():
@@ -103,3 +106,8 @@ class DevicePetCache:
     def stats(self) -> dict:
         return {"entries": len(self.entries), "bytes": self.bytes, "hits": self.hits, "misses": self.misses,
                 "evictions": self.evictions, "uploaded_bytes": self.uploaded_bytes}
+
+
+def _float_dtype(a, compute):
+    """A float tensor's device dtype: fp16 stays fp16 (the smaller), others the compute dtype."""
+    return np.float16 if a.dtype == np.float16 else compute

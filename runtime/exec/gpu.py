@@ -516,8 +516,8 @@ class GpuExecutor:
         return groups, event
 
     def _stack(self, plan, g, L, stream, keep) -> dict:
-        """Stacked device weights of one group (ranks / bottlenecks zero-padded), plus its
-        segment or row tables on the device."""
+        """Stacked device weights of one group (ranks / bottlenecks zero-padded) in the compute
+        dtype (the cache may hold a PET's fp16), plus its segment or row tables on the device."""
         cp = self.cp
         part = (g.kind, g.layer, g.target)
         arrays = [self.pet_cache.get(plan.tenants[m], g.layer, stream, keep)[part] for m in g.members]
@@ -528,20 +528,21 @@ class GpuExecutor:
             out["B"] = self._stack_padded([a[1] for a in arrays], 1)
             out["scales"] = cp.asarray(np.array([plan.tenants[m].scale for m in g.members], dtype=np.float32))
         elif g.kind == "bias":
-            out["delta"] = cp.stack([a[0] for a in arrays])
+            out["delta"] = self._stack_padded([a[0] for a in arrays])
         elif g.kind == "diff":
             sizes = [int(a[0].shape[0]) for a in arrays]
             out["index"] = cp.concatenate([a[0] for a in arrays]) if sum(sizes) else cp.zeros(0, dtype=np.int32)
-            out["value"] = cp.concatenate([a[1] for a in arrays]) if sum(sizes) else cp.zeros(0, dtype=self.dtype)
+            out["value"] = (cp.concatenate([a[1] for a in arrays]).astype(self.dtype, copy=False) if sum(sizes)
+                            else cp.zeros(0, dtype=self.dtype))
             out["offsets"] = cp.asarray(np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32))
         elif g.kind == "adapter":
             out["down"] = self._stack_padded([a[0] for a in arrays], 0)
             out["down_bias"] = self._stack_padded([a[1] for a in arrays], 0)
             out["up"] = self._stack_padded([a[2] for a in arrays], 1)
-            out["up_bias"] = cp.stack([a[3] for a in arrays])
+            out["up_bias"] = self._stack_padded([a[3] for a in arrays])
         elif g.kind == "norm":
-            out["weight"] = cp.stack([a[0] for a in arrays])
-            out["bias"] = cp.stack([a[1] for a in arrays])
+            out["weight"] = self._stack_padded([a[0] for a in arrays])
+            out["bias"] = self._stack_padded([a[1] for a in arrays])
         out["seg_starts"] = cp.asarray((plan.seg_starts * L).astype(np.int32))
         out["seg_ids"] = cp.asarray(g.seg_ids.astype(np.int32))
         if g.bgmv:
@@ -549,14 +550,15 @@ class GpuExecutor:
         keep.append(out)
         return out
 
-    def _stack_padded(self, arrays, dim):
+    def _stack_padded(self, arrays, dim=None):
+        """cp.stack(arrays) in the compute dtype, dimension dim zero-padded to the largest."""
         cp = self.cp
-        size = max(int(a.shape[dim]) for a in arrays)
-        if all(int(a.shape[dim]) == size for a in arrays):
-            return cp.stack(arrays)
+        size = None if dim is None else max(int(a.shape[dim]) for a in arrays)
+        if dim is None or all(int(a.shape[dim]) == size for a in arrays):
+            return cp.stack(arrays).astype(self.dtype, copy=False)
         shape = list(arrays[0].shape)
         shape[dim] = size
-        out = cp.zeros((len(arrays), *shape), dtype=arrays[0].dtype)
+        out = cp.zeros((len(arrays), *shape), dtype=self.dtype)
         for t, a in enumerate(arrays):
             if dim == 0:
                 out[t, : a.shape[0]] = a

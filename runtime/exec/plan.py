@@ -1,7 +1,8 @@
 """Mixed-tenant batch plans (HMI §6, PetS, Punica): PETs in executor form and the layout of one batch.
 
 * **Serving PETs.** ``prepare_pet`` turns an exported PET (``runtime.model.pet.Pet``) into the form
-  the executors stack: fp32 tensors grouped into *parts* ``(kind, layer, target)`` with kind
+  the executors stack: float tensors (fp16 ones kept fp16, as a full-depth record stores them:
+  the host cache holds half the bytes; the rest fp32) grouped into *parts* ``(kind, layer, target)`` with kind
   ``lora``, ``bias`` (BitFit), ``diff`` (diff pruning; mask PETs become diffs whose values are
   minus the base weights they zero), ``adapter`` and ``norm``, plus the head.
 * **Batch plans.** ``plan_batch`` lays out one mixed-tenant batch: requests are reordered so
@@ -11,7 +12,8 @@
   (stacked index t) and, per segment, which t applies (-1: none). LoRA groups whose tenants
   each serve a single request run as BGMV (every request its own LoRA), the rest as SGMV.
   ``stack_group`` builds the stacked weights of a group with torch (ranks and bottlenecks
-  zero-padded to the group's largest, which changes nothing).
+  zero-padded to the group's largest, which changes nothing) in fp32: the executors compute in fp32
+  whatever dtype a PET is held in.
 
 Executors run a batch plan's rows (runtime.exec.rows); the engine (runtime.engine) drives them.
 """
@@ -30,7 +32,8 @@ KINDS = ("lora", "bias", "diff", "adapter", "norm")
 
 @dataclass
 class ServingPet:
-    """A PET in executor form. ``tensors`` maps part -> tuple of fp32 (index: int32) tensors:
+    """A PET in executor form. ``parts`` maps part -> tuple of float (index: int32) tensors,
+    fp32 or fp16 as the PET was loaded (executors upcast fp16 when they stack a batch); the head is fp32:
 
     * ``("lora", i, t)``: (A (r, d_in), B (d_out, r)), scaled by ``scale``
     * ``("bias", i, t)``: (delta (d_out),)
@@ -47,7 +50,7 @@ class ServingPet:
     scale: float = 1.0
     version: str | None = None  # PLOT version the PET was trained on (from its meta)
     token: object = None  # changes when the tenant's record changes (device caches key on it)
-    # layer -> (one fp32 block, layout) that this PET's float parts of the layer are views
+    # layer -> (one block, fp16 when they all are, layout) that this PET's float parts of the layer are views
     # into (runtime.exec.cpu_batched.pack_layers): a batch stacks a layer with one copy
     blocks: dict = field(default_factory=dict)
 
@@ -61,7 +64,9 @@ class ServingPet:
 
     @property
     def nbytes(self) -> int:
-        total = 0 if self.head_weight is None else self.head_weight.numel() * 4 + self.head_bias.numel() * 4
+        """Bytes held, in the dtypes held (a host cache's accounting)."""
+        head = () if self.head_weight is None else (self.head_weight, self.head_bias)
+        total = sum(a.numel() * a.element_size() for a in head)
         for arrays in self.parts.values():
             total += sum(a.numel() * a.element_size() for a in arrays)
         return total
@@ -85,9 +90,9 @@ def prepare_pet(encoder, pet: petlib.Pet, key=None, token=None) -> ServingPet:
             raise ValueError(f"PET tensor {name} is in training form: serve runtime.model.pet.export(pet)")
         if kind == "lora" and bits[4] == "A":
             target = bits[3]
-            parts[("lora", i, target)] = (_f32(value), _f32(t[f"layers.{i}.lora.{target}.B"]))
+            parts[("lora", i, target)] = (_float(value), _float(t[f"layers.{i}.lora.{target}.B"]))
         elif kind == "bias":
-            parts[("bias", i, bits[3])] = (_f32(value),)
+            parts[("bias", i, bits[3])] = (_float(value),)
         elif kind == "diff" and bits[4] == "index":
             target = bits[3]
             parts[("diff", i, target)] = _sorted_delta(value, t[f"layers.{i}.diff.{target}.value"])
@@ -99,9 +104,9 @@ def prepare_pet(encoder, pet: petlib.Pet, key=None, token=None) -> ServingPet:
         elif kind == "adapter" and bits[4:] == ["down", "weight"]:
             p = f"layers.{i}.adapter.{bits[3]}."
             parts[("adapter", i, bits[3])] = tuple(
-                _f32(t[p + n]) for n in ("down.weight", "down.bias", "up.weight", "up.bias"))
+                _float(t[p + n]) for n in ("down.weight", "down.bias", "up.weight", "up.bias"))
         elif kind == "norm" and bits[4] == "weight":
-            parts[("norm", i, bits[3])] = (_f32(value), _f32(t[f"layers.{i}.norm.{bits[3]}.bias"]))
+            parts[("norm", i, bits[3])] = (_float(value), _float(t[f"layers.{i}.norm.{bits[3]}.bias"]))
     if "head.weight" in t:
         head = _f32(t["head.weight"]), _f32(t["head.bias"])
     elif meta.get("task") == "lm":  # a decoder tenant: the decoder's own LM head scores the vocabulary
@@ -124,10 +129,16 @@ def _f32(v) -> torch.Tensor:
     return torch.as_tensor(v).detach().float().contiguous()
 
 
+def _float(v) -> torch.Tensor:
+    """fp16 stays fp16 (what the host cache saves); any other float dtype becomes fp32."""
+    v = torch.as_tensor(v).detach()
+    return (v if v.dtype == torch.float16 else v.float()).contiguous()
+
+
 def _sorted_delta(index, value):
     index = torch.as_tensor(index).long()
     order = torch.argsort(index, stable=True)
-    return index[order].to(torch.int32).contiguous(), _f32(value)[order].contiguous()
+    return index[order].to(torch.int32).contiguous(), _float(value)[order].contiguous()
 
 
 @dataclass
@@ -210,8 +221,10 @@ def _pad_to(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
 
 
 def stack_group(plan: BatchPlan, group: Group, dtype=torch.float32) -> dict:
-    """Stacked torch weights of a group, as the ops_cpu functions take them."""
-    arrays = [plan.tenants[m].parts[(group.kind, group.layer, group.target)] for m in group.members]
+    """Stacked torch weights of a group, as the ops_cpu functions take them (floats in dtype)."""
+    part = (group.kind, group.layer, group.target)
+    arrays = [tuple(a.to(dtype) if a.is_floating_point() else a for a in plan.tenants[m].parts[part])
+              for m in group.members]
     if group.kind == "lora":
         r = max(a[0].shape[0] for a in arrays)
         A = torch.stack([_pad_to(a[0], 0, r) for a in arrays]).to(dtype)

@@ -262,10 +262,12 @@ def export(pet: Pet) -> Pet:
     return Pet(out, dict(pet.meta))
 
 
-def load_pet(encoder: Encoder, tensors: dict, meta: dict) -> Pet:
+def load_pet(encoder: Encoder, tensors: dict, meta: dict, *, half: bool = False) -> Pet:
     """Check an exported PET (torch tensors or NumPy arrays) against its meta and the encoder:
     exactly the tensors the meta implies, with their shapes; ValueError if not. Floating
-    tensors come back as fp32 (packs may hold fp16)."""
+    tensors come back as fp32 (packs may hold fp16); with half, fp16 ones stay fp16: a serving
+    host cache holds them so (half the bytes) and its executors compute in fp32 (only they
+    may take such a PET: this module's functions compute in the dtype they are given)."""
     _check_meta(meta, encoder)
     expected = _served_layout(meta, encoder.config)
     if missing := sorted(expected.keys() - tensors.keys()):
@@ -280,7 +282,10 @@ def load_pet(encoder: Encoder, tensors: dict, meta: dict) -> Pet:
             _check_index_list(name, v, expected[name], tensors)
         elif tuple(v.shape) != expected[name]:
             raise ValueError(f"PET tensor {name} has shape {tuple(v.shape)}, expected {expected[name]}")
-        loaded[name] = v.to(torch.int32) if name.endswith(".index") else v.float()
+        if name.endswith(".index"):
+            loaded[name] = v.to(torch.int32)
+        else:
+            loaded[name] = v if half and v.dtype == torch.float16 else v.float()
     return Pet(loaded, dict(meta))
 
 
