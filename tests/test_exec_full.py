@@ -177,20 +177,22 @@ def halves(zoo):
     return held, [petlib.load_pet(enc, t, p.meta) for t, p in zip(stored, full)]
 
 
-def mixed_records(full, halves, fp16):
-    """(what the executor loads, the reference) per full PET: fp16 records where fp16[j], old fp32 ones elsewhere."""
+def draw_mixed(data, zoo, halves):
+    """A drawn batch and, per full PET, (what the executor loads, the reference): fp16 records
+    for some PETs, old fp32 ones for the others."""
+    enc, upper, full = zoo
+    batch = data.draw(batches(len(upper), len(full), enc.config.vocab_size))
+    fp16 = data.draw(st.lists(st.booleans(), min_size=len(full), max_size=len(full)))
     held, rounded = halves
     served = [held[j] if fp16[j] else p for j, p in enumerate(full)]
-    return served, [rounded[j] if fp16[j] else p for j, p in enumerate(full)]
+    return batch, served, [rounded[j] if fp16[j] else p for j, p in enumerate(full)]
 
 
 @SETTINGS
 @given(data=st.data())
 def test_fp16_full_depth_records_answer_as_their_rounded_pets_beside_fp32_ones(zoo, halves, data):
     enc, upper, full = zoo
-    batch = data.draw(batches(len(upper), len(full), enc.config.vocab_size))
-    served, want_pets = mixed_records(full, halves, data.draw(st.lists(st.booleans(), min_size=len(full),
-                                                                       max_size=len(full))))
+    batch, served, want_pets = draw_mixed(data, zoo, halves)
     ex = CpuExecutor(enc, kernels=data.draw(st.sampled_from(["batched", "reference"])),
                      prefetch=data.draw(st.booleans()), context=BaseContext(enc))
     got, want = run_batch(ex, enc, upper, want_pets, batch, data.draw(st.integers(0, 2**31 - 1)), served)
@@ -272,9 +274,7 @@ def test_emulated_gpu_serves_fp16_full_depth_records_as_their_rounded_pets(zoo, 
     from runtime.exec.gpu import GpuExecutor
 
     enc, upper, full = zoo
-    batch = data.draw(batches(len(upper), len(full), enc.config.vocab_size))
-    served, want_pets = mixed_records(full, halves, data.draw(st.lists(st.booleans(), min_size=len(full),
-                                                                       max_size=len(full))))
+    batch, served, want_pets = draw_mixed(data, zoo, halves)
     with ops_gpu.use_cupy(cupy_standin):
         ex = GpuExecutor(enc, _cupy=cupy_standin, _ops=ops_gpu, max_batch=4, max_len=8, hot_tier_rows=0,
                          prefetch=data.draw(st.booleans()), context=BaseContext(enc))
