@@ -164,7 +164,7 @@ def main():
     res = {"command": "python -m benchmarks.bench_lookup " + " ".join(sys.argv[1:]),
            "machine": f"{cpu_model()}, {os.cpu_count()} cores ({platform.machine()}), {mem_gib()} GiB",
            "accel": accel.describe(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "malloc_pinned": pinned, "warm_s": warm_s, "warm_cpu_s": warm_cpu_s, "entries": E, "d": D, "n": bs.N, "batch": bs.BATCH, "rounds": a.rounds, "workloads": {}, "rows": []}
+           "malloc_pinned": pinned, "warm_s": warm_s, "warm_cpu_s": warm_cpu_s, "entries": E, "d": D, "n": bs.N, "batch": bs.BATCH, "zipf_s": bs.ZIPF_S, "rounds": a.rounds, "workloads": {}, "rows": []}
     for wl in a.workloads.split(","):
         st = hkstore.open(os.path.join(a.dir, "hk"))  # a fresh open for each workload
         seg_cold = st.snapshot().version_segments("root")[0]
