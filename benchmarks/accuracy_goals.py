@@ -107,8 +107,12 @@ def pareto(out: Path, more: list[Path] = ()) -> dict:
     for extra in more:
         got = json.loads((extra / "results.json").read_text())
         cfg = got["config"]
-        found.append((f"full-depth LoRA r{cfg['rank']}, six targets, layers 0-5, lr {cfg['lr']:g}, "
+        lr = f"{cfg['lr']:.0e}".replace("e-0", "e-")
+        found.append((f"full-depth LoRA r{cfg['rank']}, six targets, layers 0-5, lr {lr}, "
                       f"dropout {cfg.get('dropout', 0.0):g}", ROW, got["rows"]))
+    if more:  # the further runs' fd-lora rows are the recipe as shipped: they stand for the first run's
+        extra = found[len(PARETO):]
+        found = found[:1] + extra + [f for f in found[1:len(PARETO)] if f[1] != ROW]
     table = []
     for title, row, scores in found:
         if not all(row in scores.get(t, {}) for t in tasks):
