@@ -235,9 +235,10 @@ def counts(task: Task, q: int, answer) -> list[int]:
 
 
 class Server:
-    """`hkstore serve STORE` in a child process (benchmarks.loadgen.ServerProcess) and its admin token."""
+    """`hkstore serve STORE` in a child process (benchmarks.loadgen.ServerProcess) and its admin
+    token; mode hplm (the product) or dedicated (the dedicated-model baseline, --mode dedicated)."""
 
-    def __init__(self, args, config, store):
+    def __init__(self, args, config, store, mode="hplm"):
         from benchmarks import loadgen
 
         self.token = secrets.token_urlsafe(24)
@@ -247,7 +248,7 @@ class Server:
         server_args = argparse.Namespace(out=args.out, store=str(store), device="cpu",
                                          max_len=config.get("max_len", 128), max_batch=32, max_wait_ms=5,
                                          queue_limit=1024, request_timeout=300, dedicated_resident=1)
-        self.proc = loadgen.ServerProcess(server_args, "hplm", str(token_file), say,
+        self.proc = loadgen.ServerProcess(server_args, mode, str(token_file), say,
                                           extra=("--torch-threads", str(args.threads), "--truncate"))
         self.client = loadgen.Client(self.proc.url, self.token, [], timeout=300)
 

@@ -1,0 +1,116 @@
+"""The headline: `auto` against a dedicated model's work through `hkstore serve`, query for query.
+
+    python -m benchmarks.headline OUT [OUT ...] [--write-results]
+
+Each OUT is a benchmarks.cascade_bench output directory: per task its tenant, test sample and
+store. A fresh `hkstore serve` over that store answers each test query twice, one at a time,
+in alternating order and paced as cascade_bench paces them: at policy auto (the tenant's
+profiled cascade) and pinned to level exact (every layer computed on the query's full context,
+then the tenant's upper-layer PET and head: a dedicated model's forward pass, with no PLOT and,
+one tenant at a time, no model swap to pay). Per query the server's CPU seconds are read as
+cascade_bench reads them. On a core a server's throughput is the inverse of its CPU time per
+query, so auto's throughput over a dedicated model's is the exact level's CPU time per query
+over auto's. (`hkstore serve --mode dedicated`, the load benchmarks' baseline, runs the lower
+layers beside the PLOT lookup instead of in place of it, so it costs more than a dedicated
+model and would flatter hkstore.) Accuracy: auto as cascade_bench served and scored it, against
+dedicated fine-tuning on the same test sample (the harness's dedicated row, seed 0:
+benchmarks/results/accuracy.json). --write-results adds ``headline`` there: the ratios and the
+accuracy differences per task and their six-task means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+from pathlib import Path
+
+from benchmarks import cascade_bench as bench
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+SYSTEMS = {"auto": {"policy": "auto"}, "dedicated": {"level": "exact"}}
+
+
+async def cpu_pass(server, tenant, texts) -> dict:
+    """Per system the server's CPU seconds and level of each query, one at a time, the systems
+    alternating, paced (cascade_bench.PACE)."""
+    names = list(SYSTEMS)
+    for text in texts[:bench.WARMUP]:
+        for name in names:
+            await server.ask(tenant, text, SYSTEMS[name])
+    out = {name: {"cpu": [], "levels": []} for name in names}
+    for q, text in enumerate(texts):
+        for name in names[q % 2:] + names[:q % 2]:
+            result, cpu, wall = await server.ask(tenant, text, SYSTEMS[name])
+            out[name]["cpu"].append(cpu)
+            out[name]["levels"].append(result.get("level_name", "plot"))
+            await asyncio.sleep(bench.PACE * wall)
+    return out
+
+
+def task_headline(out: Path, done: dict, threads: int, limit: int = 0) -> dict:
+    from runtime.construct.manager import read_task
+
+    (x, _), _ = read_task(done["files"]["test"], done["kind"])
+    texts = bench.texts_of(done["kind"], x)[:limit or None]
+    args = argparse.Namespace(out=str(out), threads=threads)
+    server = bench.Server(args, {"max_len": done["server"]["max_len"]}, out / "store")
+
+    async def go():
+        try:
+            return await cpu_pass(server, done["tenant"], texts)
+        finally:
+            await server.close()
+
+    got = asyncio.run(go())
+    auto, dedicated = statistics.mean(got["auto"]["cpu"]), statistics.mean(got["dedicated"]["cpu"])
+    names = got["auto"]["levels"]
+    return {"auto_cpu_ms": round(1e3 * auto, 2), "dedicated_cpu_ms": round(1e3 * dedicated, 2),
+            "throughput_vs_dedicated": round(dedicated / auto, 2), "auto_at_top": round(names.count("full") / len(names), 2),
+            "auto": round(100 * done["served"]["auto"]["score"], 1), "queries": len(texts)}
+
+
+def compact(headline: dict) -> dict:
+    """What accuracy.json keeps (BENCHMARKS quotes every number of it): the ratios per task and the means."""
+    return {"throughput_vs_dedicated_mean": headline["mean"]["throughput_vs_dedicated"],
+            "auto_minus_dedicated_mean": headline["mean"]["auto_minus_dedicated"],
+            "throughput_vs_dedicated_by_task": {t: v["throughput_vs_dedicated"] for t, v in headline["by_task"].items()},
+            "auto_minus_dedicated_by_task": {t: v["auto_minus_dedicated"] for t, v in headline["by_task"].items()}}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("outs", nargs="+", type=Path, help="benchmarks.cascade_bench output directories")
+    p.add_argument("--threads", type=int, default=1, help="the server's torch threads (as cascade_bench's)")
+    p.add_argument("--limit", type=int, default=0, help="the first N test queries of a task (0: all, as published)")
+    p.add_argument("--write-results", action="store_true")
+    p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results" / "accuracy.json")
+    args = p.parse_args(argv)
+    accuracy = json.loads(args.results.read_text())
+    by_task = {}
+    for out in args.outs:
+        for path in sorted(out.glob("*.json")):
+            done = json.loads(path.read_text())
+            if "served" not in done:
+                continue
+            task = done["task"]
+            got = task_headline(out, done, args.threads, args.limit)
+            got["dedicated"] = accuracy["three_seed_by_task"][task]["dedicated"][0]
+            got["auto_minus_dedicated"] = round(got["auto"] - got["dedicated"], 1)
+            by_task[task] = got
+            print(task, json.dumps(got), flush=True)
+    mean = {k: round(statistics.mean(v[k] for v in by_task.values()), 2)
+            for k in ("throughput_vs_dedicated", "auto", "dedicated", "auto_minus_dedicated")}
+    headline = {"by_task": by_task, "mean": mean}
+    print(json.dumps(mean))
+    if args.write_results:
+        accuracy["headline"] = compact(headline)
+        args.results.write_text(json.dumps(accuracy, indent=1, ensure_ascii=False) + "\n")
+    return headline
+
+
+if __name__ == "__main__":
+    main()
