@@ -277,36 +277,39 @@ def systems_of(steps: dict) -> dict:
     return systems
 
 
-async def serve_pass(server, tenant, task: Task, dev_texts, systems: dict, limit_s=None) -> dict:
-    """Every test query one at a time under each system, in rotating order; per system and
-    query the scoring counts, CPU and wall seconds, the level that answered."""
-    kind = task.kind
-    texts = texts_of(kind, task.test_words)
+async def paced_pass(server, tenant, label, texts, warm_texts, systems: dict) -> dict:
+    """Every query one at a time under each system, in rotating order, paced (PACE), after
+    WARMUP unmeasured warm_texts each; per system the (answer, CPU seconds, wall seconds) of
+    each query."""
     names = list(systems)
-    for text in dev_texts[:WARMUP]:
+    for text in warm_texts[:WARMUP]:
         for name in names:
             await server.ask(tenant, text, systems[name])
-    out = {s: {"counts": [], "cpu_s": [], "wall_s": [], "level_name": [], "students": [], "pred": []}
-           for s in names}
+    out = {s: [] for s in names}
     t0, n = time.time(), len(texts)
     for q, text in enumerate(texts):
-        order = names[q % len(names):] + names[:q % len(names)]
-        for policy in order:
-            result, cpu, wall = await server.ask(tenant, text, systems[policy])
-            await asyncio.sleep(PACE * wall)
-            answer = answer_of(task, q, result)
-            row = out[policy]
-            row["counts"].append(counts(task, q, answer))
-            row["cpu_s"].append(cpu)
-            row["wall_s"].append(wall)
-            row["level_name"].append(result.get("level_name", "plot"))
-            row["students"].append(int(result.get("students", 0)))
-            row["pred"].append(answer)
+        for name in names[q % len(names):] + names[:q % len(names)]:
+            got = await server.ask(tenant, text, systems[name])
+            await asyncio.sleep(PACE * got[2])
+            out[name].append(got)
         if (q + 1) % 50 == 0 or q + 1 == n:
             rate = (q + 1) / max(time.time() - t0, 1e-9)
-            say(f"  {task.name}: {q + 1}/{n} test queries x {len(names)} systems, {rate:.1f} queries/s, ETA {(n - q - 1) / rate:.0f} s")
-    for policy, row in out.items():
-        row["score"] = task.score([scored(task, q, a) for q, a in enumerate(row["pred"])])
+            say(f"  {label}: {q + 1}/{n} test queries x {len(names)} systems, {rate:.1f} queries/s, ETA {(n - q - 1) / rate:.0f} s")
+    return out
+
+
+async def serve_pass(server, tenant, task: Task, dev_texts, systems: dict) -> dict:
+    """paced_pass over the test queries; per system and query the scoring counts, CPU and wall
+    seconds, the level that answered."""
+    served = await paced_pass(server, tenant, task.name, texts_of(task.kind, task.test_words), dev_texts, systems)
+    out = {}
+    for policy, got in served.items():
+        answers = [answer_of(task, q, result) for q, (result, _, _) in enumerate(got)]
+        out[policy] = {"counts": [counts(task, q, a) for q, a in enumerate(answers)],
+                       "cpu_s": [cpu for _, cpu, _ in got], "wall_s": [wall for _, _, wall in got],
+                       "level_name": [r.get("level_name", "plot") for r, _, _ in got],
+                       "students": [int(r.get("students", 0)) for r, _, _ in got], "pred": answers,
+                       "score": task.score([scored(task, q, a) for q, a in enumerate(answers)])}
     return out
 
 

@@ -30,25 +30,7 @@ from benchmarks import cascade_bench as bench
 
 ROOT = Path(__file__).resolve().parent.parent
 
-
 SYSTEMS = {"auto": {"policy": "auto"}, "dedicated": {"level": "exact"}}
-
-
-async def cpu_pass(server, tenant, texts) -> dict:
-    """Per system the server's CPU seconds and level of each query, one at a time, the systems
-    alternating, paced (cascade_bench.PACE)."""
-    names = list(SYSTEMS)
-    for text in texts[:bench.WARMUP]:
-        for name in names:
-            await server.ask(tenant, text, SYSTEMS[name])
-    out = {name: {"cpu": [], "levels": []} for name in names}
-    for q, text in enumerate(texts):
-        for name in names[q % 2:] + names[:q % 2]:
-            result, cpu, wall = await server.ask(tenant, text, SYSTEMS[name])
-            out[name]["cpu"].append(cpu)
-            out[name]["levels"].append(result.get("level_name", "plot"))
-            await asyncio.sleep(bench.PACE * wall)
-    return out
 
 
 def task_headline(out: Path, done: dict, threads: int, limit: int = 0) -> dict:
@@ -61,13 +43,13 @@ def task_headline(out: Path, done: dict, threads: int, limit: int = 0) -> dict:
 
     async def go():
         try:
-            return await cpu_pass(server, done["tenant"], texts)
+            return await bench.paced_pass(server, done["tenant"], done["task"], texts, texts, SYSTEMS)
         finally:
             await server.close()
 
     got = asyncio.run(go())
-    auto, dedicated = statistics.mean(got["auto"]["cpu"]), statistics.mean(got["dedicated"]["cpu"])
-    names = got["auto"]["levels"]
+    auto, dedicated = (statistics.mean(cpu for _, cpu, _ in got[s]) for s in ("auto", "dedicated"))
+    names = [r.get("level_name", "plot") for r, _, _ in got["auto"]]
     return {"auto_cpu_ms": round(1e3 * auto, 2), "dedicated_cpu_ms": round(1e3 * dedicated, 2),
             "throughput_vs_dedicated": round(dedicated / auto, 2), "auto_at_top": round(names.count("full") / len(names), 2),
             "auto": round(100 * done["served"]["auto"]["score"], 1), "queries": len(texts)}

@@ -222,30 +222,30 @@ def _pad_to(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
 
 def stack_group(plan: BatchPlan, group: Group, dtype=torch.float32) -> dict:
     """Stacked torch weights of a group, as the ops_cpu functions take them (floats in dtype)."""
-    part = (group.kind, group.layer, group.target)
+    part = (group.kind, group.layer, group.target)  # each float cast once, before it is stacked
     arrays = [tuple(a.to(dtype) if a.is_floating_point() else a for a in plan.tenants[m].parts[part])
               for m in group.members]
     if group.kind == "lora":
         r = max(a[0].shape[0] for a in arrays)
-        A = torch.stack([_pad_to(a[0], 0, r) for a in arrays]).to(dtype)
-        B = torch.stack([_pad_to(a[1], 1, r) for a in arrays]).to(dtype)
+        A = torch.stack([_pad_to(a[0], 0, r) for a in arrays])
+        B = torch.stack([_pad_to(a[1], 1, r) for a in arrays])
         scales = torch.tensor([plan.tenants[m].scale for m in group.members], dtype=torch.float32)
         return {"A": A, "B": B, "scales": scales}
     if group.kind == "bias":
-        return {"delta": torch.stack([a[0] for a in arrays]).to(dtype)}
+        return {"delta": torch.stack([a[0] for a in arrays])}
     if group.kind == "diff":
         sizes = [len(a[0]) for a in arrays]
-        return {"index": torch.cat([a[0] for a in arrays]), "value": torch.cat([a[1] for a in arrays]).to(dtype),
+        return {"index": torch.cat([a[0] for a in arrays]), "value": torch.cat([a[1] for a in arrays]),
                 "offsets": torch.tensor(np.concatenate([[0], np.cumsum(sizes)]), dtype=torch.int64)}
     if group.kind == "adapter":
         b = max(a[0].shape[0] for a in arrays)
-        return {"down": torch.stack([_pad_to(a[0], 0, b) for a in arrays]).to(dtype),
-                "down_bias": torch.stack([_pad_to(a[1], 0, b) for a in arrays]).to(dtype),
-                "up": torch.stack([_pad_to(a[2], 1, b) for a in arrays]).to(dtype),
-                "up_bias": torch.stack([a[3] for a in arrays]).to(dtype)}
+        return {"down": torch.stack([_pad_to(a[0], 0, b) for a in arrays]),
+                "down_bias": torch.stack([_pad_to(a[1], 0, b) for a in arrays]),
+                "up": torch.stack([_pad_to(a[2], 1, b) for a in arrays]),
+                "up_bias": torch.stack([a[3] for a in arrays])}
     if group.kind == "norm":
-        return {"weight": torch.stack([a[0] for a in arrays]).to(dtype),
-                "bias": torch.stack([a[1] for a in arrays]).to(dtype)}
+        return {"weight": torch.stack([a[0] for a in arrays]),
+                "bias": torch.stack([a[1] for a in arrays])}
     raise ValueError(f"unknown part kind {group.kind!r}")
 
 
