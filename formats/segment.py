@@ -198,7 +198,7 @@ class Segment:
         self.values = self._array("values", "<f2" if self.dtype == "fp16" else "i1", (count, slots, d))
         self.scales = self._array("scales", "<f4", (count, slots)) if self.dtype == "int8" else None
         self._checked = False
-        self._huge = False  # index and keys copied into huge pages (warm)
+        self._huge = False  # warm() has put this segment in huge pages
         self._all_rows_ok = False  # warm() checked every value row
         self._row_ok = None
         self._lock = threading.Lock()
@@ -350,10 +350,11 @@ class Segment:
         Costs one pass over the values section (about 0.5 s of one core per 2.3 GB); the C path
         releases the GIL, so a thread can run it beside lookups. A damaged row is left
         unchecked, so a lookup that returns it still raises; returns how many rows failed.
-        A big segment's index and keys (checked now) are also copied into huge-page memory
-        (formats/hugepages.py): the probe's random reads then take no page walks."""
+        A big segment is also put in huge pages (formats/hugepages.py): its file mapping where
+        the kernel can (read again if it was cached in small pages), otherwise copies of its
+        index and keys; lookups' random reads then take no page walks."""
         self._check_once()
-        self._huge_search_arrays()
+        self._huge_pages()
         ext = accel.ext
         failed = 0
         for s in range(0, self.count, chunk):
@@ -373,14 +374,22 @@ class Segment:
         self._all_rows_ok = not failed and bool(self._row_ok.all())
         return failed
 
-    def _huge_search_arrays(self):
-        # Below a huge page the index and keys stay few pages, which the TLB keeps anyway.
+    def _huge_pages(self):
+        # Below a huge page a segment is a few pages, which the TLB keeps anyway.
         with self._lock:
-            if self._huge or self.index.nbytes < hugepages.HUGE_PAGE or not hugepages.available():
+            if self._huge or self.size < hugepages.HUGE_PAGE or not hugepages.available():
                 return
+            self._huge = True
+            # Advised here, not at open: only a store meant to stay in memory is warmed, and on a
+            # store bigger than memory a fault in an advised mapping reads 2 MiB, not a page.
+            if hugepages.advise(self._mm):
+                hugepages.populate(self._mm)
+                if hugepages.pmd_share(self._mm) < 0.5:
+                    hugepages.reread(self._mm, self.path)
+                if hugepages.pmd_share(self._mm) >= 0.5:
+                    return
             self.keys = hugepages.huge_copy(self.keys)
             self.index = hugepages.huge_copy(self.index)
-            self._huge = True
 
     def check_rows(self, entries):
         """Check the given entries' value rows against their rowsums (verify walks them all)."""

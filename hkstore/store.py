@@ -355,8 +355,9 @@ class Store:
 
     def warm(self, background=False):
         """Map and check every value row of the current snapshot's segments now (Segment.warm),
-        so lookups skip the first-return check and page faults, and copy each big segment's index
-        and keys into huge pages (about 20 bytes an entry more memory); returns the rows that failed.
+        so lookups skip the first-return check and page faults, and put each big segment in huge
+        pages (its file mapping, or where the kernel cannot, copies of its index and keys: about
+        20 bytes an entry more memory); returns the rows that failed.
         A segment in another file's slot is skipped: lookups that reach it raise anyway.
         background=True runs it in a daemon thread (the C path releases the GIL, so lookups go
         on meanwhile, checking the rows they reach first themselves) and returns the thread."""

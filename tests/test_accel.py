@@ -542,3 +542,64 @@ def test_warm_huge_page_copies_change_no_answer(seed, m, background):
                 np.testing.assert_array_equal(got.values.view(np.uint8), ref.values.view(np.uint8))
                 np.testing.assert_array_equal(got.order, ref.order)
                 np.testing.assert_array_equal(got.version, ref.version)
+
+
+@pytest.mark.skipif(not hasattr(__import__("mmap"), "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE on this platform")
+@pytest.mark.parametrize("shares, reread, copied", [
+    ([0.9], False, False),       # the file was already cached in huge folios
+    ([0.0, 0.9], True, False),   # small folios, read again as huge ones
+    ([0.0, 0.0], True, True),    # the kernel gives the file no huge pages: copy the search arrays
+])
+def test_warm_puts_the_file_mapping_in_huge_pages_before_copying(shares, reread, copied):
+    """warm() prefers the segment's own file mapping in huge pages: it reads the file again only
+    where the mapping is not huge yet, and copies the index and keys only where that fails.
+    Whichever way, lookups give the reference path's answers."""
+    from formats import hugepages
+
+    rng = np.random.default_rng(0)
+    with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hugepages, "HUGE_PAGE", 4096)
+        mp.setattr(hugepages, "available", lambda: True)
+        st_ = hkstore.create(tmp + "/s", d=8, vocab_size=50)
+        keys = np.unique(rng.integers(0, 50, (3000, 3)).astype(np.uint32), axis=0)
+        keys = np.concatenate([np.stack([np.zeros(50, np.uint32), np.arange(50, dtype=np.uint32), np.zeros(50, np.uint32)], 1), keys])
+        keys = np.unique(keys, axis=0)
+        st_.add_segment("root", keys, rng.standard_normal((len(keys), 3, 8)).astype(np.float16))
+        st_.close()
+        windows = keys[rng.integers(0, len(keys), 500)]
+        with accel.using(False):
+            ref = hkstore.open(tmp + "/s").lookup("root", windows)
+        reported, rereads = list(shares), []
+        mp.setattr(hugepages, "pmd_share", lambda mm: reported.pop(0) if len(reported) > 1 else reported[0])
+        real_reread = hugepages.reread
+        mp.setattr(hugepages, "reread", lambda mm, path: (rereads.append(path), real_reread(mm, path)))
+        s = hkstore.open(tmp + "/s")
+        seg = s.snapshot().version_segments("root")[0]
+        file_index = seg.index
+        assert s.warm() == 0
+        assert bool(rereads) == reread and (seg.index is not file_index) == copied
+        if reread:
+            assert rereads == [seg.path]
+        got = s.lookup("root", windows)
+        np.testing.assert_array_equal(got.values.view(np.uint8), ref.values.view(np.uint8))
+        np.testing.assert_array_equal(got.order, ref.order)
+
+
+def test_file_pmd_bytes_reads_the_mapping_that_holds_the_address():
+    """The smaps parser takes FilePmdMapped from the one mapping whose range holds the address,
+    not from a neighbour's, and 0 for an address no mapping holds."""
+    from formats import hugepages
+
+    smaps = """7f0000000000-7f0000400000 r--s 00000000 fd:00 12 /data/a.seg
+Size:               4096 kB
+FilePmdMapped:      2048 kB
+VmFlags: rd sh mr mw me ms hg
+7f0000400000-7f0000c00000 r--s 00000000 fd:00 13 /data/b.seg
+Size:               8192 kB
+FilePmdMapped:      6144 kB
+VmFlags: rd sh mr mw me ms
+""".splitlines(keepends=True)
+    assert hugepages.file_pmd_bytes(smaps, 0x7F0000000000) == 2048 * 1024
+    assert hugepages.file_pmd_bytes(smaps, 0x7F00003FFFFF) == 2048 * 1024
+    assert hugepages.file_pmd_bytes(smaps, 0x7F0000400000) == 6144 * 1024
+    assert hugepages.file_pmd_bytes(smaps, 0x7F0000C00000) == 0
