@@ -42,7 +42,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from runtime.exec import cpu_batched, ops_cpu, students
+from runtime.exec import cpu_batched, onednn, ops_cpu, students
 from runtime.exec.int8 import Int8Shared
 from runtime.exec.plan import BatchPlan, plan_batch, prepare_pet, stack_group, tenant_key
 from runtime.exec.rows import (FullInputs, Gathered, Prepared, assemble, attention_rows, full_inputs, gather_host,
@@ -55,13 +55,20 @@ class CpuExecutor:
     device = "cpu"
 
     def __init__(self, encoder, *, lora_kernel: str = "auto", prefetch: bool = True, kernels: str = "batched",
-                 int8=False, context=None):
+                 int8=False, context=None, gemm: str = "auto"):
         if lora_kernel not in ("auto", "sgmv", "bgmv"):
             raise ValueError(f"lora_kernel must be auto, sgmv or bgmv, got {lora_kernel!r}")
         if kernels not in ("batched", "reference"):
             raise ValueError(f"kernels must be batched or reference, got {kernels!r}")
         if int8 and kernels != "batched":
             raise ValueError("int8 runs on the batched kernels (the reference stays fp32)")
+        if gemm not in ("auto", "onednn", "addmm"):
+            raise ValueError(f"gemm must be auto, onednn or addmm, got {gemm!r}")
+        if gemm == "onednn" and not onednn.available():
+            raise ValueError("gemm='onednn' needs a torch build with oneDNN (torch.backends.mkldnn)")
+        # the batched kernels' fp32 shared GEMMs: oneDNN on packed weights where torch has it
+        # (runtime/exec/onednn.py), else torch.addmm
+        self.packed = onednn.PackedLinears() if gemm != "addmm" and onednn.available() else None
         self.kernels = kernels
         self._local = threading.local()  # per calling thread: cpu_batched.stack_into's reused buffers
         self.profile: dict | None = None  # set to {} to accumulate seconds per stage (batched)
@@ -243,6 +250,8 @@ class CpuExecutor:
         def proj(target, inp, lin, out):
             if self.int8 is not None:
                 y = self.int8.linear(i, target, inp, out)
+            elif self.packed is not None:
+                y = self.packed(lin, inp)
             else:
                 y = torch.addmm(lin.bias, inp, lin.weight.t(), out=out)
             tick("shared GEMMs")

