@@ -39,6 +39,18 @@ def test_a_changed_weight_is_packed_again():
     assert not torch.allclose(before, packed(lin, x))
 
 
+def test_packed_weights_go_with_their_model():
+    import gc
+
+    packed = onednn.PackedLinears()
+    lin = torch.nn.Linear(8, 4)
+    packed(lin, torch.randn(2, 8))
+    assert len(packed._packed) == 1
+    del lin
+    gc.collect()
+    assert not packed._packed
+
+
 def test_the_executor_takes_the_gemm_it_is_asked_for():
     from runtime.exec.cpu import CpuExecutor
     from runtime.model.encoder import load_encoder

@@ -1,6 +1,8 @@
 """The reference executor (PyTorch, CPU): the upper layers once for a mixed-tenant batch.
 
-Per upper layer the shared projections run once for every row of the batch (one GEMM each);
+Per upper layer the shared projections run once for every row of the batch (one GEMM each:
+on the batched kernels oneDNN's on weights packed once, runtime.exec.onednn, where torch has
+oneDNN, or ``gemm="addmm"``, MKL's through torch.addmm);
 the tenants' edits follow through runtime.exec.ops_cpu on the batch plan's segments
 (runtime.exec.plan.plan_batch: requests of a tenant are contiguous, one segment per tenant):
 

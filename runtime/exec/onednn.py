@@ -9,6 +9,7 @@ sums differs).
 """
 
 import threading
+import weakref
 
 import torch
 
@@ -25,7 +26,9 @@ class PackedLinears:
     replaced is a new tensor, packed anew."""
 
     def __init__(self):
-        self._packed = {}  # id(weight) -> (weight, its version when packed, packed weight)
+        # id(weight) -> (weak reference to it, its version when packed, packed weight); an entry
+        # goes when its weight is collected, so packed copies never outlive the model
+        self._packed = {}
         self._lock = threading.Lock()
 
     def __call__(self, lin: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -33,8 +36,11 @@ class PackedLinears:
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         entry = self._packed.get(id(w))
-        if entry is None or entry[0] is not w or entry[1] != w._version:
+        if entry is None or entry[0]() is not w or entry[1] != w._version:
             with self._lock:
-                entry = (w, w._version, torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
+                fresh = id(w) not in self._packed or self._packed[id(w)][0]() is not w
+                entry = (weakref.ref(w), w._version, torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
                 self._packed[id(w)] = entry
+                if fresh:
+                    weakref.finalize(w, self._packed.pop, id(w), None)
         return torch.ops.mkldnn._linear_pointwise(x, entry[2], b, "none", [], "")
