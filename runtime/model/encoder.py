@@ -104,34 +104,35 @@ class Encoder(nn.Module):
             positions = torch.arange(ids.shape[-1])
         return self.ln_emb(self.word(ids) + self.position(positions) + self.type0)
 
-    def layer(self, i: int, h: torch.Tensor, mask: torch.Tensor, pet=None, drop=None) -> torch.Tensor:
+    def layer(self, i: int, h: torch.Tensor, mask: torch.Tensor, pet=None, drop=None, gemm=F.linear) -> torch.Tensor:
         """Encoder layer i on h (B, L, d); `pet` (a runtime.model.pet.Pet) edits its projections.
 
         drop (training only; serving passes none): drop(place, x) -> x with dropout, at BERT's
         places ("attention" probabilities, "hidden" sublayer outputs) and "lora" (a LoRA
-        branch's input, inside petlib.linear)."""
+        branch's input, inside petlib.linear). gemm: as petlib.linear's."""
         blk, c = self.layers[i], self.config
         B, L, d = h.shape
         drop = drop or _keep
         q, k, v = (
-            petlib.linear(pet, i, t, h, getattr(blk, t), drop).view(B, L, c.heads, d // c.heads).transpose(1, 2)
+            petlib.linear(pet, i, t, h, getattr(blk, t), drop, gemm).view(B, L, c.heads, d // c.heads).transpose(1, 2)
             for t in ("q", "k", "v")
         )
         scores = q @ k.transpose(-2, -1) / math.sqrt(d // c.heads)
         # finfo.min rather than -inf: a row with every key masked stays finite (uniform).
         scores = scores.masked_fill(~mask[:, None, None, :], torch.finfo(scores.dtype).min)
         ctx = (drop("attention", scores.softmax(-1)) @ v).transpose(1, 2).reshape(B, L, d)
-        o = drop("hidden", petlib.linear(pet, i, "o", ctx, blk.o, drop))
+        o = drop("hidden", petlib.linear(pet, i, "o", ctx, blk.o, drop, gemm))
         h = petlib.layer_norm(pet, i, "ln_attn", h + o, blk.ln_attn)
-        f = F.gelu(petlib.linear(pet, i, "ffn_in", h, blk.ffn_in, drop))
-        out = drop("hidden", petlib.linear(pet, i, "ffn_out", f, blk.ffn_out, drop))
+        f = F.gelu(petlib.linear(pet, i, "ffn_in", h, blk.ffn_in, drop, gemm))
+        out = drop("hidden", petlib.linear(pet, i, "ffn_out", f, blk.ffn_out, drop, gemm))
         return petlib.layer_norm(pet, i, "ln_ffn", h + out, blk.ln_ffn)
 
-    def lower(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Embeddings + layers [0, lower_layers): what a PLOT table stores."""
+    def lower(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor | None = None,
+              gemm=F.linear) -> torch.Tensor:
+        """Embeddings + layers [0, lower_layers): what a PLOT table stores (gemm: as layer's)."""
         h = self.embed(ids, positions)
         for i in range(self.lower_layers):
-            h = self.layer(i, h, mask)
+            h = self.layer(i, h, mask, gemm=gemm)
         return h
 
     def upper(self, h: torch.Tensor, mask: torch.Tensor, pet=None, drop=None) -> torch.Tensor:

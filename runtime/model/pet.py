@@ -64,12 +64,14 @@ class Pet:
 # -- applying a PET (called from Encoder.layer) -------------------------------------------------
 
 
-def linear(pet: Pet | None, i: int, target: str, x: torch.Tensor, lin: torch.nn.Linear, drop=None) -> torch.Tensor:
+def linear(pet: Pet | None, i: int, target: str, x: torch.Tensor, lin: torch.nn.Linear, drop=None,
+           gemm=F.linear) -> torch.Tensor:
     """x W'^T + b' for projection `target` of layer i, W' and b' being lin's with pet's edits.
-    drop (training only): drop("lora", x) is what a LoRA branch reads, as PEFT's lora_dropout."""
+    drop (training only): drop("lora", x) is what a LoRA branch reads, as PEFT's lora_dropout.
+    gemm(x, w, b) runs an unedited projection (serving passes packed GEMMs, runtime.exec.onednn)."""
     w, b = lin.weight, lin.bias
     if pet is None:
-        return F.linear(x, w, b)
+        return gemm(x, w, b)
     t, p = pet.tensors, f"layers.{i}."
     if (k := f"{p}bias.{target}") in t:
         b = t[k] if b is None else b + t[k]  # BitFit on a bias-free projection (Llama) adds one
