@@ -43,6 +43,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks import bench_runtime as br  # noqa: E402
+from runtime.model.encoder import right_pad  # noqa: E402
 
 SECTION = "Encoder serving against transformers and onnxruntime"
 COPIES = 4
@@ -133,28 +134,18 @@ class Dedicated:
 
     def transformers(self, reqs):
         for t, seqs in self._groups(reqs):
-            ids, mask = _pad(seqs, self.w.enc.config.pad_id)
+            ids, mask = right_pad(seqs, self.w.enc.config.pad_id)
             with torch.no_grad():
-                h = self.models[t % COPIES](input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask))
+                h = self.models[t % COPIES](input_ids=ids, attention_mask=mask.long())
                 w, b = self.heads[t % len(self.heads)]
                 _ = h.last_hidden_state[:, 0] @ w + b
 
     def onnxruntime(self, reqs):
         for t, seqs in self._groups(reqs):
-            ids, mask = _pad(seqs, self.w.enc.config.pad_id)
-            h = self.sessions[t % COPIES].run(None, {"input_ids": ids, "attention_mask": mask})[0]
+            ids, mask = right_pad(seqs, self.w.enc.config.pad_id)
+            h = self.sessions[t % COPIES].run(None, {"input_ids": ids.numpy(), "attention_mask": mask.long().numpy()})[0]
             w, b = self.heads[t % len(self.heads)]
             _ = h[:, 0] @ w.numpy() + b.numpy()
-
-
-def _pad(seqs, pad_id):
-    n = max(len(s) for s in seqs)
-    ids = np.full((len(seqs), n), pad_id, np.int64)
-    mask = np.zeros((len(seqs), n), np.int64)
-    for i, s in enumerate(seqs):
-        ids[i, :len(s)] = s
-        mask[i, :len(s)] = 1
-    return ids, mask
 
 
 def cpu_rate(fn, n) -> tuple[float, float]:

@@ -21,7 +21,7 @@ def test_packed_linear_is_linear(m, k, n, bias, seed):
         if bias:
             lin.bias.copy_(torch.randn(n, generator=g))
     x = torch.randn(m, k, generator=g)
-    got = onednn.PackedLinears()(lin, x)
+    got = onednn.PackedLinears().linear(x, lin.weight, lin.bias)
     assert not got.is_mkldnn and got.shape == (m, n)
     torch.testing.assert_close(got, F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-4 * (k ** 0.5))
 
@@ -30,13 +30,13 @@ def test_a_changed_weight_is_packed_again():
     """Weights written in place (a dedicated model's swap) or replaced are never served stale."""
     lin, packed = torch.nn.Linear(8, 4), onednn.PackedLinears()
     x = torch.randn(5, 8)
-    before = packed(lin, x)
+    before = packed.linear(x, lin.weight, lin.bias)
     with torch.no_grad():
         lin.weight.mul_(2.0)
-    torch.testing.assert_close(packed(lin, x), F.linear(x, lin.weight, lin.bias))
+    torch.testing.assert_close(packed.linear(x, lin.weight, lin.bias), F.linear(x, lin.weight, lin.bias))
     lin.weight = torch.nn.Parameter(torch.randn(4, 8))
-    torch.testing.assert_close(packed(lin, x), F.linear(x, lin.weight, lin.bias))
-    assert not torch.allclose(before, packed(lin, x))
+    torch.testing.assert_close(packed.linear(x, lin.weight, lin.bias), F.linear(x, lin.weight, lin.bias))
+    assert not torch.allclose(before, packed.linear(x, lin.weight, lin.bias))
 
 
 def test_packed_weights_go_with_their_model():
@@ -44,7 +44,7 @@ def test_packed_weights_go_with_their_model():
 
     packed = onednn.PackedLinears()
     lin = torch.nn.Linear(8, 4)
-    packed(lin, torch.randn(2, 8))
+    packed.linear(torch.randn(2, 8), lin.weight, lin.bias)
     assert len(packed._packed) == 1
     del lin
     gc.collect()

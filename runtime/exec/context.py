@@ -21,8 +21,6 @@ class ContextInputs:
         self.encoder = encoder
         self._lowers: dict = {}
         self._lock = threading.Lock()
-        # the lower layers' GEMMs as the executor runs its own (runtime/exec/onednn.py)
-        self._gemm = onednn.PackedLinears().linear if onednn.available() else None
 
     def lower(self, version):
         """The full-context encoder for PLOT version `version` (loaded once)."""
@@ -38,4 +36,4 @@ class ContextInputs:
         """(B, L, d) lower-layer outputs of token id sequences, right-padded."""
         enc = self.lower(version)
         ids, mask = enc.pad(seqs)
-        return enc.lower(ids, mask) if self._gemm is None else enc.lower(ids, mask, gemm=self._gemm)
+        return enc.lower(ids, mask, gemm=onednn.linear)  # the GEMMs the executor runs (runtime/exec/onednn.py)

@@ -70,7 +70,7 @@ class CpuExecutor:
             raise ValueError("gemm='onednn' needs a torch build with oneDNN (torch.backends.mkldnn)")
         # the batched kernels' fp32 shared GEMMs: oneDNN on packed weights where torch has it
         # (runtime/exec/onednn.py), else torch.addmm
-        self.packed = onednn.PackedLinears() if gemm != "addmm" and onednn.available() else None
+        self.packed = onednn.SHARED if gemm != "addmm" else None
         self.kernels = kernels
         self._local = threading.local()  # per calling thread: cpu_batched.stack_into's reused buffers
         self.profile: dict | None = None  # set to {} to accumulate seconds per stage (batched)
@@ -253,7 +253,7 @@ class CpuExecutor:
             if self.int8 is not None:
                 y = self.int8.linear(i, target, inp, out)
             elif self.packed is not None:
-                y = self.packed(lin, inp)
+                y = self.packed.linear(inp, lin.weight, lin.bias)
             else:
                 y = torch.addmm(lin.bias, inp, lin.weight.t(), out=out)
             tick("shared GEMMs")

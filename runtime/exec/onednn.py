@@ -12,6 +12,7 @@ import threading
 import weakref
 
 import torch
+import torch.nn.functional as F
 
 
 def available() -> bool:
@@ -31,16 +32,23 @@ class PackedLinears:
         self._packed = {}
         self._lock = threading.Lock()
 
-    def __call__(self, lin: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x, lin.weight, lin.bias)
-
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         entry = self._packed.get(id(w))
-        if entry is None or entry[0]() is not w or entry[1] != w._version:
+        fresh = entry is None or entry[0]() is not w
+        if fresh or entry[1] != w._version:
             with self._lock:
-                fresh = id(w) not in self._packed or self._packed[id(w)][0]() is not w
                 entry = (weakref.ref(w), w._version, torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
                 self._packed[id(w)] = entry
-                if fresh:
-                    weakref.finalize(w, self._packed.pop, id(w), None)
+            if fresh:
+                weakref.finalize(w, self._packed.pop, id(w), None)
         return torch.ops.mkldnn._linear_pointwise(x, entry[2], b, "none", [], "")
+
+
+# One packer for the process: the executor, the exact level and the decode step share the base
+# model's weights, so each is packed once.
+SHARED = PackedLinears() if available() else None
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b on SHARED's packed weights where torch has oneDNN, else F.linear."""
+    return F.linear(x, w, b) if SHARED is None else SHARED.linear(x, w, b)

@@ -61,15 +61,6 @@ def _lora_batch(pets) -> LoraBatch:
     return lb
 
 
-# The step's shared projections and LM head on oneDNN's packed weights where torch has it
-# (runtime/exec/onednn.py: 2.2-2.7x F.linear's rate at a decode step's shapes on AVX-512).
-_PACKED = onednn.PackedLinears() if onednn.available() else None
-
-
-def _shared(x, w, b=None):
-    return F.linear(x, w, b) if _PACKED is None else _PACKED.linear(x, w, b)
-
-
 @torch.no_grad()
 def upper_step(decoder, seqs, h: torch.Tensor, pool=None) -> torch.Tensor:
     """Run the upper layers on one new position per sequence (h (B, d)), appending to each
@@ -84,7 +75,7 @@ def upper_step(decoder, seqs, h: torch.Tensor, pool=None) -> torch.Tensor:
         groups = [(None, None)]
 
         def _lin(i, target, x, lin_):
-            y = _shared(x, lin_.weight, lin_.bias)
+            y = onednn.linear(x, lin_.weight, lin_.bias)
             d = lb.delta(i, target, x)
             return y if d is None else y.add_(d)
     else:
@@ -120,7 +111,7 @@ def upper_step(decoder, seqs, h: torch.Tensor, pool=None) -> torch.Tensor:
         h = h + lin("o", ctx, c.d)
         x = norm("ln_ffn", h)
         if c.gated:
-            f = _act(c.act, _shared(x, blk.ffn_gate.weight, blk.ffn_gate.bias)) * lin("ffn_in", x, c.ffn)
+            f = _act(c.act, onednn.linear(x, blk.ffn_gate.weight, blk.ffn_gate.bias)) * lin("ffn_in", x, c.ffn)
         else:
             f = _act(c.act, lin("ffn_in", x, c.ffn))
         h = h + lin("ffn_out", f, c.d)
@@ -130,7 +121,7 @@ def upper_step(decoder, seqs, h: torch.Tensor, pool=None) -> torch.Tensor:
         else:
             s.cache.mask = torch.cat([s.cache.mask, s.cache.mask.new_ones(1, 1)], 1)
             s.cache.positions = s.cache.positions + 1
-    return decoder.logits(h, linear=_shared)
+    return decoder.logits(h, linear=onednn.linear)
 
 
 def _attend_each(i, seqs, q, k, v, c) -> torch.Tensor:
