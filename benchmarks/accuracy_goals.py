@@ -17,8 +17,8 @@ code, so a rerun reproduces it, e.g. NCBI-disease seed 0: 67.6 both times). Adds
 
 The table it prints is the BENCHMARKS section's (benchmarks.claims checks them against each
 other). With ``--pareto DEV_OUT`` (an ``experiments.full_depth`` run on dev with several rows) it
-writes the size table instead (further dev runs of the fd-lora row add theirs: other ranks,
-the recipe as shipped): each PET's bytes and share of the encoder against its six-task
+writes the size table instead (further dev runs of fd-* rows add theirs: LoRA ranks, adapter
+sizes, diff densities, the recipe as shipped): each PET's bytes and share of the encoder against its six-task
 gap to dedicated and its worst task (benchmarks/results/accuracy_full_depth.json). Standard
 library only.
 """
@@ -95,33 +95,74 @@ PARETO = {  # experiments.full_depth row -> what it is
 }
 
 
+def _lr(cfg, key="lr") -> str:
+    return f"{cfg[key]:.0e}".replace("e-0", "e-")
+
+
+def _size_rows(results: dict, first: bool) -> list[tuple[str, str, int, dict]]:
+    """(title, group, bytes as stored, {task: score}) of a full_depth run's rows. The first run
+    contributes every PARETO row; further runs (other ranks, sizes, densities) their fd-* rows."""
+    rows, cfg = results["rows"], results["config"]
+    tasks = list(rows)
+    found = []
+    for row in dict.fromkeys(r for t in tasks for r in rows[t]):
+        if not all(row in rows[t] for t in tasks) or (not first and not row.startswith("fd-")):
+            continue
+        if row not in PARETO and not row.startswith("fd-"):
+            continue
+        cell = rows[tasks[0]][row]
+        scores = {t: rows[t][row]["score"] for t in tasks}
+        if row == "dedicated":
+            found.append((PARETO[row], row, results["encoder_bytes"], scores))
+        elif row == "fd-diff":  # one trained delta, kept at several densities (int32 index + fp16 value)
+            for d, by in cell["by_density"].items():
+                title = f"full-depth diff {100 * float(d):g}%, six targets, layers 0-5, lr {_lr(cfg, 'lr_diff')}"
+                found.append((title, row, by["pet_bytes_stored"], {t: rows[t][row]["by_density"][d]["score"]
+                                                                   for t in tasks}))
+                if "retrained_score" in by:
+                    found.append((f"{title}, + {cfg['retrain_epochs']} epochs on the kept entries", row,
+                                  by["retrained_bytes_stored"],
+                                  {t: rows[t][row]["by_density"][d]["retrained_score"] for t in tasks}))
+        else:
+            size = cell["pet_bytes_no_head"]
+            if row.startswith("fd-"):  # tenant create stores a full-depth PET's layer tensors in fp16
+                size //= 2
+            if row == "fd-lora" and not first:
+                title = (f"full-depth LoRA r{cfg['rank']}, six targets, layers 0-5, lr {_lr(cfg)}, "
+                         f"dropout {cfg.get('dropout', 0.0):g}")
+            elif row == "fd-adapter" and not first:
+                title = f"full-depth adapter b{cfg['bottleneck']} + LayerNorm deltas, layers 0-5, lr {_lr(cfg)}"
+            else:
+                title = PARETO[row]
+            found.append((title, row, size, scores))
+    return found
+
+
+GROUPS = ("dedicated", "fd-lora", "fd-adapter", "fd-diff")  # then the upper-only rows
+
+
 def pareto(out: Path, more: list[Path] = ()) -> dict:
     """The size table of a dev run: PET bytes as stored (without the head; a full-depth PET's
-    in fp16, the rest fp32) against the gap to dedicated.
-    more: further dev runs of the fd-lora row (other ranks, the recipe as shipped), scored
-    against out's dedicated row on the same sample."""
+    in fp16, a diff's index in int32, the rest fp32) against the gap to dedicated.
+    more: further dev runs of fd-* rows (LoRA ranks, adapter sizes, diff densities, the recipe
+    as shipped), scored against out's dedicated row on the same sample. When more holds
+    fd-lora rows, they stand for out's (the recipe as shipped)."""
     results = json.loads((out / "results.json").read_text())
     rows, encoder = results["rows"], results["encoder_bytes"]
     tasks = [t for t in rows if "dedicated" in rows[t]]
-    found = [(title, row, rows) for row, title in PARETO.items()]
-    for extra in more:
-        got = json.loads((extra / "results.json").read_text())
-        cfg = got["config"]
-        lr = f"{cfg['lr']:.0e}".replace("e-0", "e-")
-        found.append((f"full-depth LoRA r{cfg['rank']}, six targets, layers 0-5, lr {lr}, "
-                      f"dropout {cfg.get('dropout', 0.0):g}", ROW, got["rows"]))
-    if more:  # the further runs' fd-lora rows are the recipe as shipped: they stand for the first run's
-        extra = found[len(PARETO):]
-        found = found[:1] + extra + [f for f in found[1:len(PARETO)] if f[1] != ROW]
+    found = _size_rows(results, True)
+    extra = [r for m in more for r in _size_rows(json.loads((m / "results.json").read_text()), False)]
+    if any(group == ROW for _, group, _, _ in extra):
+        found = [f for f in found if f[1] != ROW]
+    found += extra
+    order = {g: i for i, g in enumerate(GROUPS)}
+    found.sort(key=lambda f: (order.get(f[1], len(GROUPS)), f[2] if f[1] in order else list(PARETO).index(f[1])))
     table = []
-    for title, row, scores in found:
-        if not all(row in scores.get(t, {}) for t in tasks):
+    for title, row, size, scores in found:
+        if not all(t in scores for t in tasks):
             continue
-        size = encoder if row == "dedicated" else scores[tasks[0]][row]["pet_bytes_no_head"]
-        if row.startswith("fd-"):  # tenant create stores a full-depth PET's layer tensors in fp16
-            size //= 2
-        gaps = {t: round(100 * (rows[t]["dedicated"]["score"] - scores[t][row]["score"]), 1) for t in tasks}
-        mean = round(statistics.mean(100 * scores[t][row]["score"] for t in tasks), 1)
+        gaps = {t: round(100 * (rows[t]["dedicated"]["score"] - scores[t]), 1) for t in tasks}
+        mean = round(statistics.mean(100 * scores[t] for t in tasks), 1)
         worst = max(gaps, key=gaps.get)
         table.append([title, size, round(100 * size / encoder, 2), mean, round(statistics.mean(gaps.values()), 1),
                       "–" if row == "dedicated" else f"{worst} {gaps[worst]}"])
@@ -137,7 +178,7 @@ def main(argv=None) -> int:
     p.add_argument("outs", nargs="+", type=Path, help="experiments.full_depth output directories (test split)")
     p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results" / "accuracy.json")
     p.add_argument("--pareto", action="store_true",
-                   help="OUTS[0] is a dev run: write the size table; further OUTS add their fd-lora rows")
+                   help="OUTS[0] is a dev run: write the size table; further OUTS add their fd-* rows")
     args = p.parse_args(argv)
     if args.pareto:
         path = args.results.parent / "accuracy_full_depth.json"

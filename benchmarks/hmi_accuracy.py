@@ -101,7 +101,7 @@ VARIANTS = {  # ablation rows -> title; "root-plain*" read OUT/store-plain, whos
     "domain-nonorm": "domain PLOT, MLM + distillation; adapter without its LayerNorm deltas",
 }
 ALPHAS = (0, 30, 50, 100)
-SEED_ROWS = ("dedicated", "hplm", "hplm-grown", "hplm-wide", "hplm-full")  # the rows the goal compares, repeated under --extra-seeds
+SEED_ROWS = ("dedicated", "hplm", "hplm-lora", "hplm-grown", "hplm-wide", "hplm-full")  # the rows the goal compares, repeated under --extra-seeds
 T0 = time.time()
 
 

@@ -12,6 +12,10 @@ subsamples, --max-len), scored on --eval-split (dev to choose settings, test to 
                  (the "exact level")
   fd-adapter     Houlsby adapter (bottleneck 64, after o and ffn_out, + LayerNorm deltas: the
                  project's default adapter) on layers 0..5 + head
+  fd-diff        diff pruning on all six projections of layers 0..5 + head: one dense delta
+                 trained (lr --lr-diff, with the L1 penalty), then the largest |delta| of each
+                 projection kept at every --densities; at --retrain-densities the kept entries
+                 alone trained --retrain-epochs more (magnitude pruning, then retraining)
   upper-adapter  the harness's adapter-only PET (layers 3..5, exact lower) with the new recipe
   adapter-only   the harness's row_adapter_only, its current recipe (lr 2e-3, warm-up 10%)
   upper-lora8    the hplm-lora row's PET (LoRA r=8, scale 2, on q and v of layers 3..5) over exact
@@ -47,13 +51,14 @@ from runtime.construct.full import embeddings
 from runtime.construct.recipe import FULL
 
 TASK_ORDER = ("NCBI-disease", "chemprot", "bc5cdr", "citation_intent", "sciie", "sci-cite")
-ROWS = ("dedicated", "fd-lora", "upper-lora", "fd-adapter", "adapter-only", "upper-adapter", "upper-lora8",
+ROWS = ("dedicated", "fd-lora", "upper-lora", "fd-adapter", "fd-diff", "adapter-only", "upper-adapter", "upper-lora8",
         "upper-lora8-new")
 TITLES = {
     "dedicated": "dedicated (full fine-tuning, harness recipe)",
     "fd-lora": "full-depth LoRA r16, all 6 targets, layers 0-5",
     "upper-lora": "upper-only LoRA r16, all 6 targets, layers 3-5 (exact lower)",
     "fd-adapter": "full-depth adapter b64 + LN deltas, layers 0-5",
+    "fd-diff": "full-depth diff, six targets, layers 0-5 (score at the first density)",
     "adapter-only": "adapter-only, layers 3-5 (harness recipe: lr 2e-3, warm-up 10%)",
     "upper-adapter": "adapter-only, layers 3-5, new recipe",
     "upper-lora8": "hplm-lora PET (r8, q+v, layers 3-5) on exact lower, harness recipe (lr 5e-3, warm-up 10%)",
@@ -61,7 +66,8 @@ TITLES = {
 }
 # Settings a finished row's meaning depends on: a rerun must keep them.
 FIXED = ("max_train", "max_test", "max_len", "seed", "data_seed", "eval_split", "batch_size", "epochs", "lr", "warmup",
-         "rank", "scale", "bottleneck", "epochs_full", "lr_full", "lr_adapter", "lr_lora")
+         "rank", "scale", "bottleneck", "epochs_full", "lr_full", "lr_adapter", "lr_lora", "lr_diff", "densities",
+         "retrain_densities", "retrain_epochs")
 T0 = time.time()
 
 
@@ -104,6 +110,61 @@ def fd_lora(args, whole, t):
     return t.score(predict(lambda b: head(trained, whole.upper(*padded(b), trained)), test_x)), log, trained
 
 
+def kept_only(whole, sparse):
+    """A pruned diff back in training form with its kept entries the only ones that learn:
+    the other gradients are zeroed, so AdamW (and the L1 penalty, whose gradient at 0 is 0)
+    leaves them at 0 and export keeps the same entries."""
+    import torch
+
+    from runtime.construct.train import trainable
+
+    dense = trainable(whole, sparse)
+    for name, delta in dense.tensors.items():
+        if name.endswith(".delta"):
+            mask = torch.zeros(delta.numel())
+            mask[sparse.tensors[name[:-len("delta")] + "index"].long()] = 1.0
+            delta.register_hook(lambda g, m=mask.view_as(delta): g * m)
+    return dense
+
+
+def fd_diff(args, whole, t):
+    """The fd-diff row: (score at the first density, losses, the PET at it, per-density results).
+    Bytes are as a full-depth record stores a diff: an int32 index and an fp16 value per entry."""
+    from runtime.construct.train import TrainConfig, train_pet
+    from runtime.model.pet import TARGETS, Pet, create_pet, export, head
+    from benchmarks.hmi_accuracy import padded, predict
+
+    train_x, test_x = embeddings(whole, t.train_ids), embeddings(whole, t.test_ids)
+
+    def cfg(epochs):
+        return TrainConfig(lr=args.lr_diff, epochs=epochs, batch_size=args.batch_size, warmup=args.warmup,
+                           seed=args.seed, progress=args.progress)
+
+    def score(p):
+        return t.score(predict(lambda b: head(p, whole.upper(*padded(b), p)), test_x))
+
+    def stored(p):
+        return sum(v.numel() * (4 if k.endswith(".index") else 2) for k, v in p.tensors.items()
+                   if not k.startswith("head."))
+
+    dense = create_pet(whole, "diff", t.kind, t.labels, level="full", layers=list(range(6)), targets=TARGETS,
+                       density=args.densities[0], seed=args.seed)
+    _, log = train_pet(whole, dense, train_x, t.train_y, cfg(args.epochs))
+    by, first = {}, None
+    for d in args.densities:
+        sparse = export(Pet(dense.tensors, {**dense.meta, "density": d}))
+        first = first or sparse
+        entry = {"score": score(sparse), "pet_bytes_stored": stored(sparse)}
+        if d in args.retrain_densities:
+            again, more = train_pet(whole, kept_only(whole, sparse), train_x, t.train_y, cfg(args.retrain_epochs))
+            entry |= {"retrained_score": score(again), "retrained_bytes_stored": stored(again),
+                      "retrain_loss_last": more[-1]}
+        by[f"{d:g}"] = entry
+        say(f"{t.name} / fd-diff at density {d:g}: {100 * entry['score']:.1f}"
+            + (f", retrained {100 * entry['retrained_score']:.1f}" if "retrained_score" in entry else ""))
+    return by[f"{args.densities[0]:g}"]["score"], log, first, by
+
+
 def pet_bytes(pet, encoder_bytes):
     total = sum(v.numel() * v.element_size() for v in pet.tensors.values())
     body = sum(v.numel() * v.element_size() for k, v in pet.tensors.items() if not k.startswith("head."))
@@ -136,6 +197,9 @@ def run_row(args, ctx, t, row):
     elif row == "fd-lora":
         score, log, pet = fd_lora(args, whole, t)
         extra = pet_bytes(pet, ctx["encoder_bytes"])
+    elif row == "fd-diff":
+        score, log, pet, by = fd_diff(args, whole, t)
+        extra = pet_bytes(pet, ctx["encoder_bytes"]) | {"by_density": by}
     elif row == "upper-lora":
         score, log, pet = pet_row(args, base, t, full_lower, "lora", range(3, 6), **lora)
         extra = pet_bytes(pet, ctx["encoder_bytes"])
@@ -230,10 +294,20 @@ def main(argv=None):
     p.add_argument("--lr-full", type=float, default=2e-4, help="dedicated (the harness's default)")
     p.add_argument("--lr-adapter", type=float, default=2e-3, help="adapter-only row (the harness's default)")
     p.add_argument("--lr-lora", type=float, default=5e-3, help="upper-lora8 row (the harness's hplm-lora default)")
+    p.add_argument("--lr-diff", type=float, default=2e-4,
+                   help="fd-diff row (full fine-tuning's chosen rate: a dense delta moves every weight)")
+    p.add_argument("--densities", default="0.005,0.01,0.02,0.035",
+                   help="fd-diff row: shares of each projection's weights kept (comma-separated)")
+    p.add_argument("--retrain-densities", default="0.02", help="fd-diff row: those retrained after pruning")
+    p.add_argument("--retrain-epochs", type=int, default=3, help="fd-diff row: epochs on the kept entries")
     p.add_argument("--progress", action="store_true", help="tqdm bars inside each training loop")
     p.add_argument("--save-pets", action="store_true", help="keep each trained PET in OUT/pets/TASK-ROW.pt")
     args = p.parse_args(argv)
     args.tasks = [t for t in args.tasks.split(",") if t]
+    args.densities = [float(d) for d in args.densities.split(",") if d]
+    args.retrain_densities = [float(d) for d in args.retrain_densities.split(",") if d]
+    if not args.densities or not all(0 < d <= 1 for d in args.densities + args.retrain_densities):
+        p.error("densities must be in (0, 1]")
     rows = [r for r in args.rows.split(",") if r]
     if bad := [r for r in rows if r not in ROWS]:
         p.error(f"unknown rows {bad}; expected some of {', '.join(ROWS)}")

@@ -2,10 +2,13 @@
 row, trained by `tenant create`'s code path with the candidate's recipe in place of the shipped one.
 
     python -m experiments.plot_recipe --run RUN --out OUT --candidate NAME [--tasks a,b]
+    python -m experiments.plot_recipe --run RUN --out OUT --candidate NAME --eval-split test --extra-seeds 1,2
+    python -m experiments.plot_recipe --report OUT [--write]     # the tables (benchmarks/results/plot_recipe.json)
 
 RUN is a benchmarks.hmi_accuracy run with its store built (any split: no row is reused). OUT/NAME
 gets a copy of it (segments and model weights hard-linked, benchmarks.cascade_bench.copy_store)
-set to score dev, then benchmarks.hmi_accuracy runs the candidate's row there with
+set to score dev (or, once a candidate is chosen there, test: OUT/NAME-test, with the harness's
+extra training seeds), then benchmarks.hmi_accuracy runs the candidate's row there with
 runtime.construct.recipe's PLOT table patched for this process only: OUT/NAME/results.json and
 results.md hold the scores (resumable per task, as the harness's). Candidates (CANDIDATES):
 
@@ -15,6 +18,8 @@ results.md hold the scores (resumable per task, as the harness's). Candidates (C
                  full-depth level's recipe: lr 1e-3, warm-up 6%, dropout 0.1, LoRA dropout 0.1
   lora16-2e-3    the same at lr 2e-3
   lora16-5e-3    the same at lr 5e-3 (the shipped LoRA recipe's rate)
+  lora32-2e-3    lora16-2e-3 at rank 32 (the rank that put the full-depth level above full
+                 fine-tuning on dev)
 
 The candidates are few on purpose: each is one change a reader can name, and the one chosen must
 hold on tasks outside the suite, so nothing is tuned per task.
@@ -38,7 +43,79 @@ CANDIDATES = {  # name -> (harness row, {PET type: recipe keywords}) patched int
     "lora16": ("hplm-lora", {"lora": dict(lr=1e-3, **LORA16)}),
     "lora16-2e-3": ("hplm-lora", {"lora": dict(lr=2e-3, **LORA16)}),
     "lora16-5e-3": ("hplm-lora", {"lora": dict(lr=5e-3, **LORA16)}),
+    "lora32-2e-3": ("hplm-lora", {"lora": dict(lr=2e-3, **(LORA16 | {"rank": 32}))}),
 }
+
+
+TITLES = {
+    "adapter": "adapter b=64, lr 2e-3 (shipped)",
+    "adapter-drop": "the same + dropout 0.1",
+    "lora16": "LoRA r16, six targets, lr 1e-3, dropout 0.1 + 0.1",
+    "lora16-2e-3": "the same at lr 2e-3",
+    "lora16-5e-3": "the same at lr 5e-3",
+    "lora32-2e-3": "the same at rank 32, lr 2e-3",
+}
+TASKS = ("NCBI-disease", "sciie", "citation_intent", "chemprot", "bc5cdr", "sci-cite")
+FIRST = TASKS[:3]  # every candidate ran these; the means of six need all six
+
+
+def report(out: Path) -> dict:
+    """The dev table of every candidate run under OUT: scores per task, the mean of the first
+    three tasks and of all six (blank until a candidate has them), PET MiB (the first task's)."""
+    rows = []
+    for name in CANDIDATES:
+        path = out / name / "results.json"
+        if not path.exists():
+            continue
+        got = {t: cell for t, by in json.loads(path.read_text())["rows"].items() for cell in by.values()}
+        if not all(t in got for t in FIRST):
+            continue
+        score = {t: round(100 * got[t]["score"], 1) for t in TASKS if t in got}
+        mean3 = round(sum(100 * got[t]["score"] for t in FIRST) / 3, 1)
+        mean6 = round(sum(100 * got[t]["score"] for t in TASKS) / 6, 1) if len(score) == 6 else ""
+        mib = round(got[FIRST[0]]["pet_bytes"] / 2**20, 2)
+        rows.append([TITLES[name], *(score.get(t, "") for t in TASKS), mean3, mean6, mib])
+    columns = ["PLOT-level PET (dev, seed 0)", *TASKS, "mean of the first three", "mean of six", "PET MiB"]
+    return {"tables": [{"columns": columns, "rows": rows}]}
+
+
+CHOSEN = "lora16-2e-3"  # the candidate chosen on dev, run on test
+
+
+def test_report(out: Path, accuracy: dict) -> dict | None:
+    """The chosen candidate on test over the harness's training seeds (OUT/CHOSEN-test) against
+    the shipped adapter (accuracy.json's three-seed PLOT-level rows: the same store, sample and
+    seeds); None until every task has every seed."""
+    import statistics
+
+    path = out / f"{CHOSEN}-test" / "results.json"
+    if not path.exists():
+        return None
+    got = json.loads(path.read_text())
+    before = accuracy["three_seed_by_task"]
+    tasks = [t for t in before if t != "mean of six"]
+    scores = {t: [100 * c["score"] for c in got["rows"].get(t, {}).values()] for t in tasks}
+    for cell in got["seeds"].values():
+        scores[cell["task"]].append(100 * cell["score"])
+    if any(len(scores[t]) != len(before[t]["plot_level"]) for t in tasks):
+        return None
+    rows, gains = [], []
+    for t in tasks:
+        gain = [round(a - b, 1) for a, b in zip(scores[t], before[t]["plot_level"])]
+        gains.append(gain)
+        rows.append([t, " / ".join(f"{x:.1f}" for x in before[t]["plot_level"]),
+                     " / ".join(f"{x:.1f}" for x in scores[t]), " / ".join(f"{g:.1f}" for g in gain),
+                     round(statistics.mean(gain), 1)])
+    seeds = len(gains[0])
+    old = [statistics.mean(before[t]["plot_level"][s] for t in tasks) for s in range(seeds)]
+    new = [statistics.mean(scores[t][s] for t in tasks) for s in range(seeds)]
+    rows.append(["mean of six", " / ".join(f"{x:.1f}" for x in old) + f" ({statistics.mean(old):.1f})",
+                 " / ".join(f"{x:.1f}" for x in new) + f" ({statistics.mean(new):.1f})",
+                 " / ".join(f"{a - b:.1f}" for a, b in zip(new, old)), round(statistics.mean(new) - statistics.mean(old), 1)])
+    return {"columns": ["task (test)", "adapter (before), seeds 0 / 1 / 2", "LoRA r16 lr 2e-3 (the candidate), seeds 0 / 1 / 2",
+                        "gain per seed", "mean gain"], "rows": rows,
+            "plot_level_mean": round(statistics.mean(new), 1), "plot_level_seed0": round(new[0], 1),
+            "gain_mean": round(statistics.mean(new) - statistics.mean(old), 1)}
 
 
 def patch(changes: dict) -> None:
@@ -50,8 +127,8 @@ def patch(changes: dict) -> None:
     recipes.RECIPES = MappingProxyType({"plot": recipes.PLOT, "full": recipes.FULL})
 
 
-def prepare(run: Path, out: Path) -> None:
-    """OUT/NAME as a dev-scoring copy of RUN's store and sample (nothing scored in it)."""
+def prepare(run: Path, out: Path, split: str = "dev") -> None:
+    """OUT/NAME as a copy of RUN's store and sample scoring `split` (nothing scored in it)."""
     from benchmarks.cascade_bench import copy_store
 
     if (out / "results.json").exists():
@@ -60,7 +137,7 @@ def prepare(run: Path, out: Path) -> None:
     copy_store(run / "store", out / "store")
     shutil.copytree(run / "data", out / "data", dirs_exist_ok=True)
     results = json.loads((run / "results.json").read_text())
-    results["config"]["eval_split"] = "dev"
+    results["config"]["eval_split"] = split
     for key in ("rows", "seeds", "alpha", "distill"):
         results[key] = {}
     (out / "results.json").write_text(json.dumps(results, indent=1))
@@ -68,22 +145,48 @@ def prepare(run: Path, out: Path) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--run", required=True, type=Path)
-    p.add_argument("--out", required=True, type=Path)
-    p.add_argument("--candidate", required=True, choices=sorted(CANDIDATES))
+    p.add_argument("--run", type=Path)
+    p.add_argument("--out", type=Path)
+    p.add_argument("--candidate", choices=sorted(CANDIDATES))
+    p.add_argument("--report", type=Path, help="an OUT: print the dev table of its candidates (no training)")
+    p.add_argument("--write", action="store_true", help="with --report: into benchmarks/results/plot_recipe.json")
     p.add_argument("--tasks", default="NCBI-disease,sciie,citation_intent")
+    p.add_argument("--eval-split", choices=("dev", "test"), default="dev",
+                   help="dev to choose; test to report the chosen candidate")
+    p.add_argument("--extra-seeds", default="", help="the harness's further training seeds (e.g. 1,2)")
     args = p.parse_args(argv)
+    if args.report:
+        results = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+        accuracy = json.loads((results / "accuracy.json").read_text())
+        got = report(args.report)
+        test = test_report(args.report, accuracy)
+        if test:
+            figures = {k: test.pop(k) for k in ("plot_level_mean", "plot_level_seed0", "gain_mean")}
+            got["tables"].append(test)
+            got["test"] = figures
+        for t in got["tables"]:
+            print("| " + " | ".join(t["columns"]) + " |\n|" + " --- |" * len(t["columns"]))
+            for row in t["rows"]:
+                print("| " + " | ".join(str(c) for c in row) + " |")
+            print()
+        if args.write:
+            path = results / "plot_recipe.json"
+            path.write_text(json.dumps(json.loads(path.read_text()) | got, indent=1, ensure_ascii=False) + "\n")
+        return 0
+    if not (args.run and args.out and args.candidate):
+        p.error("--run, --out and --candidate are required (unless --report)")
     if not (args.run / "store" / "CURRENT").exists():
         p.error(f"{args.run} holds no harness store (run benchmarks.hmi_accuracy first)")
     row, changes = CANDIDATES[args.candidate]
     patch(changes)
-    out = args.out / args.candidate
-    prepare(args.run, out)
+    out = args.out / (args.candidate + ("" if args.eval_split == "dev" else "-" + args.eval_split))
+    prepare(args.run, out, args.eval_split)
     from benchmarks import hmi_accuracy
 
     config = json.loads((args.run / "results.json").read_text())["config"]
-    hmi_accuracy.main(["--out", str(out), "--eval-split", "dev", "--tasks", args.tasks, "--rows", row,
-                       "--alpha-tasks", "", "--distill-tasks", "", "--extra-seeds", "", "--seed", str(config.get("seed", 0))])
+    hmi_accuracy.main(["--out", str(out), "--eval-split", args.eval_split, "--tasks", args.tasks, "--rows", row,
+                       "--alpha-tasks", "", "--distill-tasks", "", "--extra-seeds", args.extra_seeds,
+                       "--seed", str(config.get("seed", 0))])
     return 0
 
 
