@@ -18,7 +18,8 @@ Rows (Table 3):
                 with the windows of the evaluation text it served only by backing off, valued by
                 the domain's lower layers (`hkstore domain grow`): the PLOT as a cache that grows
                 with a tenant's traffic (text, never labels). Needs the hplm row first.
-  hplm-lora     the same with LoRA
+  hplm-lora     the same with LoRA (the recipe's: r16 on all six projections, lr 2e-3), what
+                tenant create trains by default
   hplm-wide     hplm with a wider adapter (bottleneck --wide-bottleneck, default 256): how much
                 of the gap to dedicated is the adapter's capacity, at what cost in bytes
   hplm-full     hplm with every upper-layer weight tuned (a dense diff PET, density 1, lr
@@ -87,7 +88,7 @@ ROW_TITLES = {
     "plot-only": "PLOT-only (domain PLOT + upper fine-tuning)",
     "hplm": "hPLM (domain PLOT + adapter)",
     "hplm-grown": "hPLM, PLOT grown with the evaluation text's missed windows",
-    "hplm-lora": "hPLM with LoRA",
+    "hplm-lora": "hPLM with LoRA r16 (the shipped default)",
     "hplm-wide": "hPLM, adapter bottleneck {wide_bottleneck}",
     "hplm-full": "hPLM, every upper-layer weight tuned (dense diff PET)",
     "full": "full-depth LoRA (every layer, exact inputs: tenant create's full level)",

@@ -1,5 +1,5 @@
 """Candidate recipes for the PLOT-level PET, on dev: the harness's hplm (adapter) or hplm-lora
-row, trained by `tenant create`'s code path with the candidate's recipe in place of the shipped one.
+row, trained by `tenant create`'s code path with the candidate's recipe in place of the product's.
 
     python -m experiments.plot_recipe --run RUN --out OUT --candidate NAME [--tasks a,b]
     python -m experiments.plot_recipe --run RUN --out OUT --candidate NAME --eval-split test --extra-seeds 1,2
@@ -12,12 +12,13 @@ extra training seeds), then benchmarks.hmi_accuracy runs the candidate's row the
 runtime.construct.recipe's PLOT table patched for this process only: OUT/NAME/results.json and
 results.md hold the scores (resumable per task, as the harness's). Candidates (CANDIDATES):
 
-  adapter        the shipped PLOT recipe (adapter b=64, lr 2e-3, 10 epochs, warm-up 10%)
+  adapter        the adapter PLOT recipe (b=64, lr 2e-3, 10 epochs, warm-up 10%): the default before
+                 lora16-2e-3
   adapter-drop   the same with BERT's dropout 0.1 in training (the full-depth recipe's rate)
   lora16         LoRA r16 (scale 2) on q,k,v,o,ffn_in,ffn_out of the upper layers with the
                  full-depth level's recipe: lr 1e-3, warm-up 6%, dropout 0.1, LoRA dropout 0.1
   lora16-2e-3    the same at lr 2e-3
-  lora16-5e-3    the same at lr 5e-3 (the shipped LoRA recipe's rate)
+  lora16-5e-3    the same at lr 5e-3 (the LoRA recipe's rate before)
   lora32-2e-3    lora16-2e-3 at rank 32 (the rank that put the full-depth level above full
                  fine-tuning on dev)
 
@@ -48,10 +49,10 @@ CANDIDATES = {  # name -> (harness row, {PET type: recipe keywords}) patched int
 
 
 TITLES = {
-    "adapter": "adapter b=64, lr 2e-3 (shipped)",
+    "adapter": "adapter b=64, lr 2e-3 (the default before)",
     "adapter-drop": "the same + dropout 0.1",
     "lora16": "LoRA r16, six targets, lr 1e-3, dropout 0.1 + 0.1",
-    "lora16-2e-3": "the same at lr 2e-3",
+    "lora16-2e-3": "the same at lr 2e-3 (shipped)",
     "lora16-5e-3": "the same at lr 5e-3",
     "lora32-2e-3": "the same at rank 32, lr 2e-3",
 }
@@ -79,13 +80,13 @@ def report(out: Path) -> dict:
     return {"tables": [{"columns": columns, "rows": rows}]}
 
 
-CHOSEN = "lora16-2e-3"  # the candidate chosen on dev, run on test
+CHOSEN = "lora16-2e-3"  # the candidate chosen on dev, run on test: runtime.construct.recipe's PLOT["lora"] now
 
 
 def test_report(out: Path, accuracy: dict) -> dict | None:
     """The chosen candidate on test over the harness's training seeds (OUT/CHOSEN-test) against
-    the shipped adapter (accuracy.json's three-seed PLOT-level rows: the same store, sample and
-    seeds); None until every task has every seed."""
+    the adapter it replaced as the default (accuracy.json's three-seed PLOT-level rows: the same
+    store, sample and seeds); None until every task has every seed."""
     import statistics
 
     path = out / f"{CHOSEN}-test" / "results.json"
@@ -112,7 +113,7 @@ def test_report(out: Path, accuracy: dict) -> dict | None:
     rows.append(["mean of six", " / ".join(f"{x:.1f}" for x in old) + f" ({statistics.mean(old):.1f})",
                  " / ".join(f"{x:.1f}" for x in new) + f" ({statistics.mean(new):.1f})",
                  " / ".join(f"{a - b:.1f}" for a, b in zip(new, old)), round(statistics.mean(new) - statistics.mean(old), 1)])
-    return {"columns": ["task (test)", "adapter (before), seeds 0 / 1 / 2", "LoRA r16 lr 2e-3 (the candidate), seeds 0 / 1 / 2",
+    return {"columns": ["task (test)", "adapter (the default before), seeds 0 / 1 / 2", "LoRA r16 lr 2e-3 (shipped), seeds 0 / 1 / 2",
                         "gain per seed", "mean gain"], "rows": rows,
             "plot_level_mean": round(statistics.mean(new), 1), "plot_level_seed0": round(new[0], 1),
             "gain_mean": round(statistics.mean(new) - statistics.mean(old), 1)}
@@ -172,6 +173,9 @@ def main(argv=None) -> int:
         if args.write:
             path = results / "plot_recipe.json"
             path.write_text(json.dumps(json.loads(path.read_text()) | got, indent=1, ensure_ascii=False) + "\n")
+            if test:  # the goal's figure: the shipped PLOT-level recipe's three-seed test mean
+                accuracy["plot_level_mean"] = got["test"]["plot_level_mean"]
+                (results / "accuracy.json").write_text(json.dumps(accuracy, indent=1, ensure_ascii=False) + "\n")
         return 0
     if not (args.run and args.out and args.candidate):
         p.error("--run, --out and --candidate are required (unless --report)")

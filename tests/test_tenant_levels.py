@@ -54,7 +54,7 @@ def test_create_trains_a_current_full_depth_pet_beside_the_pet(cli, env):
     assert full.meta["layers"] == list(range(6))  # the lower layers too (the store's split is 3)
     assert full.meta["pet_type"] == "lora" and full.meta["targets"] == list(recipe.ALL_TARGETS)
     assert full.meta["train"]["epochs"] == 1 and full.meta["train"]["lr"] == recipe.FULL["lora"].lr
-    assert out["full"]["pet_bytes"] > out["pet_bytes"]
+    assert set(full.meta["layers"]) > set(pet.meta["layers"]) and out["full"]["pet_bytes"] > 0
     assert_stored_dtypes(pet, full)
 
     r = run(cli, "tenant", "info", env["store"], "both", "--json")
@@ -234,3 +234,29 @@ def test_held_score_of_tagging_is_entity_f1_over_the_scored_words(sentences):
     gold = [[tags[y] for _, y, scored in s if scored] for s in sentences]
     predicted = [[tags[p] for p, _, scored in s if scored] for s in sentences]
     assert held_score(logits, targets, "tagging", tags) == pytest.approx(entity_f1(gold, predicted))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(0.01, 10.0), min_size=1, max_size=200), st.floats(0.05, 0.85))
+def test_a_run_is_stalled_when_its_loss_never_falls_and_long_enough_to_judge(losses, fall):
+    from runtime.construct.train import stalled
+
+    assert stalled(losses) == (len(losses) >= 50 and sum(losses[-(len(losses) // 10):]) >
+                               0.9 * sum(losses[:len(losses) // 10]))
+    if len(losses) >= 50:
+        flat = [1.0] * len(losses)
+        assert stalled(flat) and not stalled([1.0] * (len(losses) - len(losses) // 10) + [fall] * (len(losses) // 10))
+
+
+def test_a_stalled_plot_level_run_is_trained_again_at_half_its_rate(env):
+    """A learning rate of 0 never leaves the starting loss: tenant create says so and retrains."""
+    out = manager.tenant_create(env["store"], "stalls", version="root", train_path=env["cls"], lr=0.0, epochs=60,
+                                batch_size=len(open(env["cls"]).readlines()), max_len=32, levels=("plot",),
+                                progress=False)
+    assert out["stalled"]["lr"] == 0.0 and out["stalled"]["seed"] == 0
+    pet, _ = records(env["store"], "stalls")
+    assert pet.meta["train"]["stalled"] == out["stalled"] and pet.meta["train"]["lr"] == 0.0
+    fine = manager.tenant_create(env["store"], "learns", version="root", train_path=env["cls"], epochs=60,
+                                 batch_size=len(open(env["cls"]).readlines()), max_len=32, levels=("plot",),
+                                 progress=False)
+    assert "stalled" not in fine and "stalled" not in records(env["store"], "learns")[0].meta["train"]

@@ -22,6 +22,7 @@ import json
 import click
 
 from runtime.construct import manager
+from runtime.construct import recipe as recipes
 
 
 def _call(fn, *args, **kwargs):
@@ -185,14 +186,15 @@ def tenant():
               help="JSON lines {text, label} (classification) or CoNLL (tagging).")
 @click.option("--task", type=click.Choice(["classification", "tagging"]), default="classification", show_default=True)
 @click.option("--pet-type", "--pet", "pet_type", type=click.Choice(["adapter", "lora", "bitfit", "diff", "mask", "head"]),
-              default="adapter", show_default=True)
+              default=recipes.PLOT_PET_TYPE, show_default=True,
+              help="On an encoder store lora is LoRA r16 on every projection of the upper layers (the recipe's).")
 @click.option("--epochs", type=int, default=None, help="Default: the PET type's recipe (every level).")
 @click.option("--max-examples", type=int, default=None)
 @click.option("--lr", type=float, default=None, help="Default: the PET type's recipe (the PLOT-level PET).")
 @click.option("--batch-size", type=int, default=None, help="Default: the recipe's (every level).")
 @click.option("--max-len", type=int, default=128, show_default=True)
 @click.option("--bottleneck", type=int, default=None, help="adapter: default the recipe's (64).")
-@click.option("--rank", type=int, default=None, help="lora: default the recipe's (8).")
+@click.option("--rank", type=int, default=None, help="lora: default the recipe's (16; 8 on a decoder store).")
 @click.option("--density", type=click.FloatRange(0, 1, min_open=True), default=None,
               help="diff / mask: the share of each target's weights the PET changes (1: every weight; "
                    "default the recipe's, 0.005).")

@@ -384,6 +384,8 @@ def _summary(trained: Trained, t0, sizes: dict) -> dict:
            "examples": trained.examples, "steps": len(log), **loss_ends(log), "pet_bytes": int(sizes["plot"]),
            "level_seconds": trained.seconds, "threads": torch.get_num_threads(),
            "seconds": round(time.perf_counter() - t0, 3)}
+    if stall := record.meta.get("train", {}).get("stalled"):
+        out["stalled"] = stall  # the first run never left its starting loss: retrained at half its rate
     if "full" in trained.logs:
         full = trained.records[1]
         out["full"] = {"pet_type": full.meta["pet_type"], "layers": full.meta["layers"],
@@ -424,7 +426,8 @@ def check_levels(levels) -> tuple[str, ...]:
     return levels
 
 
-def tenant_create(store_path, tenant, *, version, train_path, task: str = "classification", pet_type: str = "adapter",
+def tenant_create(store_path, tenant, *, version, train_path, task: str = "classification",
+                  pet_type: str = recipes.PLOT_PET_TYPE,
                   epochs: int | None = None, max_examples: int | None = None, lr: float | None = None,
                   batch_size: int | None = None, max_len: int = 128, bottleneck: int | None = None,
                   rank: int | None = None, density: float | None = None, norms: tuple[str, ...] | None = None,
@@ -439,7 +442,10 @@ def tenant_create(store_path, tenant, *, version, train_path, task: str = "class
     text outside its corpus (each backoff step taken with this probability,
     runtime.plot.unseen); 0 trains on the windows as served. calibration_share > 0: that share
     of the examples is held out of training, fits the tenant's level temperatures
-    (runtime.construct.calibration; the meta's ``calibration``) and scores each level."""
+    (runtime.construct.calibration; the meta's ``calibration``) and scores each level. A PLOT-level
+    run that never leaves its starting loss (runtime.construct.train.stalled) is trained once more
+    at half the rate under the next seed; ``stalled`` in the summary and in the meta's ``train``
+    keeps the first run's rate, seed and losses."""
     t0 = time.perf_counter()
     # Train on a read-only snapshot (no writer lock: tenants can be trained in parallel), then
     # take the lock only to append the records; the checks run again under it.
@@ -481,12 +487,16 @@ def tenants_create(store_path, specs, *, levels=("plot",), progress: bool = True
     return [dict(o, pass_seconds=round(time.perf_counter() - t0, 3)) for o in out]
 
 
-def _train_new(store, encoder, tenant, *, version, train_path, task="classification", pet_type="adapter", epochs=None,
+def _train_new(store, encoder, tenant, *, version, train_path, task="classification", pet_type=recipes.PLOT_PET_TYPE,
+               epochs=None,
                max_examples=None, lr=None, batch_size=None, max_len=128, bottleneck=None, rank=None, density=None,
                norms=None, seed=0, replace=False, unseen=UNSEEN, calibration_share=0.0, levels=recipes.LEVELS,
                progress=True) -> Trained:
     """A new tenant's records trained on store's snapshot (not stored)."""
+    import dataclasses
+
     from runtime.construct.full import train_full_level
+    from runtime.construct.train import loss_ends, stalled
     from runtime.model import pet as petlib
 
     t0 = time.perf_counter()
@@ -504,8 +514,16 @@ def _train_new(store, encoder, tenant, *, version, train_path, task="classificat
                                     progress=progress)
     pet = petlib.create_pet(encoder, pet_type, task, labels, seed=seed, **options)
     exported, log = _fit_pet(store, encoder, pet, version, ids, targets, cfg, unseen)
+    stall = None
+    if stalled(log):  # once more at half the rate under the next seed; the record keeps the stalled run's
+        stall = {"lr": cfg.lr, "seed": cfg.seed, **loss_ends(log)}
+        cfg = dataclasses.replace(cfg, lr=cfg.lr / 2, seed=cfg.seed + 1)
+        pet = petlib.create_pet(encoder, pet_type, task, labels, seed=seed + 1, **options)
+        exported, log = _fit_pet(store, encoder, pet, version, ids, targets, cfg, unseen)
     extra = {"train": {"path": os.path.abspath(train_path), "examples": len(ids), "epochs": cfg.epochs, "lr": cfg.lr,
                        "max_len": max_len, "unseen": unseen, "loss_last": log[-1], "updates": 0}}
+    if stall:
+        extra["train"]["stalled"] = stall
     if held:
         extra["calibration"] = _calibration(store, encoder, version, pet, held, calibration_share, 0)
     record = _record(tenant, store, version, exported, extra)

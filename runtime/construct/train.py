@@ -242,6 +242,16 @@ def distill_windows(encoder: Encoder, docs: list[list[int]], n: int, kind: str, 
 # -- shared pieces ------------------------------------------------------------------------
 
 
+def stalled(losses: list[float], min_steps: int = 50) -> bool:
+    """Whether a run of at least min_steps never left its starting loss: its last tenth of steps
+    averages above 0.9 of its first tenth. A rate near the edge of stability can leave one seed
+    there, and that PET answers one label for everything; shorter runs are not judged."""
+    if len(losses) < min_steps:
+        return False
+    ends = loss_ends(losses)
+    return ends["loss_last"] > 0.9 * ends["loss_first"]
+
+
 def loss_ends(log) -> dict:
     """The training loss at the start and at the end: the mean over the first and the last tenth
     of the steps (one batch's loss alone swings with what the batch held)."""
