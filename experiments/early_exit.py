@@ -135,11 +135,18 @@ def confidence(t, zs):
     return torch.stack(out)
 
 
-def cascade_at(t, k, exit_logits, top_logits, tau):
-    """(score, share answered at the exit, cost vs the top) of "exit k if sure, else the top"."""
-    use = (confidence(t, exit_logits) >= tau).tolist()
-    pred = [(a if u else b).argmax(-1).tolist() for a, b, u in zip(exit_logits, top_logits, use)]
+def answers(t, exit_logits, top_logits):
+    """(confidence, exit predictions, top predictions) per example: what every threshold reads."""
+    return (confidence(t, exit_logits), [z.argmax(-1) for z in exit_logits], [z.argmax(-1) for z in top_logits])
+
+
+def cascade_at(t, k, got, tau):
+    """(score, share answered at the exit, cost vs the top) of "exit k if sure, else the top";
+    got: answers()'s."""
+    conf, exit_pred, top_pred = got
+    use = (conf >= tau).tolist()
     share = sum(use) / len(use)
+    pred = [(a if u else b).tolist() for a, b, u in zip(exit_pred, top_pred, use)]
     return t.score(pred), share, share * k / 6 + (1 - share)
 
 
@@ -152,12 +159,13 @@ def cascades(t, exit_logits, top_logits, tolerance):
     top = t.score([p.tolist() for p in top_pred])
     found = {}
     for k, zs in exit_logits.items():
-        pred, best = [z.argmax(-1) for z in zs], None
+        got, best = answers(t, zs, top_logits), None
         for tau in [*torch.linspace(0, 1, 401).tolist(), 1.01]:
-            s, share, cost = cascade_at(t, k, zs, top_logits, tau)
+            s, share, cost = cascade_at(t, k, got, tau)
             if s >= top - tolerance / 100 and (best is None or cost < best["cost"]):
                 best = {"cost": round(cost, 3), "score": round(100 * s, 1), "share": round(share, 3),
                         "threshold": round(tau, 4)}
+        pred = got[1]
         same = sum(bool(torch.equal(a, b)) for a, b in zip(pred, top_pred)) / len(pred)
         found[k] = {"alone": round(100 * t.score([p.tolist() for p in pred]), 1), "best": best,
                     "oracle_cost": round(same * k / 6 + (1 - same), 3)}
@@ -233,10 +241,9 @@ def main(argv=None):
         frozen = json.loads((args.report / "results.json").read_text())
         joint = json.loads((args.joint_run / "results.json").read_text()) if args.joint_run else None
         got = report(frozen, joint)
-        t = got["tables"][0]
-        print("| " + " | ".join(t["columns"]) + " |\n|" + " --- |" * len(t["columns"]))
-        for row in t["rows"]:
-            print("| " + " | ".join(str(c) for c in row) + " |")
+        from benchmarks.bench_runtime import md_table
+
+        print(md_table(got["tables"][0]["columns"], got["tables"][0]["rows"]))
         if args.write:
             path = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "early_exit.json"
             old = json.loads(path.read_text()) if path.exists() else {"section": SECTION}
@@ -299,7 +306,7 @@ def main(argv=None):
         top = round(100 * tt.score([z.argmax(-1).tolist() for z in test_top]), 1)
         on_test = {}
         for k, f in found.items():  # the threshold chosen on dev, applied to test
-            score, share, cost = cascade_at(tt, k, test_exits[k], test_top, f["best"]["threshold"])
+            score, share, cost = cascade_at(tt, k, answers(tt, test_exits[k], test_top), f["best"]["threshold"])
             alone = tt.score([z.argmax(-1).tolist() for z in test_exits[k]])
             on_test[k] = {"score": round(100 * score, 1), "share": round(share, 3), "cost": round(cost, 3),
                           "alone": round(100 * alone, 1)}

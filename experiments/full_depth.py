@@ -83,31 +83,34 @@ def new_recipe(args):
                        seed=args.seed, progress=args.progress)
 
 
+def scored(t, encoder, pet, xs) -> float:
+    """t's score of pet's predictions on inputs xs (through the encoder's PET layers)."""
+    from runtime.model.pet import head
+    from benchmarks.hmi_accuracy import padded, predict
+
+    return t.score(predict(lambda b: head(pet, encoder.upper(*padded(b), pet)), xs))
+
+
 def pet_row(args, encoder, t, inputs_of, pet_type, layers, recipe=None, **options):
     """Train a PET of pet_type on `layers` of encoder (new recipe) on inputs_of(ids) and score it."""
     from runtime.construct.train import train_pet
-    from runtime.model.pet import create_pet, head
-    from benchmarks.hmi_accuracy import padded, predict
+    from runtime.model.pet import create_pet
 
     pet = create_pet(encoder, pet_type, t.kind, t.labels, layers=list(layers), seed=args.seed, **options)
     train_x, test_x = inputs_of(encoder, t.train_ids), inputs_of(encoder, t.test_ids)
     trained, log = train_pet(encoder, pet, train_x, t.train_y, recipe or new_recipe(args))
-    score = t.score(predict(lambda b: head(trained, encoder.upper(*padded(b), trained)), test_x))
-    return score, log, trained
+    return scored(t, encoder, trained, test_x), log, trained
 
 
 def fd_lora(args, whole, t):
     """The full-depth PET as tenant create trains it (runtime.construct.full.train_full: the
     recipe), with this run's settings, which default to the recipe's."""
     from runtime.construct.full import train_full
-    from runtime.model.pet import head
-    from benchmarks.hmi_accuracy import padded, predict
 
     trained, log, _ = train_full(whole, t.kind, t.labels, t.train_ids, t.train_y, lr=args.lr, epochs=args.epochs,
                                  warmup=args.warmup, batch_size=args.batch_size, rank=args.rank, scale=args.scale,
                                  seed=args.seed, progress=args.progress)
-    test_x = embeddings(whole, t.test_ids)
-    return t.score(predict(lambda b: head(trained, whole.upper(*padded(b), trained)), test_x)), log, trained
+    return scored(t, whole, trained, embeddings(whole, t.test_ids)), log, trained
 
 
 def kept_only(whole, sparse):
@@ -131,17 +134,13 @@ def fd_diff(args, whole, t):
     """The fd-diff row: (score at the first density, losses, the PET at it, per-density results).
     Bytes are as a full-depth record stores a diff: an int32 index and an fp16 value per entry."""
     from runtime.construct.train import TrainConfig, train_pet
-    from runtime.model.pet import TARGETS, Pet, create_pet, export, head
-    from benchmarks.hmi_accuracy import padded, predict
+    from runtime.model.pet import TARGETS, Pet, create_pet, export
 
     train_x, test_x = embeddings(whole, t.train_ids), embeddings(whole, t.test_ids)
 
     def cfg(epochs):
         return TrainConfig(lr=args.lr_diff, epochs=epochs, batch_size=args.batch_size, warmup=args.warmup,
                            seed=args.seed, progress=args.progress)
-
-    def score(p):
-        return t.score(predict(lambda b: head(p, whole.upper(*padded(b), p)), test_x))
 
     def stored(p):
         return sum(v.numel() * (4 if k.endswith(".index") else 2) for k, v in p.tensors.items()
@@ -154,10 +153,10 @@ def fd_diff(args, whole, t):
     for d in args.densities:
         sparse = export(Pet(dense.tensors, {**dense.meta, "density": d}))
         first = first or sparse
-        entry = {"score": score(sparse), "pet_bytes_stored": stored(sparse)}
+        entry = {"score": scored(t, whole, sparse, test_x), "pet_bytes_stored": stored(sparse)}
         if d in args.retrain_densities:
             again, more = train_pet(whole, kept_only(whole, sparse), train_x, t.train_y, cfg(args.retrain_epochs))
-            entry |= {"retrained_score": score(again), "retrained_bytes_stored": stored(again),
+            entry |= {"retrained_score": scored(t, whole, again, test_x), "retrained_bytes_stored": stored(again),
                       "retrain_loss_last": more[-1]}
         by[f"{d:g}"] = entry
         say(f"{t.name} / fd-diff at density {d:g}: {100 * entry['score']:.1f}"

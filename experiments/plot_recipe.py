@@ -165,11 +165,9 @@ def main(argv=None) -> int:
             figures = {k: test.pop(k) for k in ("plot_level_mean", "plot_level_seed0", "gain_mean")}
             got["tables"].append(test)
             got["test"] = figures
-        for t in got["tables"]:
-            print("| " + " | ".join(t["columns"]) + " |\n|" + " --- |" * len(t["columns"]))
-            for row in t["rows"]:
-                print("| " + " | ".join(str(c) for c in row) + " |")
-            print()
+        from benchmarks.bench_runtime import md_table
+
+        print("\n\n".join(md_table(t["columns"], t["rows"]) for t in got["tables"]))
         if args.write:
             path = results / "plot_recipe.json"
             path.write_text(json.dumps(json.loads(path.read_text()) | got, indent=1, ensure_ascii=False) + "\n")
