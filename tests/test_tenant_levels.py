@@ -260,3 +260,21 @@ def test_a_stalled_plot_level_run_is_trained_again_at_half_its_rate(env):
                                  batch_size=len(open(env["cls"]).readlines()), max_len=32, levels=("plot",),
                                  progress=False)
     assert "stalled" not in fine and "stalled" not in records(env["store"], "learns")[0].meta["train"]
+
+
+def test_a_stalled_full_depth_run_is_trained_again_at_half_its_rate(env, monkeypatch):
+    """The full-depth level has the PLOT level's guard: at a rate of 0 its loss never falls."""
+    import dataclasses
+
+    frozen = dict(recipe.FULL, lora=dataclasses.replace(recipe.FULL["lora"], lr=0.0))
+    monkeypatch.setattr(recipe, "RECIPES", dict(recipe.RECIPES, full=frozen))
+    out = manager.tenant_create(env["store"], "full-stalls", version="root", train_path=env["cls"], epochs=60,
+                                batch_size=len(open(env["cls"]).readlines()), max_len=32, progress=False)
+    assert out["full"]["stalled"]["lr"] == 0.0 and out["full"]["stalled"]["seed"] == 0
+    assert out["full"]["stalled"]["loss_last"] > 0.9 * out["full"]["stalled"]["loss_first"]
+    pet, full = records(env["store"], "full-stalls")
+    assert full.meta["train"]["stalled"] == out["full"]["stalled"] and "stalled" not in pet.meta["train"]
+    monkeypatch.undo()
+    fine = manager.tenant_create(env["store"], "full-learns", version="root", train_path=env["cls"], epochs=60,
+                                 batch_size=len(open(env["cls"]).readlines()), max_len=32, progress=False)
+    assert "stalled" not in fine["full"] and "stalled" not in records(env["store"], "full-learns")[1].meta["train"]

@@ -134,13 +134,25 @@ def is_stale(full_meta: dict, pet_meta: dict) -> bool:
 def train_full_level(store, pet_record, ids, targets, held=None, *, epochs=None, batch_size=None, seed: int = 0,
                      progress: bool = True):
     """(full-depth record, losses) of a tenant trained on ids beside its new PET record (its
-    training file and max_len); held: the held-out (ids, targets) its PET was calibrated on."""
+    training file and max_len); held: the held-out (ids, targets) its PET was calibrated on. A
+    run that never leaves its starting loss is trained once more as the PLOT level's is
+    (runtime.construct.train.stalled: half the rate, the next seed; ``train.stalled`` keeps the
+    first run's)."""
+    from runtime.construct.train import loss_ends, stalled
+
     whole = whole_encoder(store)
     meta = pet_record.meta
     exported, log, cfg = train_full(whole, meta["task"], meta["labels"], ids, targets, epochs=epochs,
                                     batch_size=batch_size, seed=seed, progress=progress)
+    stall = None
+    if stalled(log):
+        stall = {"lr": cfg.lr, "seed": cfg.seed, **loss_ends(log)}
+        exported, log, cfg = train_full(whole, meta["task"], meta["labels"], ids, targets, epochs=epochs,
+                                        batch_size=batch_size, seed=seed + 1, lr=cfg.lr / 2, progress=progress)
     exported = rounded(exported)
     extra = {"train": _train_meta(meta, cfg, ids, log, 0)}
+    if stall:
+        extra["train"]["stalled"] = stall
     if held:
         extra["held_out"] = held_out(whole, exported, *held, meta)
     return full_record(pet_record, exported, extra), log

@@ -391,6 +391,8 @@ def _summary(trained: Trained, t0, sizes: dict) -> dict:
         out["full"] = {"pet_type": full.meta["pet_type"], "layers": full.meta["layers"],
                        "steps": len(trained.logs["full"]), **loss_ends(trained.logs["full"]),
                        "pet_bytes": int(sizes["full"])}
+        if stall := full.meta["train"].get("stalled"):
+            out["full"]["stalled"] = stall
     return out
 
 
@@ -442,10 +444,11 @@ def tenant_create(store_path, tenant, *, version, train_path, task: str = "class
     text outside its corpus (each backoff step taken with this probability,
     runtime.plot.unseen); 0 trains on the windows as served. calibration_share > 0: that share
     of the examples is held out of training, fits the tenant's level temperatures
-    (runtime.construct.calibration; the meta's ``calibration``) and scores each level. A PLOT-level
-    run that never leaves its starting loss (runtime.construct.train.stalled) is trained once more
-    at half the rate under the next seed; ``stalled`` in the summary and in the meta's ``train``
-    keeps the first run's rate, seed and losses."""
+    (runtime.construct.calibration; the meta's ``calibration``) and scores each level. A run of
+    either level that never leaves its starting loss (runtime.construct.train.stalled) is trained
+    once more at half the rate under the next seed; ``stalled`` in the summary (``full.stalled``
+    for the full-depth level) and in the record's ``train`` keeps the first run's rate, seed and
+    losses."""
     t0 = time.perf_counter()
     # Train on a read-only snapshot (no writer lock: tenants can be trained in parallel), then
     # take the lock only to append the records; the checks run again under it.
