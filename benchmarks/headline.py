@@ -10,9 +10,8 @@ then the tenant's upper-layer PET and head: a dedicated model's forward pass, wi
 one tenant at a time, no model swap to pay). Per query the server's CPU seconds are read as
 cascade_bench reads them. On a core a server's throughput is the inverse of its CPU time per
 query, so auto's throughput over a dedicated model's is the exact level's CPU time per query
-over auto's. (`hkstore serve --mode dedicated`, the load benchmarks' baseline, runs the lower
-layers beside the PLOT lookup instead of in place of it, so it costs more than a dedicated
-model and would flatter hkstore.) Accuracy: auto as cascade_bench served and scored it, against
+over auto's (what `hkstore serve --mode dedicated`, the load benchmarks' baseline, serves too,
+with a model swap whenever its tenant is not resident). Accuracy: auto as cascade_bench served and scored it, against
 dedicated fine-tuning on the same test sample (the harness's dedicated row, seed 0:
 benchmarks/results/accuracy.json). --write-results adds ``headline`` there: the ratios and the
 accuracy differences per task and their six-task means.

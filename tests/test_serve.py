@@ -494,6 +494,10 @@ def test_dedicated_mode_batches_one_tenant_at_a_time_and_swaps(server, tenants, 
                               headers=h)
             assert r.status_code == 200, r.text
             assert [x["batch_size"] for x in r.json()["results"]] == [2, 2]
+            assert [x["level_name"] for x in r.json()["results"]] == ["exact", "exact"]  # no PLOT lookup
+        for asks in ({"policy": "fast"}, {"level": "plot"}, {"students": 1}):
+            r = s.client.post("/v1/tenants/base/infer", json={"texts": ["Return the sum."], **asks}, headers=h)
+            assert r.status_code == 422 and "dedicated" in r.json()["detail"], r.text
         assert s.client.get("/healthz", headers=h).json()["mode"] == "dedicated"  # details: the admin token
         assert "hkstore_dedicated_swaps_total 3.0" in s.client.get("/metrics", headers=h).text
     finally:

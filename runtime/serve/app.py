@@ -79,7 +79,8 @@ HTTP layer.
 **Dedicated baseline.** ``mode="dedicated"`` emulates one full model per tenant (HMI's
 baseline): batches hold one tenant only, one runs at a time, and a tenant whose model is not
 among the ``dedicated_resident`` most recent ones first copies a full model's weights (the
-swap); every batch also runs the lower layers (no PLOT) before the upper ones.
+swap); every text is answered at the exact level (every layer on its own context, no PLOT
+lookup), and a request that asks for a policy, a level or students is refused.
 """
 
 import asyncio

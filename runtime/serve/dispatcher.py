@@ -10,8 +10,11 @@ answered ``Expired`` (504) by the engine, and a caller who gives up takes its te
 queue (``drop``). The metrics of the queue and the batches come from the engine's observers.
 
 The dedicated-model baseline (``mode="dedicated"``) batches one tenant at a time (the engine's
-``tenant`` batching) and, before each batch computes, swaps that tenant's full model in when
-it is not among the ``dedicated_resident`` most recent ones and runs its lower layers.
+``tenant`` batching), serves every text at the exact level (all layers on the text's own
+context, no PLOT lookup: a dedicated model's forward pass) and, before each batch computes,
+swaps that tenant's full model in when it is not among the ``dedicated_resident`` most recent
+ones. A dedicated model has one level, so a request there that asks for a policy, a level or
+students is refused (422, as any request the runtime refuses).
 """
 
 import asyncio
@@ -98,6 +101,8 @@ class Dispatcher:
         import runtime
 
         def submit(batch):
+            if self._dedicated is not None:
+                batch = [self._dedicated.pin(r) for r in batch]
             if self.engine is None:
                 return [_answered(r) for r in self.rt.infer(batch)]
             return self.rt.submit(batch, deadline)
@@ -163,11 +168,20 @@ class _DedicatedModels:
         self._lru = collections.OrderedDict()
         self.swaps = 0
 
+    @staticmethod
+    def pin(request: dict) -> dict:
+        """The request at the exact level; BadRequest where it asks for another way to be served."""
+        import runtime
+
+        if asked := sorted(k for k in ("policy", "level", "students") if request.get(k) is not None):
+            raise runtime.BadRequest(f"{', '.join(asked)}: this server emulates dedicated models (--mode dedicated), "
+                                     "which answer every text with the whole model on its own context")
+        return dict(request, level="exact")
+
     def step(self, step):
-        """Before a batch (one tenant's) computes: its model swapped in, its lower layers run."""
+        """Before a batch (one tenant's) computes: its model swapped in."""
         if self.swap(step.works[0].pet.key):
             self.swaps_metric.inc()
-        self.lower([r.ids for r in step.rows])
 
     def swap(self, tenant) -> bool:
         if tenant in self._lru:
@@ -179,12 +193,4 @@ class _DedicatedModels:
             self._lru.popitem(last=False)
         self.swaps += 1
         return True
-
-    def lower(self, seqs):
-        import torch
-
-        enc = self.rt.encoder
-        ids, mask = enc.pad(seqs)
-        with torch.no_grad():
-            enc.lower(ids, mask)
 
