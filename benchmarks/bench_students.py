@@ -405,6 +405,22 @@ def by_level_score(latency, scores) -> dict:
     return out
 
 
+def by_tenant(results) -> list:
+    """Per tenant of a --cascade run: each mode's p99 (ms, over its rounds' requests) and its
+    score (the mean over rounds), and auto against top (BENCHMARKS' burst table)."""
+    rows = []
+    for tenant in sorted({x[3] for r in results for x in r["latency"]}):
+        p99, score = {}, {}
+        for mode in ("top", "auto"):
+            rs = [r for r in results if r["mode"] == mode]
+            p99[mode] = float(np.percentile([x[1] for r in rs for x in r["latency"] if x[3] == tenant], 99)) * 1e3
+            score[mode] = 100 * float(np.mean([r["scored"][tenant] for r in rs]))
+        rows.append({"tenant": tenant, "top_p99_ms": round(p99["top"]), "auto_p99_ms": round(p99["auto"]),
+                     "p99_ratio": round(p99["auto"] / p99["top"], 2), "top_score": round(score["top"], 1),
+                     "auto_score": round(score["auto"], 1), "auto_minus_top": round(score["auto"] - score["top"], 1)})
+    return rows
+
+
 def main_fig13(args, tenants, earlier, report):
     reqs = load_requests(args.store, tenants, args.load_requests)
     results = []
@@ -435,6 +451,10 @@ def main_fig13(args, tenants, earlier, report):
         pooled_rows.append(row)
         print(json.dumps(row), flush=True)
     report["fig13"], report["pooled"] = results, pooled_rows
+    if args.cascade:
+        report["by_tenant"] = by_tenant(results)
+        for row in report["by_tenant"]:
+            print(json.dumps(row), flush=True)
     report["machine_after"] = uptime()
     with open(os.path.join(args.out, "bench_students_fig13.json"), "w") as f:
         json.dump(report, f, indent=1, default=str)
