@@ -13,6 +13,10 @@ Students must exist (`hkstore students create`; best k was chosen on dev there).
   adaptive students that may also use the teacher), --rounds rounds interleaved; p50/p99
   latency and throughput per phase, the number of students used over time, and the accuracy
   actually delivered (each answer scored against its label).
+* cascade (--cascade without --fig13, instead of the sections above): the stepped load at fixed
+  --rates against tenants with a full-depth top, every request pinned to the top against the
+  tenants' profiled cascade (policy auto), through runtime.open(STORE)'s engine; per phase and
+  tenant p99 and the score delivered, and the share each level answered.
 * fig13 (--fig13, instead of the sections above): HMI Fig. 13's burst through the real serving
   path (--http: `hkstore serve STORE` in its own process, driven by an asyncio client; else
   client threads calling runtime.open(STORE).infer) (the engine measures the load, the pruning policy picks
@@ -300,6 +304,78 @@ def run_fig13(store_path, reqs, mode, args, seed) -> dict:
             "levels": {n: names.count(n) / len(names) for n in sorted(set(names))}}
 
 
+def run_load_cascade(store_path, reqs, mode, phases, args, seed) -> dict:
+    """The stepped Poisson load (open loop: arrivals do not wait for answers) against
+    runtime.open(store)'s engine, mode top (every request pinned to the tenant's full-depth top)
+    or auto (the tenant's profiled cascade, with the pruning policy): per phase p50 / p99, the
+    score delivered per tenant and the share each level answered."""
+    import runtime
+
+    arrivals = schedule(phases, seed)
+    rng = random.Random(seed)
+    chosen = [reqs[rng.randrange(len(reqs))] for _ in arrivals]
+    pin = {"level": "full"} if mode == "top" else {}
+    with runtime.open(store_path, device="cpu", max_batch=args.max_batch,
+                      students_target_s=args.target_ms / 1e3) as rt:
+        warm = reqs[:args.max_batch]
+        for extra in ({}, {"level": "full"}):  # PETs, groups and the top loaded before the clock starts
+            rt.infer([{"tenant": q["tenant"], "ids": q["ids"], **extra} for q in warm])
+        for level in rt.students.policy.levels:  # the policy starts with measured costs, as in run_fig13
+            t0 = time.perf_counter()
+            rt.infer([{"tenant": q["tenant"], "ids": q["ids"], "students": 0 if level == "teacher" else level}
+                      for q in warm])
+            padded = len(warm) * max(len(q["ids"]) for q in warm)
+            rt.students.policy.observe(level, padded, time.perf_counter() - t0, tokens=sum(len(q["ids"]) for q in warm))
+        done = [None] * len(arrivals)
+        futures = []
+        t0 = time.perf_counter()
+        for i, (at, q) in enumerate(zip(arrivals, chosen)):
+            time.sleep(max(0.0, t0 + at - time.perf_counter()))
+            f = rt.submit([{"tenant": q["tenant"], "ids": q["ids"], **pin}])[0]
+            f.add_done_callback(lambda _, i=i: done.__setitem__(i, time.perf_counter() - t0))
+            futures.append(f)
+        answers = [f.result() for f in futures]
+    bounds = np.cumsum([0] + [s for _, s in phases])
+
+    class _A:
+        def __init__(self, r):
+            pred = np.asarray(r.logits).argmax(-1)
+            self.prediction = int(pred) if pred.ndim == 0 else pred.tolist()
+
+    out = {"mode": mode, "phases": []}
+    for p, (rate, seconds) in enumerate(phases):
+        idx = [i for i, at in enumerate(arrivals) if bounds[p] <= at < bounds[p + 1]]
+        lat = np.array([done[i] - arrivals[i] for i in idx])
+        names = [answers[i].level_name for i in idx]
+        tenant_p99 = {t: float(np.percentile([done[i] - arrivals[i] for i in idx if chosen[i]["tenant"] == t], 99) * 1e3)
+                      for t in sorted({chosen[i]["tenant"] for i in idx})}
+        out["phases"].append({"rate": rate, "seconds": seconds, "requests": len(idx),
+                              "p50_ms": float(np.percentile(lat, 50) * 1e3), "p99_ms": float(np.percentile(lat, 99) * 1e3),
+                              "p99_ms_by_tenant": tenant_p99,
+                              "scored": delivered_score([chosen[i] for i in idx], [_A(answers[i]) for i in idx]),
+                              "levels": {n: names.count(n) / len(names) for n in sorted(set(names))}})
+    return out
+
+
+def stepped_cascade_rows(results) -> list:
+    """Per phase and tenant: top-only's and auto's p99 (ms, the tenant's own requests) and the
+    score each delivered, both the mean over rounds, and auto against top."""
+    rows = []
+    phases = results[0]["phases"]
+    for p, phase in enumerate(phases):
+        for tenant in sorted(phase["scored"]):
+            row = {"phase": p, "rate": phase["rate"], "tenant": tenant}
+            for mode in ("top", "auto"):
+                rs = [r["phases"][p] for r in results if r["mode"] == mode]
+                row[f"{mode}_p99_ms"] = round(float(np.mean([x["p99_ms_by_tenant"][tenant] for x in rs])))
+                row[f"{mode}_score"] = 100 * float(np.mean([x["scored"][tenant] for x in rs]))
+            row["p99_ratio"] = round(row["auto_p99_ms"] / max(row["top_p99_ms"], 1), 2)
+            row["auto_minus_top"] = round(row["auto_score"] - row["top_score"], 1)
+            row["top_score"], row["auto_score"] = round(row["top_score"], 1), round(row["auto_score"], 1)
+            rows.append(row)
+    return rows
+
+
 def fig13_summary(mode, latency, wall) -> dict:
     """One Fig. 13 run's figures from its (sent at, latency s, students that answered, tenant) rows."""
     lat = np.array([x[1] for x in latency])
@@ -462,6 +538,32 @@ def main_fig13(args, tenants, earlier, report):
     print(f"wrote {args.out}/bench_students_fig13.json and {args.figure}; {report['machine_after']}", flush=True)
 
 
+def main_stepped_cascade(args, tenants, report):
+    """--cascade without --fig13: the stepped load at --rates against top-only and auto."""
+    if not args.rates:
+        raise SystemExit("--cascade's stepped load needs --rates LOW BURST (req/s)")
+    reqs = load_requests(args.store, tenants, args.load_requests)
+    low, burst_rate = args.rates
+    phases = [(low, args.seconds[0]), (burst_rate, args.seconds[1]), (low, args.seconds[2])]
+    results = []
+    for rnd in range(args.rounds):
+        for mode in (["top", "auto"] if rnd % 2 == 0 else ["auto", "top"]):
+            r = run_load_cascade(args.store, reqs, mode, phases, args, seed=100 + rnd)
+            r["round"], r["load"] = rnd, os.getloadavg()[0]
+            results.append(r)
+            print(f"round {rnd} {mode}: " + "; ".join(
+                f"{p['rate']:.0f}/s p50 {p['p50_ms']:.0f} ms p99 {p['p99_ms']:.0f} ms scored {json.dumps(p['scored'])} "
+                f"levels {json.dumps(p['levels'])}" for p in r["phases"]) + f"; load {r['load']:.1f}", flush=True)
+    report["phases"], report["stepped"] = phases, results
+    report["by_tenant"] = stepped_cascade_rows(results)
+    for row in report["by_tenant"]:
+        print(json.dumps(row), flush=True)
+    report["machine_after"] = uptime()
+    with open(os.path.join(args.out, "bench_students_stepped_cascade.json"), "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    print(f"wrote {args.out}/bench_students_stepped_cascade.json; {report['machine_after']}", flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--store", required=True)
@@ -483,8 +585,9 @@ def main(argv=None):
     ap.add_argument("--scores", default=None, help="JSON of an earlier run's accuracy (tenant -> students eval), "
                                                     "with --skip-accuracy")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--cascade", action="store_true", help="--fig13 in process: the tenants' full-depth top "
-                    "(level pinned) against their profiled cascade (policy auto) instead of teacher / adaptive")
+    ap.add_argument("--cascade", action="store_true", help="the tenants' full-depth top (level pinned) against "
+                    "their profiled cascade (policy auto) instead of teacher / adaptive: with --fig13 its burst "
+                    "in process, else the stepped load at --rates")
     ap.add_argument("--fig13", action="store_true", help="HMI Fig. 13's burst through runtime.infer (module doc)")
     ap.add_argument("--fifo", action="store_true", help="--fig13 in-process: also both systems with first come "
                                                          "first served batches instead of the length-aware buffer")
@@ -508,6 +611,8 @@ def main(argv=None):
     print(f"# {report['machine']}", flush=True)
     if args.fig13:
         return main_fig13(args, tenants, earlier, report)
+    if args.cascade:
+        return main_stepped_cascade(args, tenants, report)
     if not args.skip_accuracy:
         report["accuracy"] = {}
         for tenant, path in tenants.items():
