@@ -249,6 +249,17 @@ def burst(reqs, mode, args, seed):
     return plan, pin
 
 
+def measure_levels(rt, warm):
+    """One timed batch of `warm` at every level of the runtime's pruning policy: it starts with
+    measured costs."""
+    for level in rt.students.policy.levels:
+        t0 = time.perf_counter()
+        rt.infer([{"tenant": q["tenant"], "ids": q["ids"], "students": 0 if level == "teacher" else level}
+                  for q in warm])
+        padded = len(warm) * max(len(q["ids"]) for q in warm)
+        rt.students.policy.observe(level, padded, time.perf_counter() - t0, tokens=sum(len(q["ids"]) for q in warm))
+
+
 def run_fig13(store_path, reqs, mode, args, seed) -> dict:
     """One Fig. 13 burst against runtime.open(store).infer (module doc); mode teacher | adaptive,
     or for --cascade top (every request pinned to the tenant's full-depth top) | auto (the
@@ -264,13 +275,7 @@ def run_fig13(store_path, reqs, mode, args, seed) -> dict:
         rt.infer([{"tenant": q["tenant"], "ids": q["ids"]} for q in warm])  # loads PETs and groups
         if pin:
             rt.infer([{"tenant": q["tenant"], "ids": q["ids"], **pin} for q in warm])
-        # the policy starts with measured costs: one timed batch at every level
-        for level in rt.students.policy.levels:
-            t0 = time.perf_counter()
-            rt.infer([{"tenant": q["tenant"], "ids": q["ids"], "students": 0 if level == "teacher" else level}
-                      for q in warm])
-            padded = len(warm) * max(len(q["ids"]) for q in warm)
-            rt.students.policy.observe(level, padded, time.perf_counter() - t0, tokens=sum(len(q["ids"]) for q in warm))
+        measure_levels(rt, warm)
         records = [[] for _ in plan]
         t_start = time.perf_counter()
 
@@ -320,12 +325,7 @@ def run_load_cascade(store_path, reqs, mode, phases, args, seed) -> dict:
         warm = reqs[:args.max_batch]
         for extra in ({}, {"level": "full"}):  # PETs, groups and the top loaded before the clock starts
             rt.infer([{"tenant": q["tenant"], "ids": q["ids"], **extra} for q in warm])
-        for level in rt.students.policy.levels:  # the policy starts with measured costs, as in run_fig13
-            t0 = time.perf_counter()
-            rt.infer([{"tenant": q["tenant"], "ids": q["ids"], "students": 0 if level == "teacher" else level}
-                      for q in warm])
-            padded = len(warm) * max(len(q["ids"]) for q in warm)
-            rt.students.policy.observe(level, padded, time.perf_counter() - t0, tokens=sum(len(q["ids"]) for q in warm))
+        measure_levels(rt, warm)
         done = [None] * len(arrivals)
         futures = []
         t0 = time.perf_counter()
@@ -527,13 +527,7 @@ def main_fig13(args, tenants, earlier, report):
         pooled_rows.append(row)
         print(json.dumps(row), flush=True)
     report["fig13"], report["pooled"] = results, pooled_rows
-    if args.cascade:
-        report["by_tenant"] = by_tenant(results)
-        for row in report["by_tenant"]:
-            print(json.dumps(row), flush=True)
-    report["machine_after"] = uptime()
-    with open(os.path.join(args.out, "bench_students_fig13.json"), "w") as f:
-        json.dump(report, f, indent=1, default=str)
+    save(args, report, "bench_students_fig13.json", by_tenant(results) if args.cascade else None)
     fig13_figure(results, args.figure, "hkstore serve (HTTP)" if args.http else "runtime.infer")
     print(f"wrote {args.out}/bench_students_fig13.json and {args.figure}; {report['machine_after']}", flush=True)
 
@@ -555,13 +549,20 @@ def main_stepped_cascade(args, tenants, report):
                 f"{p['rate']:.0f}/s p50 {p['p50_ms']:.0f} ms p99 {p['p99_ms']:.0f} ms scored {json.dumps(p['scored'])} "
                 f"levels {json.dumps(p['levels'])}" for p in r["phases"]) + f"; load {r['load']:.1f}", flush=True)
     report["phases"], report["stepped"] = phases, results
-    report["by_tenant"] = stepped_cascade_rows(results)
-    for row in report["by_tenant"]:
-        print(json.dumps(row), flush=True)
-    report["machine_after"] = uptime()
-    with open(os.path.join(args.out, "bench_students_stepped_cascade.json"), "w") as f:
-        json.dump(report, f, indent=1, default=str)
+    save(args, report, "bench_students_stepped_cascade.json", stepped_cascade_rows(results))
     print(f"wrote {args.out}/bench_students_stepped_cascade.json; {report['machine_after']}", flush=True)
+
+
+def save(args, report, name, rows=None):
+    """OUT/name: the report, with the machine's load after the runs and, where given, the
+    per-tenant rows of BENCHMARKS' table (printed too)."""
+    if rows is not None:
+        report["by_tenant"] = rows
+        for row in rows:
+            print(json.dumps(row), flush=True)
+    report["machine_after"] = uptime()
+    with open(os.path.join(args.out, name), "w") as f:
+        json.dump(report, f, indent=1, default=str)
 
 
 def main(argv=None):
