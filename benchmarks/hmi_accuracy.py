@@ -699,9 +699,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lr-lora", type=float, default=PLOT["lora"].lr)
     p.add_argument("--lr-diff", type=float, default=PLOT["diff"].lr,
                    help="the hplm-full row's (dense diff PET; chosen on dev)")
-    p.add_argument("--unseen", type=float, default=0.3,
-                   help="the PLOT rows' tenants train on inputs as served to unseen text (runtime.plot.unseen; "
-                        "tenant create's default, chosen on dev)")
+    p.add_argument("--unseen", type=float, default=None,
+                   help="the PLOT rows' tenants train on inputs as served to unseen text (runtime.plot.unseen); "
+                        "default each PET type's recipe, as tenant create")
     p.add_argument("--wide-bottleneck", type=int, default=256, help="the adapter bottleneck of the hplm-wide row")
     p.add_argument("--lr-mlm", type=float, default=1e-4)
     p.add_argument("--lr-distill", type=float, default=1e-4)

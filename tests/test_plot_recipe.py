@@ -56,3 +56,21 @@ def test_the_test_report_waits_for_every_seed_then_compares_seed_by_seed(tmp_pat
     assert by["a"][1:] == ["50.0 / 52.0", "55.0 / 56.0", "5.0 / 4.0", 4.5]
     assert by["b"][3:] == ["3.0 / 1.0", 2.0]
     assert by["mean of six"][4] == 3.2 and got["plot_level_mean"] == 43.2 and got["gain_mean"] == 3.2
+
+
+def test_the_test_report_puts_the_candidate_shipped_before_beside_the_chosen_one(tmp_path):
+    import json
+
+    accuracy = {"three_seed_by_task": {"a": {"plot_level": [50.0, 52.0]}, "mean of six": {}}}
+
+    def run(name, s0, s1):
+        (tmp_path / f"{name}-test").mkdir()
+        (tmp_path / f"{name}-test" / "results.json").write_text(json.dumps(
+            {"rows": {"a": {"hplm-lora": {"score": s0}}}, "seeds": {"a@1": {"task": "a", "seed": 1, "score": s1}}}))
+
+    run(plot_recipe.TESTED[0], 0.54, 0.55)
+    assert plot_recipe.test_report(tmp_path, accuracy) is None  # the chosen one has not run on test
+    run(plot_recipe.CHOSEN, 0.57, 0.56)
+    got = plot_recipe.test_report(tmp_path, accuracy)
+    assert got["rows"][0][1:] == ["50.0 / 52.0", "54.0 / 55.0", "57.0 / 56.0", "7.0 / 4.0", 5.5]
+    assert got["gain_mean"] == 5.5 and got["gain_over_previous"] == 2.0 and got["plot_level_mean"] == 56.5

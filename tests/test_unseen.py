@@ -14,7 +14,7 @@ from test_grow import env  # noqa: F401 (the fixture: a tiny store with a domain
 
 import hkstore
 from formats.backoff import backoff, key_order
-from runtime.construct import manager
+from runtime.construct import manager, recipe
 from runtime.plot.retrieve import retrieve
 from runtime.plot.unseen import unseen_windows
 from runtime.plot.window import corpus_windows
@@ -92,6 +92,13 @@ def test_tenant_create_unseen_trains_and_is_recorded(env, cli, tmp_path):  # noq
                             "--unseen", "0.3", "--max-len", "32", "--quiet", "--json"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.output)["tenant"] == "v"
+    for pet_type in ("lora", "adapter"):  # no --unseen: the PET type's recipe
+        r = runner.invoke(cli, ["tenant", "create", store, f"d-{pet_type}", "--version", "dom", "--train", env["cls"],
+                                "--pet", pet_type, "--epochs", "1", "--levels", "plot", "--max-len", "32", "--quiet"])
+        assert r.exit_code == 0, r.output
+        with hkstore.open(store) as s:
+            assert s.get_pet(f"d-{pet_type}").meta["train"]["unseen"] == recipe.recipe(pet_type).unseen
+    assert recipe.recipe("lora").unseen != recipe.recipe("adapter").unseen
     bad = runner.invoke(cli, ["tenant", "create", store, "w", "--version", "dom", "--train", env["cls"],
                               "--unseen", "2"])
     assert bad.exit_code != 0 and "Traceback" not in bad.output

@@ -323,9 +323,6 @@ def domain_grow(store_path, name, corpus_paths, *, max_len: int | None = None, c
 
 
 UNSEEN_VIEWS = 5  # draws of backed-off inputs per training run: enough variety, bounded memory
-# tenant create's default unseen rate, chosen on dev (BENCHMARKS, accuracy: +4.1 / +5.5 points of
-# hPLM on the 2 + 4 / 3 + 3 splits over exact-only training; 0.5 and 0.7 were worse)
-UNSEEN = 0.3
 
 
 def _train_cfg(pet_type, lr, epochs, batch_size, seed, progress):
@@ -433,7 +430,7 @@ def tenant_create(store_path, tenant, *, version, train_path, task: str = "class
                   epochs: int | None = None, max_examples: int | None = None, lr: float | None = None,
                   batch_size: int | None = None, max_len: int = 128, bottleneck: int | None = None,
                   rank: int | None = None, density: float | None = None, norms: tuple[str, ...] | None = None,
-                  seed: int = 0, replace: bool = False, unseen: float = UNSEEN, calibration_share: float = 0.0,
+                  seed: int = 0, replace: bool = False, unseen: float | None = None, calibration_share: float = 0.0,
                   levels=recipes.LEVELS, progress: bool = True) -> dict:
     """Fine-tune a PET + head on the upper layers with inputs served by PLOT `version`
     (runtime.plot.retrieve, the serving path) and store it as `tenant`'s PET; with level "full"
@@ -442,7 +439,7 @@ def tenant_create(store_path, tenant, *, version, train_path, task: str = "class
     batch_size apply to every level, lr and the PET's shape (bottleneck, rank, density, norms:
     create_pet's) to the PLOT-level PET only. unseen: train on inputs as the version serves
     text outside its corpus (each backoff step taken with this probability,
-    runtime.plot.unseen); 0 trains on the windows as served. calibration_share > 0: that share
+    runtime.plot.unseen; None: the PET type's recipe); 0 trains on the windows as served. calibration_share > 0: that share
     of the examples is held out of training, fits the tenant's level temperatures
     (runtime.construct.calibration; the meta's ``calibration``) and scores each level. A run of
     either level that never leaves its starting loss (runtime.construct.train.stalled) is trained
@@ -493,7 +490,7 @@ def tenants_create(store_path, specs, *, levels=("plot",), progress: bool = True
 def _train_new(store, encoder, tenant, *, version, train_path, task="classification", pet_type=recipes.PLOT_PET_TYPE,
                epochs=None,
                max_examples=None, lr=None, batch_size=None, max_len=128, bottleneck=None, rank=None, density=None,
-               norms=None, seed=0, replace=False, unseen=UNSEEN, calibration_share=0.0, levels=recipes.LEVELS,
+               norms=None, seed=0, replace=False, unseen=None, calibration_share=0.0, levels=recipes.LEVELS,
                progress=True) -> Trained:
     """A new tenant's records trained on store's snapshot (not stored)."""
     import dataclasses
@@ -508,6 +505,7 @@ def _train_new(store, encoder, tenant, *, version, train_path, task="classificat
     if pet_type not in petlib.PET_TYPES:
         raise ValueError(f"unknown PET type {pet_type!r}; expected one of {', '.join(petlib.PET_TYPES)}")
     _tenant_checks(store, tenant, version, replace)
+    unseen = recipes.recipe(pet_type, "plot").unseen if unseen is None else unseen
     data, labels = read_task(train_path, task)
     pick = _subsample(len(data[0]), max_examples, seed)
     ids, targets = encode_task(encoder, data, task, labels, max_len, pick)
