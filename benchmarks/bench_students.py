@@ -249,6 +249,19 @@ def burst(reqs, mode, args, seed):
     return plan, pin
 
 
+class Answered:
+    """An answer as delivered_score reads it."""
+
+    def __init__(self, prediction):
+        self.prediction = prediction
+
+
+def prediction(result):
+    """A runtime Result's label id (classification) or per-token label ids (tagging)."""
+    pred = np.asarray(result.logits).argmax(-1)
+    return int(pred) if pred.ndim == 0 else pred.tolist()
+
+
 def measure_levels(rt, warm):
     """One timed batch of `warm` at every level of the runtime's pruning policy: it starts with
     measured costs."""
@@ -286,9 +299,8 @@ def run_fig13(store_path, reqs, mode, args, seed) -> dict:
                 time.sleep(max(0.0, due - time.perf_counter()))
                 sent = time.perf_counter()
                 r = rt.infer([{"tenant": q["tenant"], "ids": q["ids"], **pin}])[0]
-                pred = np.asarray(r.logits).argmax(-1)
-                records[i].append((sent - t_start, time.perf_counter() - sent, r.students, q,
-                                   int(pred) if pred.ndim == 0 else pred.tolist(), r.level_name))
+                records[i].append((sent - t_start, time.perf_counter() - sent, r.students, q, prediction(r),
+                                   r.level_name))
 
         threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(len(plan))]
         for t in threads:
@@ -299,13 +311,8 @@ def run_fig13(store_path, reqs, mode, args, seed) -> dict:
         padding = 1 - rt.engine.tokens / max(rt.engine.padded_tokens, 1)
     flat = sorted((x for rs in records for x in rs), key=lambda x: x[0])
     names = [x[5] for x in flat]
-
-    class _A:
-        def __init__(self, p):
-            self.prediction = p
-
     return {**fig13_summary(mode, [(x[0], x[1], x[2], x[3]["tenant"]) for x in flat], wall),
-            "scored": delivered_score([x[3] for x in flat], [_A(x[4]) for x in flat]), "padding_share": padding,
+            "scored": delivered_score([x[3] for x in flat], [Answered(x[4]) for x in flat]), "padding_share": padding,
             "levels": {n: names.count(n) / len(names) for n in sorted(set(names))}}
 
 
@@ -336,12 +343,6 @@ def run_load_cascade(store_path, reqs, mode, phases, args, seed) -> dict:
             futures.append(f)
         answers = [f.result() for f in futures]
     bounds = np.cumsum([0] + [s for _, s in phases])
-
-    class _A:
-        def __init__(self, r):
-            pred = np.asarray(r.logits).argmax(-1)
-            self.prediction = int(pred) if pred.ndim == 0 else pred.tolist()
-
     out = {"mode": mode, "phases": []}
     for p, (rate, seconds) in enumerate(phases):
         idx = [i for i, at in enumerate(arrivals) if bounds[p] <= at < bounds[p + 1]]
@@ -352,7 +353,8 @@ def run_load_cascade(store_path, reqs, mode, phases, args, seed) -> dict:
         out["phases"].append({"rate": rate, "seconds": seconds, "requests": len(idx),
                               "p50_ms": float(np.percentile(lat, 50) * 1e3), "p99_ms": float(np.percentile(lat, 99) * 1e3),
                               "p99_ms_by_tenant": tenant_p99,
-                              "scored": delivered_score([chosen[i] for i in idx], [_A(answers[i]) for i in idx]),
+                              "scored": delivered_score([chosen[i] for i in idx],
+                                                        [Answered(prediction(answers[i])) for i in idx]),
                               "levels": {n: names.count(n) / len(names) for n in sorted(set(names))}})
     return out
 
@@ -361,19 +363,20 @@ def stepped_cascade_rows(results) -> list:
     """Per phase and tenant: top-only's and auto's p99 (ms, the tenant's own requests) and the
     score each delivered, both the mean over rounds, and auto against top."""
     rows = []
-    phases = results[0]["phases"]
-    for p, phase in enumerate(phases):
+    for p, phase in enumerate(results[0]["phases"]):
         for tenant in sorted(phase["scored"]):
-            row = {"phase": p, "rate": phase["rate"], "tenant": tenant}
-            for mode in ("top", "auto"):
-                rs = [r["phases"][p] for r in results if r["mode"] == mode]
-                row[f"{mode}_p99_ms"] = round(float(np.mean([x["p99_ms_by_tenant"][tenant] for x in rs])))
-                row[f"{mode}_score"] = 100 * float(np.mean([x["scored"][tenant] for x in rs]))
-            row["p99_ratio"] = round(row["auto_p99_ms"] / max(row["top_p99_ms"], 1), 2)
-            row["auto_minus_top"] = round(row["auto_score"] - row["top_score"], 1)
-            row["top_score"], row["auto_score"] = round(row["top_score"], 1), round(row["auto_score"], 1)
-            rows.append(row)
+            by_mode = {mode: [r["phases"][p] for r in results if r["mode"] == mode] for mode in ("top", "auto")}
+            p99 = {m: float(np.mean([x["p99_ms_by_tenant"][tenant] for x in rs])) for m, rs in by_mode.items()}
+            score = {m: 100 * float(np.mean([x["scored"][tenant] for x in rs])) for m, rs in by_mode.items()}
+            rows.append({"phase": p, "rate": phase["rate"], **auto_against_top(tenant, p99, score)})
     return rows
+
+
+def auto_against_top(tenant, p99: dict, score: dict) -> dict:
+    """One row of BENCHMARKS' burst table from each mode's p99 (ms) and score (%)."""
+    return {"tenant": tenant, "top_p99_ms": round(p99["top"]), "auto_p99_ms": round(p99["auto"]),
+            "p99_ratio": round(p99["auto"] / max(p99["top"], 1e-9), 2), "top_score": round(score["top"], 1),
+            "auto_score": round(score["auto"], 1), "auto_minus_top": round(score["auto"] - score["top"], 1)}
 
 
 def fig13_summary(mode, latency, wall) -> dict:
@@ -491,9 +494,7 @@ def by_tenant(results) -> list:
             rs = [r for r in results if r["mode"] == mode]
             p99[mode] = float(np.percentile([x[1] for r in rs for x in r["latency"] if x[3] == tenant], 99)) * 1e3
             score[mode] = 100 * float(np.mean([r["scored"][tenant] for r in rs]))
-        rows.append({"tenant": tenant, "top_p99_ms": round(p99["top"]), "auto_p99_ms": round(p99["auto"]),
-                     "p99_ratio": round(p99["auto"] / p99["top"], 2), "top_score": round(score["top"], 1),
-                     "auto_score": round(score["auto"], 1), "auto_minus_top": round(score["auto"] - score["top"], 1)})
+        rows.append(auto_against_top(tenant, p99, score))
     return rows
 
 

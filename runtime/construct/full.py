@@ -138,17 +138,15 @@ def train_full_level(store, pet_record, ids, targets, held=None, *, epochs=None,
     run that never leaves its starting loss is trained once more as the PLOT level's is
     (runtime.construct.train.stalled: half the rate, the next seed; ``train.stalled`` keeps the
     first run's)."""
-    from runtime.construct.train import loss_ends, stalled
+    from runtime.construct.train import unstalled
 
     whole = whole_encoder(store)
     meta = pet_record.meta
-    exported, log, cfg = train_full(whole, meta["task"], meta["labels"], ids, targets, epochs=epochs,
-                                    batch_size=batch_size, seed=seed, progress=progress)
-    stall = None
-    if stalled(log):
-        stall = {"lr": cfg.lr, "seed": cfg.seed, **loss_ends(log)}
-        exported, log, cfg = train_full(whole, meta["task"], meta["labels"], ids, targets, epochs=epochs,
-                                        batch_size=batch_size, seed=seed + 1, lr=cfg.lr / 2, progress=progress)
+    _, cfg = recipes.settings(recipes.FULL_PET_TYPE, "full", epochs=epochs, batch_size=batch_size, seed=seed,
+                              progress=progress)
+    exported, log, cfg, stall = unstalled(
+        lambda c: train_full(whole, meta["task"], meta["labels"], ids, targets, epochs=c.epochs,
+                             batch_size=c.batch_size, seed=c.seed, lr=c.lr, progress=progress)[:2], cfg)
     exported = rounded(exported)
     extra = {"train": _train_meta(meta, cfg, ids, log, 0)}
     if stall:

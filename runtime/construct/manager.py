@@ -493,10 +493,8 @@ def _train_new(store, encoder, tenant, *, version, train_path, task="classificat
                norms=None, seed=0, replace=False, unseen=None, calibration_share=0.0, levels=recipes.LEVELS,
                progress=True) -> Trained:
     """A new tenant's records trained on store's snapshot (not stored)."""
-    import dataclasses
-
     from runtime.construct.full import train_full_level
-    from runtime.construct.train import loss_ends, stalled
+    from runtime.construct.train import unstalled
     from runtime.model import pet as petlib
 
     t0 = time.perf_counter()
@@ -513,14 +511,13 @@ def _train_new(store, encoder, tenant, *, version, train_path, task="classificat
     options, cfg = recipes.settings(pet_type, "plot", lr=lr, epochs=epochs, batch_size=batch_size,
                                     bottleneck=bottleneck, rank=rank, density=density, norms=norms, seed=seed,
                                     progress=progress)
-    pet = petlib.create_pet(encoder, pet_type, task, labels, seed=seed, **options)
-    exported, log = _fit_pet(store, encoder, pet, version, ids, targets, cfg, unseen)
-    stall = None
-    if stalled(log):  # once more at half the rate under the next seed; the record keeps the stalled run's
-        stall = {"lr": cfg.lr, "seed": cfg.seed, **loss_ends(log)}
-        cfg = dataclasses.replace(cfg, lr=cfg.lr / 2, seed=cfg.seed + 1)
-        pet = petlib.create_pet(encoder, pet_type, task, labels, seed=seed + 1, **options)
-        exported, log = _fit_pet(store, encoder, pet, version, ids, targets, cfg, unseen)
+
+    def fit(c):  # the PET itself is kept: calibration reads it
+        pet = petlib.create_pet(encoder, pet_type, task, labels, seed=c.seed, **options)
+        exported, log = _fit_pet(store, encoder, pet, version, ids, targets, c, unseen)
+        return (pet, exported), log
+
+    (pet, exported), log, cfg, stall = unstalled(fit, cfg)
     extra = {"train": {"path": os.path.abspath(train_path), "examples": len(ids), "epochs": cfg.epochs, "lr": cfg.lr,
                        "max_len": max_len, "unseen": unseen, "loss_last": log[-1], "updates": 0}}
     if stall:

@@ -18,6 +18,7 @@ the caller from PLOT lookups + aggregate, or from encoder.lower.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -250,6 +251,19 @@ def stalled(losses: list[float], min_steps: int = 50) -> bool:
         return False
     ends = loss_ends(losses)
     return ends["loss_last"] > 0.9 * ends["loss_first"]
+
+
+def unstalled(train, cfg: TrainConfig):
+    """(result, losses, the TrainConfig it ran under, the stalled first run's rate, seed and loss
+    ends or None) of train(cfg) -> (result, losses), trained once more at half the rate under the
+    next seed when the first run stalled."""
+    out, log = train(cfg)
+    if not stalled(log):
+        return out, log, cfg, None
+    stall = {"lr": cfg.lr, "seed": cfg.seed, **loss_ends(log)}
+    cfg = dataclasses.replace(cfg, lr=cfg.lr / 2, seed=cfg.seed + 1)
+    out, log = train(cfg)
+    return out, log, cfg, stall
 
 
 def loss_ends(log) -> dict:
