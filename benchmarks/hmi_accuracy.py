@@ -364,16 +364,14 @@ def run_row(args, ctx, task: Task, row, suffix=""):
 
 def row_tenant(args, ctx, t: Task, store, version, pet_type, tenant, **options):
     """A real tenant: manager.tenant_create (inputs by retrieve) + tenant_eval (serving path);
-    options (bottleneck, norms) go to tenant_create, whose defaults are the hPLM row's. A PET
-    type whose recipe distills the full-depth level trains that level too, as tenant create does."""
-    from runtime.construct import manager, recipe
+    options (bottleneck, norms) go to tenant_create, whose defaults are the hPLM row's."""
+    from runtime.construct import manager
 
     lr = {"adapter": args.lr_adapter, "lora": args.lr_lora, "diff": args.lr_diff}[pet_type]
     out = manager.tenant_create(store, tenant, version=version, train_path=ctx["data"]["tasks"][t.name]["train"],
                                 task=t.kind, pet_type=pet_type, epochs=args.epochs, lr=lr,
                                 batch_size=args.batch_size, max_len=args.max_len, seed=args.seed, replace=True,
-                                unseen=args.unseen, levels=("plot", "full") if recipe.recipe(pet_type).distill else ("plot",),
-                                progress=args.progress, **options)
+                                unseen=args.unseen, levels=("plot",), progress=args.progress, **options)
     score = manager.tenant_eval(store, tenant, ctx["data"]["tasks"][t.name]["eval"], max_len=args.max_len)
     return score["score"], [out["loss_first"], out["loss_last"]], {"pet_bytes": out["pet_bytes"]}
 

@@ -26,8 +26,6 @@ results.md hold the scores (resumable per task, as the harness's). Candidates (C
                  (each backoff step taken with that probability, runtime.plot.unseen): the
                  tasks' training text is in the PLOT corpus, their dev and test text is not
   lora16-u4      the same at 0.4: the default (runtime.construct.recipe's PLOT["lora"])
-  lora16-kd      lora16-u4 trained after the tenant's full-depth level, on its soft labels
-                 (weight 0.5, temperature 2: Hinton's distillation) beside the labels
 
 The candidates are few on purpose: each is one change a reader can name, and the one chosen must
 hold on tasks outside the suite, so nothing is tuned per task.
@@ -57,7 +55,6 @@ CANDIDATES = {
     "lora16-e20": ("hplm-lora", {"lora": dict(lr=2e-3, **LORA16)}, ("--epochs", "20")),
     "lora16-u5": ("hplm-lora", {"lora": dict(lr=2e-3, unseen=0.5, **LORA16)}),
     "lora16-u4": ("hplm-lora", {"lora": dict(lr=2e-3, unseen=0.4, **LORA16)}),
-    "lora16-kd": ("hplm-lora", {"lora": dict(lr=2e-3, unseen=0.4, distill=0.5, **LORA16)}),
 }
 
 
@@ -71,7 +68,6 @@ TITLES = {
     "lora16-e20": "LoRA r16, lr 2e-3, 20 epochs",
     "lora16-u5": "LoRA r16, lr 2e-3, unseen 0.5",
     "lora16-u4": "LoRA r16, lr 2e-3, unseen 0.4 (shipped)",
-    "lora16-kd": "the same distilling the full-depth level (weight 0.5, T 2)",
 }
 TASKS = ("NCBI-disease", "sciie", "citation_intent", "chemprot", "bc5cdr", "sci-cite")
 FIRST = TASKS[:3]  # every candidate ran these; the means of six need all six

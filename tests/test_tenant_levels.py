@@ -278,27 +278,3 @@ def test_a_stalled_full_depth_run_is_trained_again_at_half_its_rate(env, monkeyp
     fine = manager.tenant_create(env["store"], "full-learns", version="root", train_path=env["cls"], epochs=60,
                                  batch_size=len(open(env["cls"]).readlines()), max_len=32, progress=False)
     assert "stalled" not in fine["full"] and "stalled" not in records(env["store"], "full-learns")[1].meta["train"]
-
-
-def test_a_distilling_recipe_trains_the_plot_level_on_the_full_depth_levels_answers(env, monkeypatch):
-    """With a distill weight the full-depth level trains first and its soft labels move the PLOT
-    level's training; without one, or without the full-depth level, the PLOT level trains as
-    if the other level did not exist (the same losses, seed for seed)."""
-    import dataclasses
-
-    def create(name, distill, levels):
-        plot = dict(recipe.PLOT, lora=dataclasses.replace(recipe.PLOT["lora"], distill=distill))
-        monkeypatch.setattr(recipe, "RECIPES", dict(recipe.RECIPES, plot=plot))
-        out = manager.tenant_create(env["store"], name, version="root", train_path=env["cls"], epochs=2, max_len=32,
-                                    levels=levels, progress=False)
-        monkeypatch.undo()
-        return out, records(env["store"], name)[0].meta["train"]["distill"]
-
-    alone, alone_w = create("kd-alone", 0.0, ("plot",))
-    beside, beside_w = create("kd-beside", 0.0, ("plot", "full"))
-    taught, taught_w = create("kd-taught", 0.7, ("plot", "full"))
-    untaught, untaught_w = create("kd-untaught", 0.7, ("plot",))  # no full-depth level: nothing to distill
-    assert (alone_w, beside_w, taught_w, untaught_w) == (0.0, 0.0, 0.7, 0.0)
-    ends = lambda out: (out["loss_first"], out["loss_last"])  # noqa: E731
-    assert ends(alone) == ends(beside) == ends(untaught) != ends(taught)
-    assert taught["levels"] == ["plot", "full"] and taught["full"]["pet_bytes"] > 0

@@ -1,9 +1,6 @@
 """A few steps of each training loop lower the loss on a tiny synthetic task."""
 
 import copy
-import dataclasses
-
-import numpy as np
 
 import pytest
 import torch
@@ -14,8 +11,8 @@ from tokenizers.implementations import BertWordPieceTokenizer
 from runtime.construct.data import IGNORE
 from runtime.model.encoder import Config, Encoder, load_encoder
 from runtime.model.pet import PET_TYPES, create_pet, head
-from runtime.construct.train import (DISTILL_T, TrainConfig, _dropout, _pad_inputs, distillation_loss,
-                                     distill_windows, train_full, train_mlm, train_pet, train_upper)
+from runtime.construct.train import (TrainConfig, _dropout, _pad_inputs, distill_windows, train_full, train_mlm,
+                                     train_pet, train_upper)
 
 POSITIVE = ["the results were good", "a good and clear method", "good cells grew well", "this is good work"]
 NEGATIVE = ["the results were bad", "a bad and unclear method", "bad cells died early", "this is bad work"]
@@ -154,62 +151,3 @@ def test_pet_dropout_changes_training_only(tiny):
     x, real = _pad_inputs(inputs)
     with torch.no_grad():
         assert torch.equal(head(pet, whole.upper(x, real, pet)), head(pet, whole.upper(x, real, pet)))
-
-
-def reference_kd(student, teacher, t=DISTILL_T):
-    """T^2 * KL(softmax(teacher / T) || softmax(student / T)) of one row, in NumPy."""
-    def log_softmax(z):
-        z = np.asarray(z, dtype=np.float64) / t
-        return z - z.max() - np.log(np.exp(z - z.max()).sum())
-    p = log_softmax(teacher)
-    return float((np.exp(p) * (p - log_softmax(student))).sum()) * t * t
-
-
-@settings(max_examples=40, deadline=None)
-@given(st.integers(0, 2**31 - 1), st.integers(1, 4), st.integers(2, 5))
-def test_distillation_loss_matches_a_reference_on_the_scored_tokens(seed, batch, labels_n):
-    """Classification: the mean over examples of the reference; tagging: the mean over the
-    tokens the labels score, whatever the teacher says on the IGNORE ones."""
-    rng = np.random.default_rng(seed)
-    student = rng.normal(size=(batch, labels_n)) * 3
-    teacher = [rng.normal(size=labels_n) * 3 for _ in range(batch)]
-    got = distillation_loss("classification", torch.tensor(student, dtype=torch.float32), teacher, [0] * batch)
-    want = np.mean([reference_kd(s, t) for s, t in zip(student, teacher)])
-    assert abs(got.item() - want) < 1e-4 * max(1.0, want)
-
-    lengths = rng.integers(1, 6, size=batch)
-    student = rng.normal(size=(batch, int(lengths.max()), labels_n)) * 3
-    teacher = [rng.normal(size=(n, labels_n)) * 3 for n in lengths]
-    tags = [[int(x) if x >= 0 else IGNORE for x in rng.integers(-1, labels_n, size=n)] for n in lengths]
-    got = distillation_loss("tagging", torch.tensor(student, dtype=torch.float32), teacher, tags)
-    rows = [reference_kd(student[b, j], teacher[b][j]) for b in range(batch) for j in range(lengths[b])
-            if tags[b][j] != IGNORE]
-    assert abs(got.item() - (np.mean(rows) if rows else 0.0)) < 1e-4 * max(1.0, np.mean(rows) if rows else 1.0)
-    for b in range(batch):  # the teacher on an unscored token changes nothing
-        for j in range(lengths[b]):
-            if tags[b][j] == IGNORE:
-                teacher[b][j] = teacher[b][j] + 100.0
-    again = distillation_loss("tagging", torch.tensor(student, dtype=torch.float32), teacher, tags)
-    assert abs(again.item() - got.item()) < 1e-5 * max(1.0, got.item())
-
-
-def test_a_distilled_pet_follows_its_teacher_over_the_labels(encoder, task):
-    """At distill weight 1 the labels carry no weight: a teacher that says the opposite of every
-    label is what the PET learns; at 0 (or with no teacher) the labels are."""
-    _, inputs, labels, _ = task
-    flipped = [np.array([4.0, -4.0]) if y else np.array([-4.0, 4.0]) for y in labels]
-    cfg = TrainConfig(lr=1e-2, epochs=15, batch_size=8, warmup=0.0, progress=False, distill=1.0)
-
-    def predictions(**kw):
-        pet = create_pet(encoder, "lora", "classification", ["bad", "good"])
-        train_pet(encoder, pet, inputs, labels, **kw)
-        x, real = _pad_inputs(inputs)
-        with torch.no_grad():
-            return head(pet, encoder.upper(x, real, pet)).argmax(-1).tolist()
-
-    assert predictions(cfg=cfg, teacher=flipped) == [1 - y for y in labels]
-    assert predictions(cfg=cfg) == labels  # no teacher: distill has nothing to weigh
-    assert predictions(cfg=dataclasses.replace(cfg, distill=0.0), teacher=flipped) == labels
-    with pytest.raises(ValueError, match="teacher outputs"):
-        train_pet(encoder, create_pet(encoder, "lora", "classification", ["bad", "good"]), inputs, labels, cfg,
-                  flipped[:3])

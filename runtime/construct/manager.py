@@ -331,11 +331,10 @@ def _train_cfg(pet_type, lr, epochs, batch_size, seed, progress):
                             progress=progress)[1]
 
 
-def _fit_pet(store, encoder, pet, version, ids, targets, cfg, unseen: float = 0.0, teacher=None):
+def _fit_pet(store, encoder, pet, version, ids, targets, cfg, unseen: float = 0.0):
     """Train pet on version's inputs of ids. unseen > 0: as served to text outside the version's
     corpus (runtime.plot.unseen), a fresh draw of backoffs for each of up to UNSEEN_VIEWS epochs
-    (the same number of steps: views x examples for epochs / views epochs). teacher: per example
-    the full-depth level's logits, distilled at cfg.distill (runtime.construct.train.train_pet)."""
+    (the same number of steps: views x examples for epochs / views epochs)."""
     import dataclasses
 
     from runtime.construct.train import train_pet
@@ -343,12 +342,12 @@ def _fit_pet(store, encoder, pet, version, ids, targets, cfg, unseen: float = 0.
 
     snap = store.snapshot()
     if not unseen:
-        return train_pet(encoder, pet, retrieve_list(snap, version, ids), targets, cfg, teacher)
+        return train_pet(encoder, pet, retrieve_list(snap, version, ids), targets, cfg)
     views = min(cfg.epochs, UNSEEN_VIEWS)
     rng = np.random.default_rng(cfg.seed)
     inputs = [x for _ in range(views) for x in retrieve_list(snap, version, ids, unseen=unseen, rng=rng)]
     cfg = dataclasses.replace(cfg, epochs=max(1, round(cfg.epochs / views)))
-    return train_pet(encoder, pet, inputs, list(targets) * views, cfg, teacher and list(teacher) * views)
+    return train_pet(encoder, pet, inputs, list(targets) * views, cfg)
 
 
 def _record(tenant, store, version, exported, extra) -> PetRecord:
@@ -494,7 +493,7 @@ def _train_new(store, encoder, tenant, *, version, train_path, task="classificat
                norms=None, seed=0, replace=False, unseen=None, calibration_share=0.0, levels=recipes.LEVELS,
                progress=True) -> Trained:
     """A new tenant's records trained on store's snapshot (not stored)."""
-    from runtime.construct import full as fulllib
+    from runtime.construct.full import train_full_level
     from runtime.construct.train import unstalled
     from runtime.model import pet as petlib
 
@@ -512,37 +511,28 @@ def _train_new(store, encoder, tenant, *, version, train_path, task="classificat
     options, cfg = recipes.settings(pet_type, "plot", lr=lr, epochs=epochs, batch_size=batch_size,
                                     bottleneck=bottleneck, rank=rank, density=density, norms=norms, seed=seed,
                                     progress=progress)
-    seconds, full, teacher = {}, None, None
-    if "full" in levels:
-        # Trained first when the PLOT level distills it: the PLOT level then learns the top's
-        # answers on its own (backed-off) inputs, not only the labels
-        t1 = time.perf_counter()
-        full = fulllib.fit_full_level(store, task, labels, ids, targets, epochs=epochs, batch_size=batch_size,
-                                      seed=seed, progress=progress)
-        seconds["full"] = round(time.perf_counter() - t1, 3)
-        if cfg.distill:
-            teacher = fulllib.full_logits(full.whole, full.pet, ids)
 
     def fit(c):  # the PET itself is kept: calibration reads it
         pet = petlib.create_pet(encoder, pet_type, task, labels, seed=c.seed, **options)
-        exported, log = _fit_pet(store, encoder, pet, version, ids, targets, c, unseen, teacher)
+        exported, log = _fit_pet(store, encoder, pet, version, ids, targets, c, unseen)
         return (pet, exported), log
 
-    t1 = time.perf_counter()
     (pet, exported), log, cfg, stall = unstalled(fit, cfg)
     extra = {"train": {"path": os.path.abspath(train_path), "examples": len(ids), "epochs": cfg.epochs, "lr": cfg.lr,
-                       "max_len": max_len, "unseen": unseen, "distill": cfg.distill if teacher else 0.0,
-                       "loss_last": log[-1], "updates": 0}}
+                       "max_len": max_len, "unseen": unseen, "loss_last": log[-1], "updates": 0}}
     if stall:
         extra["train"]["stalled"] = stall
     if held:
         extra["calibration"] = _calibration(store, encoder, version, pet, held, calibration_share, 0)
     record = _record(tenant, store, version, exported, extra)
-    seconds = {"plot": round(time.perf_counter() - t1, 3), **seconds}
-    trained = Trained([record], {"plot": log}, len(ids), seconds)
-    if full is not None:
-        trained.records.append(fulllib.full_level_record(record, full, ids, held))
-        trained.logs["full"] = full.log
+    trained = Trained([record], {"plot": log}, len(ids), {"plot": round(time.perf_counter() - t0, 3)})
+    if "full" in levels:
+        t1 = time.perf_counter()
+        full, full_log = train_full_level(store, record, ids, targets, held, epochs=epochs, batch_size=batch_size,
+                                          seed=seed, progress=progress)
+        trained.records.append(full)
+        trained.logs["full"] = full_log
+        trained.seconds["full"] = round(time.perf_counter() - t1, 3)
     return trained
 
 

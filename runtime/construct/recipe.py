@@ -40,14 +40,11 @@ class Recipe:
     # (runtime.plot.unseen). The adapter's 0.3 was chosen on dev (+4.1 / +5.5 points of hPLM on
     # the 2 + 4 / 3 + 3 splits over exact-only training; 0.5 and 0.7 were worse)
     unseen: float = 0.3
-    # PLOT level only: the weight of the full-depth level's soft labels in the loss when the
-    # tenant trains one (runtime.construct.train.distillation_loss); 0 trains on the labels alone
-    distill: float = 0.0
     options: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))  # create_pet keywords
 
 
-def _recipe(lr, warmup=0.1, dropout=0.0, lora_dropout=0.0, unseen=0.3, distill=0.0, **options) -> Recipe:
-    return Recipe(lr=lr, warmup=warmup, dropout=dropout, lora_dropout=lora_dropout, unseen=unseen, distill=distill,
+def _recipe(lr, warmup=0.1, dropout=0.0, lora_dropout=0.0, unseen=0.3, **options) -> Recipe:
+    return Recipe(lr=lr, warmup=warmup, dropout=dropout, lora_dropout=lora_dropout, unseen=unseen,
                   options=MappingProxyType(options))
 
 
@@ -73,7 +70,7 @@ FULL = MappingProxyType({
 RECIPES = MappingProxyType({"plot": PLOT, "full": FULL})
 PLOT_PET_TYPE = "lora"  # the PLOT-level PET tenant create trains unless told otherwise
 FULL_PET_TYPE = "lora"  # the full-depth level's default PET
-TRAIN_KEYS = ("lr", "epochs", "batch_size", "warmup", "dropout", "lora_dropout", "distill")
+TRAIN_KEYS = ("lr", "epochs", "batch_size", "warmup", "dropout", "lora_dropout")
 OPTION_KEYS = ("rank", "scale", "bottleneck", "density", "norms", "targets", "layers")
 
 

@@ -22,7 +22,6 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
@@ -49,12 +48,6 @@ class TrainConfig:
     # PEFT's lora_dropout. Off by default: see the module doc.
     dropout: float = 0.0
     lora_dropout: float = 0.0
-    # train_pet with a teacher only: the weight of the teacher's soft labels in the loss
-    # (Hinton's distillation at temperature DISTILL_T); the labels keep the rest
-    distill: float = 0.0
-
-
-DISTILL_T = 2.0  # Hinton et al.'s usual temperature: softens a confident teacher enough to teach
 
 
 # -- (a) masked-LM further pre-training of the lower layers -----------------------------------
@@ -115,21 +108,13 @@ def _mask_tokens(ids, candidates, mask_id: int, vocab_size: int, rate: float, g)
 # -- (b, d) PET / head-only fine-tuning on precomputed inputs ---------------------------------
 
 
-def train_pet(encoder: Encoder, pet: petlib.Pet, inputs: list[torch.Tensor], labels: list, cfg: TrainConfig,
-              teacher: list | None = None):
+def train_pet(encoder: Encoder, pet: petlib.Pet, inputs: list[torch.Tensor], labels: list, cfg: TrainConfig):
     """Train pet's tensors (in place) with every shared weight frozen; returns (export(pet), losses).
 
     labels: one int per example (classification) or an int list per token, IGNORE for
     skipped sub-tokens (tagging). A pet of type "head" is the head-only baseline (d).
-    teacher: per example a stronger model's logits on the same text ((labels,), or (tokens,
-    labels) for tagging); with cfg.distill > 0 the loss mixes in its soft labels
-    (distillation_loss) on the positions the labels score.
     """
-    if teacher is not None and len(teacher) != len(inputs):
-        raise ValueError(f"{len(teacher)} teacher outputs for {len(inputs)} inputs")
-    distill = cfg.distill if teacher is not None else 0.0
-    if not 0.0 <= distill <= 1.0:
-        raise ValueError(f"distill weight {distill} is not in [0, 1]")
+
     drop = _dropout(cfg)
 
     def loss_of(batch):
@@ -137,32 +122,11 @@ def train_pet(encoder: Encoder, pet: petlib.Pet, inputs: list[torch.Tensor], lab
         if drop is not None and encoder.lower_layers == 0:  # the inputs are embeddings, which BERT drops
             x = drop("hidden", x)
         logits = petlib.head(pet, encoder.upper(x, real, pet, drop))
-        ys = [labels[j] for j in batch]
-        loss = _task_loss(pet.meta["task"], logits, ys)
-        if distill:
-            soft = distillation_loss(pet.meta["task"], logits, [teacher[j] for j in batch], ys)
-            loss = (1 - distill) * loss + distill * soft
-        return loss + cfg.l1 * petlib.l1_penalty(pet)
+        task_loss = _task_loss(pet.meta["task"], logits, [labels[j] for j in batch])
+        return task_loss + cfg.l1 * petlib.l1_penalty(pet)
 
     log = _fit(list(pet.tensors.values()), len(inputs), loss_of, cfg, f"{pet.meta['pet_type']} pet")
     return petlib.export(pet), log
-
-
-def distillation_loss(task: str, logits: torch.Tensor, teacher: list, labels: list) -> torch.Tensor:
-    """T^2 * KL(teacher || student) at temperature DISTILL_T (the T^2 keeps its gradients on the
-    labels' scale), averaged over the examples (classification) or the tokens the labels score
-    (tagging: not IGNORE)."""
-    if task == "classification":
-        t, s = torch.as_tensor(np.stack(teacher)).float(), logits
-    else:
-        t = pad_sequence([torch.as_tensor(x).float() for x in teacher], batch_first=True)
-        scored = pad_sequence([torch.as_tensor(y) for y in labels], batch_first=True, padding_value=IGNORE) != IGNORE
-        if not scored.any():
-            return logits.sum() * 0.0
-        t, s = t[scored], logits[:, :t.shape[1]][scored]
-    kl = F.kl_div(F.log_softmax(s / DISTILL_T, -1), F.log_softmax(t / DISTILL_T, -1), log_target=True,
-                  reduction="batchmean")
-    return kl * DISTILL_T ** 2
 
 
 def _dropout(cfg: TrainConfig):
