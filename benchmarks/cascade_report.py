@@ -177,7 +177,9 @@ def profile_lines(results: list[dict]) -> list[str]:
                                                              if k in p)
                      + f"; on dev (top {pr.get('top')}): expected {100 * pr['expected_metric']:.1f} at "
                      f"{pr['expected_cost']:.2f} of the top's cost (PLOT {100 * pr['level1_metric']:.1f}, top "
-                     f"{100 * pr['level2_metric']:.1f}), target {'met' if pr.get('met') else 'not met'}")
+                     f"{100 * pr['level2_metric']:.1f}), target {'met' if pr.get('met') else 'not met'}"
+                     + ("" if "bar" not in pr else "; a cheaper level trusted " + (
+                         "nowhere" if pr["bar"] is None else f"down to {pr['bar']:g} points below the top")))
     return lines
 
 

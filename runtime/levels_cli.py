@@ -60,6 +60,9 @@ def profile(store, tenant, dev_path, calibration_path, target, assurance, device
                f"level 2 {100 * pr['level2_metric']:.1f}), cost {pr['expected_cost']:.2f} of level 2, "
                f"re-routed {100 * pr['expected_reroute']:.0f}%" + ("" if pr["met"] else "; target not met")
                + (f"; held in {100 * pr['assurance']:.0f}% of resamples" if pr["met"] and pr["assurance"] else ""))
+    if pr.get("assurance") and "bar" in pr:
+        click.echo("  a cheaper level was trusted " + ("nowhere (dev cannot tell it from luck)" if pr["bar"] is None
+                                                      else f"down to {pr['bar']:g} points below level 2 on dev"))
 
 
 def _first(policy: dict) -> str:

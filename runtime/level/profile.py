@@ -31,8 +31,12 @@ while the students it was profiled on are not servable (runtime.level.serve.foll
 
 The chosen candidate is the cheapest whose expected metric is within ``target`` of level 2's
 (else the most accurate), and, with an ``assurance``, that also stays within it in that share
-of bootstrap resamples of the queries (a few hundred queries are a noisy sample); ``save``
-writes the tenant's levels record into its PET meta (FORMAT.md §5, key ``levels``).
+of bootstrap resamples of the queries (a few hundred queries are a noisy sample). With an
+assurance the bar a candidate's expected metric must clear is also tightened for the
+selection itself (``selection_bar``): the cheapest of thousands of candidates within target
+on dev is the luckiest, so the rule is replayed on each resample and its pick scored on the
+queries that resample left out. ``save`` writes the tenant's levels record into its PET meta
+(FORMAT.md §5, key ``levels``).
 """
 
 from __future__ import annotations
@@ -204,24 +208,73 @@ def choose(saved: Saved, temps: dict, stats, metric, target: float, grid: dict =
         alone = _students_candidates(saved, temps, stats, metric, grid, base, cands, how)
     draws = np.random.default_rng(seed).multinomial(N, np.full(N, 1 / N), size=resamples).astype(np.float64) \
         if assurance else None
+    bar = target
+    if assurance:
+        rows = np.stack([_expected_rows(*h[:3], st2, h[3]) for h in how])
+        bar = selection_bar(rows, np.array([x["cost"] for x in cands]), st2, metric, target, draws)
 
     def pick(allowed):
-        return _pick(cands, how, allowed, m2, target, st2, metric, draws, assurance)
+        return _pick(cands, how, allowed, m2, target, st2, metric, draws, assurance, bar)
 
     chosen, met = pick(range(len(cands)))
     plot = chosen if cands[chosen]["level1"] == "plot" else pick([j for j, x in enumerate(cands)
                                                                    if x["level1"] == "plot"])[0]
     return {"chosen": cands[chosen], "candidates": cands,
             "level1": {"metric": metric(st1.sum(0)), "cost": float((per_tok["level1"] * tok).sum() / base.ref_cost)},
-            "level2": {"metric": m2, "cost": 1.0}, "students": alone, "plot": cands[plot], "met": met}
+            "level2": {"metric": m2, "cost": 1.0}, "students": alone, "plot": cands[plot], "met": met,
+            "bar": bar}
 
 
-def _pick(cands, how, allowed, m2, target, st2, metric, draws, assurance) -> tuple:
+BAR_STEP = 0.005  # how far selection_bar tightens the bar at a time: half a point
+BAR_FLOOR = -0.05  # below it (5 points above level 2 on dev) only level 2 itself is trusted
+
+
+def selection_bar(rows, costs, st2, metric, target, draws) -> float:
+    """How far below level 2 a candidate's dev metric may be for the rule to keep its target on
+    queries it did not see: the cheapest candidate within `target` of level 2 on a few hundred
+    queries is, among thousands, the one whose luck was best, and it does worse on new ones.
+    Each resample of `draws` replays the rule on its queries (the cheapest candidate within the
+    bar, level 2 itself always allowed) and scores the pick on the queries the resample left out
+    (out of bag); the bar is the loosest of target, target - BAR_STEP, ... down to BAR_FLOOR at
+    which the picks' mean out-of-bag shortfall from level 2 is within target, else -inf (level
+    2 alone). rows: (candidates, N, counts) per-query expected counts, costs (candidates,);
+    metric must take counts with further axes (runtime.level.queries.Queries.metric)."""
+    out = (draws == 0).astype(np.float64)
+    seen = np.isfinite(metric(np.moveaxis(out @ st2, -1, 0)))  # resamples that left some query out
+    if not seen.any():
+        return target
+    draws, out = draws[seen], out[seen]
+    C, N, S = rows.shape
+    flat = rows.transpose(1, 0, 2).reshape(N, C * S)
+
+    def scores(weights):  # (resamples, candidates) metric, (resamples,) level 2's
+        sums = (weights @ flat).reshape(len(weights), C, S)
+        return metric(np.moveaxis(sums, -1, 0)), metric(np.moveaxis(weights @ st2, -1, 0))
+
+    (inside, inside2), (left, left2) = scores(draws), scores(out)
+    level2 = np.all(rows == st2[None], axis=(1, 2))  # candidates that are level 2 on every query
+    pick = np.arange(len(draws))
+    bar = target
+    while bar >= BAR_FLOOR - 1e-12:
+        allowed = (inside >= inside2[:, None] - bar) | level2[None]
+        cheapest = np.where(allowed, costs[None], np.inf).min(axis=1)  # level 2 is allowed: finite
+        # as _pick: the cheapest allowed, the most accurate (here) among equally cheap ones
+        first = np.argmax(np.where(allowed & (costs[None] == cheapest[:, None]), inside, -np.inf), axis=1)
+        shortfall = left2 - left[pick, first]
+        if np.mean(shortfall) <= target + 1e-12:
+            return float(round(bar, 6))
+        bar -= BAR_STEP
+    return float("-inf")
+
+
+def _pick(cands, how, allowed, m2, target, st2, metric, draws, assurance, bar=None) -> tuple:
     """(index of the chosen one among the allowed candidates, whether it met the target): the
-    cheapest within target (and held in `assurance` of the resamples `draws`), else the most
+    cheapest within `bar` (default: target; selection_bar's when assured; level 2 itself always
+    within) and held within target in `assurance` of the resamples `draws`, else the most
     accurate."""
     allowed = list(allowed)
-    ok = sorted((j for j in allowed if cands[j]["metric"] >= m2 - target),
+    bar = target if bar is None else bar
+    ok = sorted((j for j in allowed if cands[j]["metric"] >= m2 - bar or _is_level2(how[j], st2)),
                 key=lambda j: (cands[j]["cost"], -cands[j]["metric"]))
     if assurance and ok:
         def holds(j):
@@ -278,6 +331,12 @@ def _students_candidates(saved, temps, stats, metric, grid, base, cands, how) ->
     return {"metric": float(metric(sts.sum(0))), "cost": float(cs.sum() / base.ref_cost), **saved.group}
 
 
+def _is_level2(how, st2) -> bool:
+    """Whether a candidate answers every query as level 2 (gated all, or re-routed all to an
+    ensemble that is level 2's answer)."""
+    return bool(np.array_equal(_expected_rows(*how[:3], st2, how[3]), st2))
+
+
 def _expected_rows(gated, p, st1, st2, ste):
     """Per query the expected scoring counts of a candidate: level 2's for gated queries, else
     level 1's re-routed with probability p to the ensemble's (ste)."""
@@ -303,7 +362,13 @@ def record(temps: dict, ece: dict, chosen: dict, result: dict, target: float, ex
                         "expected_reroute": chosen["reroute"], "level1_metric": result["level1"]["metric"],
                         "level2_metric": result["level2"]["metric"], "level1_cost": result["level1"]["cost"],
                         **({"students_metric": alone["metric"], "students_cost": alone["cost"]} if alone else {}),
-                        "met": result["met"], "examples": examples, "profiled": time.time()}}
+                        "met": result["met"], "bar": _bar_json(result.get("bar", target)), "examples": examples,
+                        "profiled": time.time()}}
+
+
+def _bar_json(bar: float):
+    """selection_bar's bar as a record keeps it, in points: None when only level 2 was trusted."""
+    return None if not np.isfinite(bar) else round(100 * bar, 3)
 
 
 def policy(chosen: dict, result: dict) -> dict:

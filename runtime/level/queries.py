@@ -45,10 +45,16 @@ class Queries:
         g, p = entity_spans(self.gold[q]), entity_spans(tags)
         return np.array([len(g & p), len(p), len(g)], dtype=np.float64)
 
-    def metric(self, s) -> float:
-        if self.kind == "classification":
-            return float(s[0] / s[1])
-        return float(2 * s[0] / (s[1] + s[2])) if s[0] else 0.0
+    def metric(self, s):
+        """The score of summed counts s; with further axes after the counts' (s[0] the first
+        count of every sum), an array of scores (no counts: NaN for accuracy, 0 for F1)."""
+        s = np.asarray(s, dtype=np.float64)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            if self.kind == "classification":
+                out = s[0] / s[1]
+            else:
+                out = np.where(s[0] > 0, 2 * s[0] / (s[1] + s[2]), 0.0)
+        return float(out) if out.ndim == 0 else out
 
     def score(self, probs_list) -> float:
         return self.metric(np.sum([self.stats(p, q) for q, p in enumerate(probs_list)], 0))
