@@ -34,7 +34,8 @@ def levels():
               help="Points of accuracy / F1 the tenant may lose against level 2.")
 @click.option("--assurance", type=click.FloatRange(0, 1, max_open=True), default=None,
               help="Share of bootstrap resamples of --dev in which the policy must stay within --target "
-                   "[default: runtime.level.profile.ASSURANCE]; 0: the cheapest within it on --dev as it is.")
+                   "[default: runtime.level.profile.ASSURANCE], its choice also checked on the queries each "
+                   "resample left out; 0: the cheapest within it on --dev as it is.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the stored record as JSON.")
 def profile(store, tenant, dev_path, calibration_path, target, assurance, device, as_json):
