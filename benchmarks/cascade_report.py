@@ -29,6 +29,8 @@ import json
 import sys
 from pathlib import Path
 
+from runtime.levels_cli import bar_words
+
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEMS = ("fast", "exact", "auto")  # exact pins the tenant's top (its full-depth PET)
 LEVEL_NAMES = ("students", "plot", "exact", "full")
@@ -178,8 +180,7 @@ def profile_lines(results: list[dict]) -> list[str]:
                      + f"; on dev (top {pr.get('top')}): expected {100 * pr['expected_metric']:.1f} at "
                      f"{pr['expected_cost']:.2f} of the top's cost (PLOT {100 * pr['level1_metric']:.1f}, top "
                      f"{100 * pr['level2_metric']:.1f}), target {'met' if pr.get('met') else 'not met'}"
-                     + ("" if "bar" not in pr else "; a cheaper level trusted " + (
-                         "nowhere" if pr["bar"] is None else f"down to {pr['bar']:g} points below the top")))
+                     + ("" if "bar" not in pr else f"; the bar: {bar_words(pr['bar'], 'the top')}"))
     return lines
 
 

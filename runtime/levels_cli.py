@@ -62,8 +62,14 @@ def profile(store, tenant, dev_path, calibration_path, target, assurance, device
                f"re-routed {100 * pr['expected_reroute']:.0f}%" + ("" if pr["met"] else "; target not met")
                + (f"; held in {100 * pr['assurance']:.0f}% of resamples" if pr["met"] and pr["assurance"] else ""))
     if pr.get("assurance") and "bar" in pr:
-        click.echo("  a cheaper level was trusted " + ("nowhere (dev cannot tell it from luck)" if pr["bar"] is None
-                                                      else f"down to {pr['bar']:g} points below level 2 on dev"))
+        click.echo(f"  the bar a cheaper policy had to clear on dev: {bar_words(pr['bar'], 'level 2')}")
+
+
+def bar_words(bar, top: str) -> str:
+    """A profile record's bar (points; None: level 2 alone) in words."""
+    if bar is None:
+        return f"none cleared it ({top} alone: dev cannot tell a cheaper policy from luck)"
+    return f"{abs(bar):g} points {'below' if bar >= 0 else 'above'} {top}"
 
 
 def _first(policy: dict) -> str:
