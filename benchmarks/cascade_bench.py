@@ -10,8 +10,7 @@ OUT/store first (segments and weights hard-linked: the bench adds tenants to it)
 
 1. the tenant ``<task>-cascade`` on the task's domain version, made by
    runtime.construct.manager.tenant_create with the product's defaults (its PLOT-level PET: LoRA
-   r16 trained at unseen 0.3 when BENCHMARKS' cascade table was made, at 0.4 since; levels plot,full,
-   calibration share 0) on the run's training file at its max_len (as the harness's
+   r16 trained at unseen 0.4; levels plot,full, calibration share 0) on the run's training file at its max_len (as the harness's
    hplm row), then its students by `hkstore
    students create --dev` (the product's defaults);
 2. `hkstore levels profile --dev` (the default target and assurance): the dev sample is the
