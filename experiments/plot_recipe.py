@@ -26,6 +26,9 @@ results.md hold the scores (resumable per task, as the harness's). Candidates (C
                  (each backoff step taken with that probability, runtime.plot.unseen): the
                  tasks' training text is in the PLOT corpus, their dev and test text is not
   lora16-u4      the same at 0.4: the default (runtime.construct.recipe's PLOT["lora"])
+  lora16-ln      lora16-u4 also training the upper layers' LayerNorm gains and shifts (as the
+                 adapter does, Houlsby et al.): PLOT inputs are not distributed as the exact lower
+                 layers' outputs the upper layers' LayerNorms were trained on
 
 The candidates are few on purpose: each is one change a reader can name, and the one chosen must
 hold on tasks outside the suite, so nothing is tuned per task.
@@ -55,6 +58,7 @@ CANDIDATES = {
     "lora16-e20": ("hplm-lora", {"lora": dict(lr=2e-3, **LORA16)}, ("--epochs", "20")),
     "lora16-u5": ("hplm-lora", {"lora": dict(lr=2e-3, unseen=0.5, **LORA16)}),
     "lora16-u4": ("hplm-lora", {"lora": dict(lr=2e-3, unseen=0.4, **LORA16)}),
+    "lora16-ln": ("hplm-lora", {"lora": dict(lr=2e-3, unseen=0.4, norms=("ln_attn", "ln_ffn"), **LORA16)}),
 }
 
 
@@ -68,6 +72,7 @@ TITLES = {
     "lora16-e20": "LoRA r16, lr 2e-3, 20 epochs",
     "lora16-u5": "LoRA r16, lr 2e-3, unseen 0.5",
     "lora16-u4": "LoRA r16, lr 2e-3, unseen 0.4 (shipped)",
+    "lora16-ln": "the same + the upper LayerNorms' gains and shifts",
 }
 TASKS = ("NCBI-disease", "sciie", "citation_intent", "chemprot", "bc5cdr", "sci-cite")
 FIRST = TASKS[:3]  # every candidate ran these; the means of six need all six
