@@ -29,7 +29,7 @@ import json
 import sys
 from pathlib import Path
 
-from runtime.levels_cli import bar_words
+from runtime.level.profile import bar_words
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEMS = ("fast", "exact", "auto")  # exact pins the tenant's top (its full-depth PET)

@@ -90,8 +90,8 @@ def table(rows, targets) -> list[list]:
         mine = [r for r in rows if r["rule"] == rule]
         misses = [r["miss"] for r in mine if r["miss"] > 1e-9]
         costs = " / ".join(f"{statistics.mean(r['test_cost'] for r in mine if r['target'] == t):.2f}" for t in targets)
-        out.append([TITLES[rule], len(misses), f"{max(misses, default=0.0):.1f}", f"{statistics.mean(r['test_gap'] for r in mine):.2f}",
-                    costs])
+        gap = statistics.mean(r["test_gap"] for r in mine)
+        out.append([TITLES[rule], len(misses), f"{max(misses, default=0.0):.1f}", f"{gap:.2f}", costs])
     return out
 
 

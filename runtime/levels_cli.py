@@ -41,7 +41,7 @@ def levels():
 def profile(store, tenant, dev_path, calibration_path, target, assurance, device, as_json):
     """Fit TENANT's level temperatures and choose its dispatch policy; store both with its PET."""
     import runtime
-    from runtime.level.profile import ASSURANCE, profile_tenant
+    from runtime.level.profile import ASSURANCE, bar_words, profile_tenant
 
     with runtime.open(store, device=device) as rt:
         rec = profile_tenant(rt, store, tenant, dev_path, calibration_path, target=target / 100,
@@ -63,13 +63,6 @@ def profile(store, tenant, dev_path, calibration_path, target, assurance, device
                + (f"; held in {100 * pr['assurance']:.0f}% of resamples" if pr["met"] and pr["assurance"] else ""))
     if pr.get("assurance") and "bar" in pr:
         click.echo(f"  the bar a cheaper policy had to clear on dev: {bar_words(pr['bar'], 'level 2')}")
-
-
-def bar_words(bar, top: str) -> str:
-    """A profile record's bar (points; None: level 2 alone) in words."""
-    if bar is None:
-        return f"none cleared it ({top} alone: dev cannot tell a cheaper policy from luck)"
-    return f"{abs(bar):g} points {'below' if bar >= 0 else 'above'} {top}"
 
 
 def _first(policy: dict) -> str:

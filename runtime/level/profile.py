@@ -200,7 +200,7 @@ def choose(saved: Saved, temps: dict, stats, metric, target: float, grid: dict =
     st2 = np.array([stats(p, q) for q, p in enumerate(_probs(saved, temps, 0.0, 0.0))])
     base = _Level2(st2, per_tok, tok, float((per_tok["level2"] * tok).sum()))
     m2 = metric(st2.sum(0))
-    cands, how = [], []  # how: each candidate's (gated, p, st1, ste), to rebuild its rows for `held`
+    cands, how = [], []  # how: each candidate's (gated, p, st1, ste), from which its per-query rows
     p1 = [cal.softmax(z, temps["1"]) for z in saved.logits1]
     st1 = _plot_candidates(saved, temps, stats, metric, grid, p1, base, cands, how)
     alone = None
@@ -208,13 +208,13 @@ def choose(saved: Saved, temps: dict, stats, metric, target: float, grid: dict =
         alone = _students_candidates(saved, temps, stats, metric, grid, base, cands, how)
     draws = np.random.default_rng(seed).multinomial(N, np.full(N, 1 / N), size=resamples).astype(np.float64) \
         if assurance else None
-    bar = target
-    if assurance:
-        rows = np.stack([_expected_rows(*h[:3], st2, h[3]) for h in how])
-        bar = selection_bar(rows, np.array([x["cost"] for x in cands]), st2, metric, target, draws)
+    rows = np.stack([_expected_rows(gated, p, st1, st2, ste) for gated, p, st1, ste in how])
+    level2 = np.all(rows == st2[None], axis=(1, 2))  # candidates that answer every query as level 2
+    bar = selection_bar(rows, np.array([x["cost"] for x in cands]), st2, metric, target, draws) if assurance \
+        else target
 
     def pick(allowed):
-        return _pick(cands, how, allowed, m2, target, st2, metric, draws, assurance, bar)
+        return _pick(cands, rows, level2, allowed, m2, target, st2, metric, draws, assurance, bar)
 
     chosen, met = pick(range(len(cands)))
     plot = chosen if cands[chosen]["level1"] == "plot" else pick([j for j, x in enumerate(cands)
@@ -267,19 +267,17 @@ def selection_bar(rows, costs, st2, metric, target, draws) -> float:
     return float("-inf")
 
 
-def _pick(cands, how, allowed, m2, target, st2, metric, draws, assurance, bar=None) -> tuple:
+def _pick(cands, rows, level2, allowed, m2, target, st2, metric, draws, assurance, bar) -> tuple:
     """(index of the chosen one among the allowed candidates, whether it met the target): the
-    cheapest within `bar` (default: target; selection_bar's when assured; level 2 itself always
-    within) and held within target in `assurance` of the resamples `draws`, else the most
-    accurate."""
+    cheapest within `bar` (the target, or selection_bar's when assured; a candidate that is
+    level 2 on every query, level2[j], always within) and held within target in `assurance` of
+    the resamples `draws` (rows[j]: candidate j's per-query counts), else the most accurate."""
     allowed = list(allowed)
-    bar = target if bar is None else bar
-    ok = sorted((j for j in allowed if cands[j]["metric"] >= m2 - bar or _is_level2(how[j], st2)),
+    ok = sorted((j for j in allowed if cands[j]["metric"] >= m2 - bar or level2[j]),
                 key=lambda j: (cands[j]["cost"], -cands[j]["metric"]))
     if assurance and ok:
         def holds(j):
-            gated, p, st1, ste = how[j]
-            return held(draws, _expected_rows(gated, p, st1, st2, ste), st2, metric, target) >= assurance
+            return held(draws, rows[j], st2, metric, target) >= assurance
 
         ok = [next((j for j in ok if holds(j)), ok[-1])]  # level 2 itself (a gate above 1) always holds
     if ok:
@@ -331,12 +329,6 @@ def _students_candidates(saved, temps, stats, metric, grid, base, cands, how) ->
     return {"metric": float(metric(sts.sum(0))), "cost": float(cs.sum() / base.ref_cost), **saved.group}
 
 
-def _is_level2(how, st2) -> bool:
-    """Whether a candidate answers every query as level 2 (gated all, or re-routed all to an
-    ensemble that is level 2's answer)."""
-    return bool(np.array_equal(_expected_rows(*how[:3], st2, how[3]), st2))
-
-
 def _expected_rows(gated, p, st1, st2, ste):
     """Per query the expected scoring counts of a candidate: level 2's for gated queries, else
     level 1's re-routed with probability p to the ensemble's (ste)."""
@@ -369,6 +361,13 @@ def record(temps: dict, ece: dict, chosen: dict, result: dict, target: float, ex
 def _bar_json(bar: float):
     """selection_bar's bar as a record keeps it, in points: None when only level 2 was trusted."""
     return None if not np.isfinite(bar) else round(100 * bar, 3)
+
+
+def bar_words(bar, top: str) -> str:
+    """A record's bar (points; None: level 2 alone) in words, `top` naming level 2."""
+    if bar is None:
+        return f"none cleared it ({top} alone: dev cannot tell a cheaper policy from luck)"
+    return f"{abs(bar):g} points {'below' if bar >= 0 else 'above'} {top}"
 
 
 def policy(chosen: dict, result: dict) -> dict:
