@@ -11,8 +11,9 @@ OUT/store first (segments and weights hard-linked: the bench adds tenants to it)
 1. the tenant ``<task>-cascade`` on the task's domain version, made by
    runtime.construct.manager.tenant_create with the product's defaults (its PLOT-level PET: LoRA
    r16 trained at unseen 0.4; levels plot,full, calibration share 0) on the run's training file at its max_len (as the harness's
-   hplm row), then its students by `hkstore
-   students create --dev` (the product's defaults);
+   hplm row; --self-train: also `--corpus` with the run's domain corpus,
+   RUN/data/domain-<domain>.txt), then its students by `hkstore students create --dev` (the
+   product's defaults);
 2. `hkstore levels profile --dev` (the default target and assurance): the dev sample is the
    run's when it scored dev, else drawn as the harness draws it (same size and seed);
 3. a fresh `hkstore serve` process (CPU, one torch thread, the run's max_len, --truncate)
@@ -146,11 +147,12 @@ def construct(args, config, task, store, dev) -> dict:
 
     if "create" not in steps:
         t0 = time.time()
-        say(f"{task}: tenant create {tenant} on {domain} (levels plot,full)")
+        corpus = [str(Path(args.run) / "data" / f"domain-{domain}.txt")] if args.self_train else []
+        say(f"{task}: tenant create {tenant} on {domain} (levels plot,full{', --corpus' if corpus else ''})")
         out = manager.tenant_create(str(store), tenant, version=domain, train_path=str(Path(args.run) / "data" /
                                     f"{task}.train.{ext(kind)}"), task=kind, max_len=config.get("max_len", 128),
-                                    seed=config.get("seed", 0), levels=("plot", "full"), replace=True,
-                                    progress=args.progress)
+                                    seed=config.get("seed", 0), levels=("plot", "full"), corpus_paths=corpus,
+                                    replace=True, progress=args.progress)
         done("create", dict(out, seconds=round(time.time() - t0, 1)))
     if args.students and "students" not in steps:
         t0 = time.time()
@@ -361,6 +363,8 @@ def parser():
     p.add_argument("--limit", type=int, default=0, help="at most this many dev and test queries per task (0: all)")
     p.add_argument("--data", default=None, help="the suite, for a dev split the run did not sample (default: the run's)")
     p.add_argument("--no-students", dest="students", action="store_false", help="skip `students create`")
+    p.add_argument("--self-train", action="store_true",
+                   help="tenant create --corpus with the run's domain corpus (the full-depth level teaches the PLOT level)")
     p.add_argument("--threads", type=int, default=1, help="the server's torch threads (hkstore serve's default)")
     p.add_argument("--write-results", action="store_true",
                    help="add the figures to benchmarks/results/accuracy.json (every task of --tasks done)")

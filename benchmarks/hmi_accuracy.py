@@ -368,10 +368,12 @@ def row_tenant(args, ctx, t: Task, store, version, pet_type, tenant, **options):
     from runtime.construct import manager
 
     lr = {"adapter": args.lr_adapter, "lora": args.lr_lora, "diff": args.lr_diff}[pet_type]
+    taught = {"levels": ("plot", "full"), "corpus_paths": [ctx["data"]["corpora"][TASKS[t.name][2]]]} \
+        if getattr(args, "self_train", False) else {"levels": ("plot",)}
     out = manager.tenant_create(store, tenant, version=version, train_path=ctx["data"]["tasks"][t.name]["train"],
                                 task=t.kind, pet_type=pet_type, epochs=args.epochs, lr=lr,
                                 batch_size=args.batch_size, max_len=args.max_len, seed=args.seed, replace=True,
-                                unseen=args.unseen, levels=("plot",), progress=args.progress, **options)
+                                unseen=args.unseen, progress=args.progress, **taught, **options)
     score = manager.tenant_eval(store, tenant, ctx["data"]["tasks"][t.name]["eval"], max_len=args.max_len)
     return score["score"], [out["loss_first"], out["loss_last"]], {"pet_bytes": out["pet_bytes"]}
 
@@ -641,11 +643,11 @@ RESUMABLE = ("tasks", "rows", "alpha_tasks", "distill_tasks", "extra_seeds")  # 
 # Settings only rows depend on (not the store): free to change while no row has a score, so the
 # store of a final run can be built while its settings are still being chosen on dev.
 TRAINING = ("epochs", "epochs_full", "batch_size", "lr_full", "lr_head", "lr_adapter", "lr_lora", "lr_diff", "wide_bottleneck",
-            "unseen")
+            "unseen", "self_train")
 
 
 # What a saved run that predates an option did (not the option's default today).
-PREDATES = {"unseen": 0.0}
+PREDATES = {"unseen": 0.0, "self_train": False}
 
 
 def changed_settings(saved: dict, config: dict, defaults: dict, scored: bool = True) -> list[str]:
@@ -702,6 +704,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--unseen", type=float, default=None,
                    help="the PLOT rows' tenants train on inputs as served to unseen text (runtime.plot.unseen); "
                         "default each PET type's recipe, as tenant create")
+    p.add_argument("--self-train", action="store_true",
+                   help="the PLOT rows' tenants also learn the full-depth level's answers on their domain corpus "
+                        "(tenant create --corpus; the full-depth level is trained too)")
     p.add_argument("--wide-bottleneck", type=int, default=256, help="the adapter bottleneck of the hplm-wide row")
     p.add_argument("--lr-mlm", type=float, default=1e-4)
     p.add_argument("--lr-distill", type=float, default=1e-4)

@@ -134,6 +134,8 @@ def test_ls_lists_each_tenants_levels(cli, env):
      "unknown level 'deep'"),
     (["tenant", "create", "{store}", "t2", "--version", "root", "--train", "{cls}", "--levels", "full"],
      "levels must include plot"),
+    (["tenant", "create", "{store}", "t2", "--version", "root", "--train", "{cls}", "--levels", "plot", "--corpus",
+      "{cls}"], "add level full"),
     (["tenant", "info", "{store}", "ghost"], "unknown tenant 'ghost'"),
     (["tenant", "ls", "{store}/../nostore"], "no such store"),
 ])
@@ -144,8 +146,65 @@ def test_errors_are_one_line(cli, env, args, message):
     assert len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0], r.output
 
 
+def test_corpus_texts_labeled_by_the_top_train_the_plot_level(cli, env, tmp_path):
+    """--corpus: the full-depth level labels the domain texts that are not training texts (at
+    most --max-corpus of them) and the PLOT-level PET trains on them beside the labels."""
+    import os.path as osp
+
+    from test_manager import docstring_lines
+
+    fresh = [line for line in docstring_lines(os) if line.strip()][:6]
+    corpus = tmp_path / "domain.txt"
+    corpus.write_text("\n".join(env["texts"][:5] + fresh) + "\n")  # five of them have labels already
+    r = run(cli, "tenant", "create", env["store"], "taught", "--version", "root", "--train", env["cls"], "--corpus",
+            corpus, *FAST, "--json")
+    assert r.exit_code == 0, r.output
+    pet, full = records(env["store"], "taught")
+    assert pet.meta["train"]["corpus"] == {"paths": [str(corpus)], "examples": len(fresh)}
+    assert json.loads(r.output)["corpus_examples"] == len(fresh)
+    assert full.meta["pet_created"] == pet.meta["created"] and full.meta["train"]["examples"] == len(env["texts"])
+    r = run(cli, "tenant", "create", env["store"], "taught", "--version", "root", "--train", env["tag"], "--task",
+            "tagging", "--corpus", corpus, "--max-corpus", 4, "--replace", *FAST, "--json")
+    assert r.exit_code == 0, r.output
+    assert records(env["store"], "taught")[0].meta["train"]["corpus"]["examples"] == 4
+
+
+@pytest.mark.parametrize("task", ["classification", "tagging"])
+def test_pseudo_labels_are_the_tops_argmax_where_labels_go(env, monkeypatch, task):
+    """Classification: one label per text; tagging: a label at each word's first sub-token,
+    IGNORE where encode_tagging puts it. The top here answers label (token id mod 3)."""
+    from runtime.construct import full as fulllib
+    from runtime.construct.data import IGNORE, encode_tagging
+    from runtime.construct.pseudo import pseudo_examples
+    from runtime.model.stored import load_model
+
+    def fake_logits(whole, pet, seqs):
+        eye = np.eye(3)
+        return [eye[sum(s) % 3] if task == "classification" else eye[np.asarray(s) % 3] for s in seqs]
+
+    monkeypatch.setattr(fulllib, "full_logits", fake_logits)
+    encoder = load_model(env["model"], 3)
+    docs = env["texts"][:8] + ["   "]
+    kept = docs[1:8]  # the first is a training text (whitespace aside), the last has no words
+    ids, targets = pseudo_examples(encoder, None, None, docs, task, ["A", "B", "C"], 32, 100, seed=0,
+                                   exclude=[env["texts"][0].replace(" ", "  ") + " "])
+    assert ids == (encoder.tokenize(kept, 32) if task == "classification" else
+                   encode_tagging(encoder, [d.split() for d in kept], [["A"] * len(d.split()) for d in kept],
+                                  ["A", "B", "C"], 32)[0])
+    if task == "classification":
+        assert targets == [sum(s) % 3 for s in ids]
+        return
+    slots = encode_tagging(encoder, [d.split() for d in kept], [["A"] * len(d.split()) for d in kept],
+                           ["A", "B", "C"], 32)[1]
+    assert [[x == IGNORE for x in t] for t in targets] == [[x == IGNORE for x in t] for t in slots]
+    assert all(x == IGNORE or x == s[j] % 3 for s, t in zip(ids, targets) for j, x in enumerate(t))
+    assert len(pseudo_examples(encoder, None, None, docs, task, ["A", "B", "C"], 32, 3, seed=0)[0]) == 3
+
+
 class Stop(Exception):
-    pass
+    @classmethod
+    def throw(cls):
+        raise cls
 
 
 def spy_settings(monkeypatch, level):
@@ -185,6 +244,21 @@ def test_the_harness_trains_tenant_creates_plot_pet(cli, env, monkeypatch, pet_t
     with pytest.raises(Stop):
         hmi.row_tenant(args, ctx, task, env["store"], "root", pet_type, "spy")
     assert len(seen) == 2 and seen[0] == seen[1]
+
+
+def test_the_harness_self_trains_with_its_domain_corpus_as_tenant_create_corpus(env, monkeypatch):
+    hmi, args, task, ctx = harness(env)
+    seen = []
+    monkeypatch.setattr(manager, "tenant_create", lambda *a, **kw: seen.append(kw) or Stop.throw())
+    ctx["data"]["corpora"] = {"biology": "bio.txt", "cs": "cs.txt"}
+    task.name = "sciie"
+    ctx["data"]["tasks"]["sciie"] = {"train": env["tag"]}
+    for flag in ([], ["--self-train"]):
+        args = hmi.parser().parse_args(["--out", "unused", "--model", env["model"], *flag])
+        with pytest.raises(Stop):
+            hmi.row_tenant(args, ctx, task, env["store"], "cs", "lora", "spy")
+    assert seen[0]["levels"] == ("plot",) and "corpus_paths" not in seen[0]
+    assert seen[1]["levels"] == ("plot", "full") and seen[1]["corpus_paths"] == ["cs.txt"]
 
 
 def test_the_harness_trains_tenant_creates_full_depth_pet(cli, env, monkeypatch):

@@ -208,11 +208,17 @@ def tenant():
 @click.option("--levels", "levels", default="plot,full", show_default=True,
               help="plot: the PET the PLOT and exact levels serve; plot,full: also a full-depth PET (every "
                    "encoder layer, exact inputs) beside it.")
+@click.option("--corpus", "corpus_paths", multiple=True, type=click.Path(dir_okay=False),
+              help="Unlabeled text of the tenant's domain (repeatable): the full-depth level, trained first, "
+                   "labels it and the PLOT-level PET learns from those answers too (needs level full).")
+@click.option("--max-corpus", type=click.IntRange(1), default=recipes.MAX_CORPUS, show_default=True,
+              help="At most this many --corpus texts.")
 @click.option("--replace", is_flag=True, help="Overwrite an existing tenant.")
 @_quiet_option
 @_json_option
 def tenant_create(store, tenant, version, train_path, task, pet_type, epochs, max_examples, lr, batch_size, max_len,
-                  bottleneck, rank, density, seed, unseen, calibration_share, levels, replace, quiet, as_json):
+                  bottleneck, rank, density, seed, unseen, calibration_share, levels, corpus_paths, max_corpus, replace,
+                  quiet, as_json):
     """Fine-tune a PET for TENANT on PLOT inputs of --version and store it, and (--levels
     plot,full) a full-depth PET on exact inputs beside it; unset training settings are the PET
     type's recipe. On a decoder store: an lm PET (causal LM loss) on --train as plain text
@@ -227,7 +233,8 @@ def tenant_create(store, tenant, version, train_path, task, pet_type, epochs, ma
     _run(manager.tenant_create, store, tenant, version=version, train_path=train_path, task=task, pet_type=pet_type,
          epochs=epochs, max_examples=max_examples, lr=lr, batch_size=batch_size, max_len=max_len,
          bottleneck=bottleneck, rank=rank, density=density, seed=seed, unseen=unseen,
-         calibration_share=calibration_share, levels=levels, replace=replace, progress=not quiet, as_json=as_json)
+         calibration_share=calibration_share, levels=levels, corpus_paths=corpus_paths, max_corpus=max_corpus,
+         replace=replace, progress=not quiet, as_json=as_json)
 
 
 @tenant.command("update")

@@ -7,9 +7,8 @@ the embeddings are frozen, so they are computed once per example and runtime.con
 train_pet trains the PET unchanged. The model is the store's base model, not a domain version's
 lower layers: serving runs a full row's lower layers with the base weights.
 
-    whole = whole_encoder(store)
-    exported, log, cfg = train_full(whole, task, labels, ids, targets, seed=0)
-    record = full_record(pet_record, exported, {"train": {...}})  # Store.put_full(record)
+    trained = fit_full_level(store, task, labels, ids, targets, seed=0)
+    record = full_level_record(pet_record, trained, ids)  # Store.put_pets([pet_record, record])
 
 The record stores the PET's layer tensors in float16 (FORMAT.md, Full-depth PET): a tenant's
 full-depth PET is most of what a tenant costs the host, and the serving path keeps it in float16
@@ -20,6 +19,7 @@ is the PET rounded as its record stores it (``rounded``), so the score is the se
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -131,29 +131,42 @@ def is_stale(full_meta: dict, pet_meta: dict) -> bool:
     return full_meta.get("pet_created") != pet_meta.get("created")
 
 
-def train_full_level(store, pet_record, ids, targets, held=None, *, epochs=None, batch_size=None, seed: int = 0,
-                     progress: bool = True):
-    """(full-depth record, losses) of a tenant trained on ids beside its new PET record (its
-    training file and max_len); held: the held-out (ids, targets) its PET was calibrated on. A
-    run that never leaves its starting loss is trained once more as the PLOT level's is
-    (runtime.construct.train.stalled: half the rate, the next seed; ``train.stalled`` keeps the
-    first run's)."""
+class FullTrained(NamedTuple):
+    """A full-depth PET trained for a tenant, before its record exists (the record names the
+    tenant's PET record, which a distilled PLOT level is trained after it)."""
+    pet: object  # the exported PET, rounded as its record stores it
+    log: list
+    cfg: object  # the TrainConfig it ran under
+    stall: dict | None  # the stalled first run, if any (runtime.construct.train.unstalled)
+    whole: object  # the encoder it runs on (whole_encoder)
+
+
+def fit_full_level(store, task, labels, ids, targets, *, epochs=None, batch_size=None, seed: int = 0,
+                   progress: bool = True) -> FullTrained:
+    """A tenant's full-depth PET trained on ids by the full-depth recipe. A run that never leaves
+    its starting loss is trained once more as the PLOT level's is (runtime.construct.train.stalled:
+    half the rate, the next seed)."""
     from runtime.construct.train import unstalled
 
     whole = whole_encoder(store)
-    meta = pet_record.meta
     _, cfg = recipes.settings(recipes.FULL_PET_TYPE, "full", epochs=epochs, batch_size=batch_size, seed=seed,
                               progress=progress)
     exported, log, cfg, stall = unstalled(
-        lambda c: train_full(whole, meta["task"], meta["labels"], ids, targets, epochs=c.epochs,
-                             batch_size=c.batch_size, seed=c.seed, lr=c.lr, progress=progress)[:2], cfg)
-    exported = rounded(exported)
-    extra = {"train": _train_meta(meta, cfg, ids, log, 0)}
-    if stall:
-        extra["train"]["stalled"] = stall
+        lambda c: train_full(whole, task, labels, ids, targets, epochs=c.epochs, batch_size=c.batch_size,
+                             seed=c.seed, lr=c.lr, progress=progress)[:2], cfg)
+    return FullTrained(rounded(exported), log, cfg, stall, whole)
+
+
+def full_level_record(pet_record, trained: FullTrained, ids, held=None):
+    """The full-depth record of trained beside the tenant's new PET record (its training file and
+    max_len; ``train.stalled`` keeps a stalled first run's rate, seed and losses); held: the
+    held-out (ids, targets) its PET was calibrated on."""
+    extra = {"train": _train_meta(pet_record.meta, trained.cfg, ids, trained.log, 0)}
+    if trained.stall:
+        extra["train"]["stalled"] = trained.stall
     if held:
-        extra["held_out"] = held_out(whole, exported, *held, meta)
-    return full_record(pet_record, exported, extra), log
+        extra["held_out"] = held_out(trained.whole, trained.pet, *held, pet_record.meta)
+    return full_record(pet_record, trained.pet, extra)
 
 
 def update_full_level(store, pet_record, old, ids, targets, held=None, *, epochs=1, batch_size=None, seed: int = 0,

@@ -383,6 +383,8 @@ def _summary(trained: Trained, t0, sizes: dict) -> dict:
            "seconds": round(time.perf_counter() - t0, 3)}
     if stall := record.meta.get("train", {}).get("stalled"):
         out["stalled"] = stall  # the first run never left its starting loss: retrained at half its rate
+    if corpus := record.meta.get("train", {}).get("corpus"):
+        out["corpus_examples"] = corpus["examples"]  # texts the full-depth level labeled for it
     if "full" in trained.logs:
         full = trained.records[1]
         out["full"] = {"pet_type": full.meta["pet_type"], "layers": full.meta["layers"],
@@ -431,7 +433,8 @@ def tenant_create(store_path, tenant, *, version, train_path, task: str = "class
                   batch_size: int | None = None, max_len: int = 128, bottleneck: int | None = None,
                   rank: int | None = None, density: float | None = None, norms: tuple[str, ...] | None = None,
                   seed: int = 0, replace: bool = False, unseen: float | None = None, calibration_share: float = 0.0,
-                  levels=recipes.LEVELS, progress: bool = True) -> dict:
+                  levels=recipes.LEVELS, corpus_paths=(), max_corpus: int = recipes.MAX_CORPUS,
+                  progress: bool = True) -> dict:
     """Fine-tune a PET + head on the upper layers with inputs served by PLOT `version`
     (runtime.plot.retrieve, the serving path) and store it as `tenant`'s PET; with level "full"
     also a full-depth PET on the same examples (runtime.construct.full), stored beside it.
@@ -445,7 +448,10 @@ def tenant_create(store_path, tenant, *, version, train_path, task: str = "class
     either level that never leaves its starting loss (runtime.construct.train.stalled) is trained
     once more at half the rate under the next seed; ``stalled`` in the summary (``full.stalled``
     for the full-depth level) and in the record's ``train`` keeps the first run's rate, seed and
-    losses."""
+    losses. corpus_paths: unlabeled text of the tenant's domain (needs level "full", which is then
+    trained first): at most max_corpus of its texts, labeled by the full-depth level, train the
+    PLOT-level PET beside the labeled examples (runtime.construct.pseudo; the record's
+    ``train.corpus``)."""
     t0 = time.perf_counter()
     # Train on a read-only snapshot (no writer lock: tenants can be trained in parallel), then
     # take the lock only to append the records; the checks run again under it.
@@ -454,7 +460,8 @@ def tenant_create(store_path, tenant, *, version, train_path, task: str = "class
                              pet_type=pet_type, epochs=epochs, max_examples=max_examples, lr=lr,
                              batch_size=batch_size, max_len=max_len, bottleneck=bottleneck, rank=rank,
                              density=density, norms=norms, seed=seed, replace=replace, unseen=unseen,
-                             calibration_share=calibration_share, levels=levels, progress=progress)
+                             calibration_share=calibration_share, levels=levels, corpus_paths=corpus_paths,
+                             max_corpus=max_corpus, progress=progress)
     with _open_writable(store_path) as store:
         _tenant_checks(store, tenant, version, replace)
         _put_levels(store, [trained.records])
@@ -491,9 +498,9 @@ def _train_new(store, encoder, tenant, *, version, train_path, task="classificat
                epochs=None,
                max_examples=None, lr=None, batch_size=None, max_len=128, bottleneck=None, rank=None, density=None,
                norms=None, seed=0, replace=False, unseen=None, calibration_share=0.0, levels=recipes.LEVELS,
-               progress=True) -> Trained:
+               corpus_paths=(), max_corpus=recipes.MAX_CORPUS, progress=True) -> Trained:
     """A new tenant's records trained on store's snapshot (not stored)."""
-    from runtime.construct.full import train_full_level
+    from runtime.construct import full as fulllib
     from runtime.construct.train import unstalled
     from runtime.model import pet as petlib
 
@@ -502,6 +509,8 @@ def _train_new(store, encoder, tenant, *, version, train_path, task="classificat
     hkstore.store.check_name("tenant", tenant)
     if pet_type not in petlib.PET_TYPES:
         raise ValueError(f"unknown PET type {pet_type!r}; expected one of {', '.join(petlib.PET_TYPES)}")
+    if corpus_paths and "full" not in levels:
+        raise ManagerError("--corpus teaches the PLOT level with the full-depth level's answers: add level full")
     _tenant_checks(store, tenant, version, replace)
     unseen = recipes.recipe(pet_type, "plot").unseen if unseen is None else unseen
     data, labels = read_task(train_path, task)
@@ -511,28 +520,44 @@ def _train_new(store, encoder, tenant, *, version, train_path, task="classificat
     options, cfg = recipes.settings(pet_type, "plot", lr=lr, epochs=epochs, batch_size=batch_size,
                                     bottleneck=bottleneck, rank=rank, density=density, norms=norms, seed=seed,
                                     progress=progress)
+    seconds, full, taught = {}, None, ([], [])
+    if corpus_paths:  # the top first: it labels the corpus the PLOT level also learns from
+        from runtime.construct.pseudo import pseudo_examples
+
+        t1 = time.perf_counter()
+        full = fulllib.fit_full_level(store, task, labels, ids, targets, epochs=epochs, batch_size=batch_size,
+                                      seed=seed, progress=progress)
+        seconds["full"] = round(time.perf_counter() - t1, 3)
+        texts = data[0] if task == "classification" else [" ".join(words) for words in data[0]]
+        taught = pseudo_examples(encoder, full.whole, full.pet, read_corpora(list(corpus_paths)), task, labels,
+                                 max_len, max_corpus, seed, exclude=texts)
 
     def fit(c):  # the PET itself is kept: calibration reads it
         pet = petlib.create_pet(encoder, pet_type, task, labels, seed=c.seed, **options)
-        exported, log = _fit_pet(store, encoder, pet, version, ids, targets, c, unseen)
+        exported, log = _fit_pet(store, encoder, pet, version, ids + taught[0], targets + taught[1], c, unseen)
         return (pet, exported), log
 
+    t1 = time.perf_counter()
     (pet, exported), log, cfg, stall = unstalled(fit, cfg)
     extra = {"train": {"path": os.path.abspath(train_path), "examples": len(ids), "epochs": cfg.epochs, "lr": cfg.lr,
                        "max_len": max_len, "unseen": unseen, "loss_last": log[-1], "updates": 0}}
+    if corpus_paths:
+        extra["train"]["corpus"] = {"paths": [os.path.abspath(p) for p in corpus_paths], "examples": len(taught[0])}
     if stall:
         extra["train"]["stalled"] = stall
     if held:
         extra["calibration"] = _calibration(store, encoder, version, pet, held, calibration_share, 0)
     record = _record(tenant, store, version, exported, extra)
-    trained = Trained([record], {"plot": log}, len(ids), {"plot": round(time.perf_counter() - t0, 3)})
+    seconds = {"plot": round(time.perf_counter() - t1, 3), **seconds}
+    trained = Trained([record], {"plot": log}, len(ids), seconds)
     if "full" in levels:
-        t1 = time.perf_counter()
-        full, full_log = train_full_level(store, record, ids, targets, held, epochs=epochs, batch_size=batch_size,
+        if full is None:
+            t1 = time.perf_counter()
+            full = fulllib.fit_full_level(store, task, labels, ids, targets, epochs=epochs, batch_size=batch_size,
                                           seed=seed, progress=progress)
-        trained.records.append(full)
-        trained.logs["full"] = full_log
-        trained.seconds["full"] = round(time.perf_counter() - t1, 3)
+            trained.seconds["full"] = round(time.perf_counter() - t1, 3)
+        trained.records.append(fulllib.full_level_record(record, full, ids, held))
+        trained.logs["full"] = full.log
     return trained
 
 

@@ -24,6 +24,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 LEVELS = ("plot", "full")
+# tenant create --corpus: how many unlabeled texts the full-depth level labels for the PLOT level
+# (runtime.construct.pseudo). Each costs a labeled example's training time.
+MAX_CORPUS = 1000
 ALL_TARGETS = ("q", "k", "v", "o", "ffn_in", "ffn_out")  # runtime.model.pet.TARGETS, without torch
 
 
