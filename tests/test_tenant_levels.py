@@ -184,10 +184,8 @@ def test_pseudo_labels_are_the_tops_argmax_where_labels_go(env, monkeypatch, tas
 
     monkeypatch.setattr(fulllib, "full_logits", fake_logits)
     encoder = load_model(env["model"], 3)
-    docs = env["texts"][:8] + ["   "]
-    kept = docs[1:8]  # the first is a training text (whitespace aside), the last has no words
-    ids, targets = pseudo_examples(encoder, None, None, docs, task, ["A", "B", "C"], 32, 100, seed=0,
-                                   exclude=[env["texts"][0].replace(" ", "  ") + " "])
+    kept = env["texts"][:7]
+    ids, targets = pseudo_examples(encoder, None, None, kept, task, ["A", "B", "C"], 32)
     assert ids == (encoder.tokenize(kept, 32) if task == "classification" else
                    encode_tagging(encoder, [d.split() for d in kept], [["A"] * len(d.split()) for d in kept],
                                   ["A", "B", "C"], 32)[0])
@@ -198,7 +196,13 @@ def test_pseudo_labels_are_the_tops_argmax_where_labels_go(env, monkeypatch, tas
                            ["A", "B", "C"], 32)[1]
     assert [[x == IGNORE for x in t] for t in targets] == [[x == IGNORE for x in t] for t in slots]
     assert all(x == IGNORE or x == s[j] % 3 for s, t in zip(ids, targets) for j, x in enumerate(t))
-    assert len(pseudo_examples(encoder, None, None, docs, task, ["A", "B", "C"], 32, 3, seed=0)[0]) == 3
+
+
+def test_the_texts_to_label_leave_out_empty_and_labeled_ones():
+    docs = ["a b", "  ", "c  d", "e", "f g h"]
+    assert manager._unlabeled(docs, [" c d "], 10, 0) == ["a b", "e", "f g h"]
+    got = manager._unlabeled(docs, [], 2, 0)
+    assert len(got) == 2 and set(got) <= {"a b", "c  d", "e", "f g h"}
 
 
 class Stop(Exception):

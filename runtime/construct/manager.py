@@ -529,8 +529,8 @@ def _train_new(store, encoder, tenant, *, version, train_path, task="classificat
                                       seed=seed, progress=progress)
         seconds["full"] = round(time.perf_counter() - t1, 3)
         texts = data[0] if task == "classification" else [" ".join(words) for words in data[0]]
-        taught = pseudo_examples(encoder, full.whole, full.pet, read_corpora(list(corpus_paths)), task, labels,
-                                 max_len, max_corpus, seed, exclude=texts)
+        docs = _unlabeled(read_corpora(list(corpus_paths)), texts, max_corpus, seed)
+        taught = pseudo_examples(encoder, full.whole, full.pet, docs, task, labels, max_len)
 
     def fit(c):  # the PET itself is kept: calibration reads it
         pet = petlib.create_pet(encoder, pet_type, task, labels, seed=c.seed, **options)
@@ -559,6 +559,14 @@ def _train_new(store, encoder, tenant, *, version, train_path, task="classificat
         trained.records.append(fulllib.full_level_record(record, full, ids, held))
         trained.logs["full"] = full.log
     return trained
+
+
+def _unlabeled(docs, labeled, limit, seed) -> list[str]:
+    """At most limit of docs (a seeded sample), none empty and none equal to a labeled text
+    (whitespace aside): those have their labels."""
+    skip = {" ".join(text.split()) for text in labeled}
+    docs = [d for d in docs if d.split() and " ".join(d.split()) not in skip]
+    return [docs[i] for i in _subsample(len(docs), limit, seed)]
 
 
 def _hold_out(ids, targets, share, seed):

@@ -16,17 +16,11 @@ import numpy as np
 from runtime.construct.data import IGNORE, encode_tagging
 
 
-def pseudo_examples(encoder, whole, full_pet, docs: list[str], task: str, labels: list[str], max_len: int,
-                    limit: int, seed: int, exclude=()) -> tuple[list[list[int]], list]:
-    """(ids, targets) of at most `limit` of docs (a seeded sample; a doc equal to one in exclude,
-    whitespace aside, is left out: those texts have their labels) labeled by full_pet on whole
-    (runtime.construct.full)."""
+def pseudo_examples(encoder, whole, full_pet, docs: list[str], task: str, labels: list[str],
+                    max_len: int) -> tuple[list[list[int]], list]:
+    """(ids, targets) of docs (non-empty texts) labeled by full_pet on whole (runtime.construct.full)."""
     from runtime.construct.full import full_logits
-    from runtime.construct.manager import _subsample
 
-    skip = {" ".join(text.split()) for text in exclude}
-    docs = [d for d in docs if d.split() and " ".join(d.split()) not in skip]
-    docs = [docs[i] for i in _subsample(len(docs), limit, seed)]
     if not docs:
         return [], []
     if task == "classification":
