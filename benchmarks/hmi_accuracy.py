@@ -369,7 +369,7 @@ def row_tenant(args, ctx, t: Task, store, version, pet_type, tenant, **options):
 
     lr = {"adapter": args.lr_adapter, "lora": args.lr_lora, "diff": args.lr_diff}[pet_type]
     taught = {"levels": ("plot", "full"), "corpus_paths": [ctx["data"]["corpora"][TASKS[t.name][2]]]} \
-        if getattr(args, "self_train", False) else {"levels": ("plot",)}
+        if args.self_train else {"levels": ("plot",)}
     out = manager.tenant_create(store, tenant, version=version, train_path=ctx["data"]["tasks"][t.name]["train"],
                                 task=t.kind, pet_type=pet_type, epochs=args.epochs, lr=lr,
                                 batch_size=args.batch_size, max_len=args.max_len, seed=args.seed, replace=True,

@@ -133,7 +133,8 @@ def is_stale(full_meta: dict, pet_meta: dict) -> bool:
 
 class FullTrained(NamedTuple):
     """A full-depth PET trained for a tenant, before its record exists (the record names the
-    tenant's PET record, which a distilled PLOT level is trained after it)."""
+    tenant's PET record, which `tenant create --corpus` trains after it: the full-depth level
+    labels the corpus that PET learns from)."""
     pet: object  # the exported PET, rounded as its record stores it
     log: list
     cfg: object  # the TrainConfig it ran under

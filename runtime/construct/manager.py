@@ -521,13 +521,18 @@ def _train_new(store, encoder, tenant, *, version, train_path, task="classificat
                                     bottleneck=bottleneck, rank=rank, density=density, norms=norms, seed=seed,
                                     progress=progress)
     seconds, full, taught = {}, None, ([], [])
+
+    def fit_full():
+        t1 = time.perf_counter()
+        out = fulllib.fit_full_level(store, task, labels, ids, targets, epochs=epochs, batch_size=batch_size,
+                                     seed=seed, progress=progress)
+        seconds["full"] = round(time.perf_counter() - t1, 3)
+        return out
+
     if corpus_paths:  # the top first: it labels the corpus the PLOT level also learns from
         from runtime.construct.pseudo import pseudo_examples
 
-        t1 = time.perf_counter()
-        full = fulllib.fit_full_level(store, task, labels, ids, targets, epochs=epochs, batch_size=batch_size,
-                                      seed=seed, progress=progress)
-        seconds["full"] = round(time.perf_counter() - t1, 3)
+        full = fit_full()
         texts = data[0] if task == "classification" else [" ".join(words) for words in data[0]]
         docs = _unlabeled(read_corpora(list(corpus_paths)), texts, max_corpus, seed)
         taught = pseudo_examples(encoder, full.whole, full.pet, docs, task, labels, max_len)
@@ -548,14 +553,10 @@ def _train_new(store, encoder, tenant, *, version, train_path, task="classificat
     if held:
         extra["calibration"] = _calibration(store, encoder, version, pet, held, calibration_share, 0)
     record = _record(tenant, store, version, exported, extra)
-    seconds = {"plot": round(time.perf_counter() - t1, 3), **seconds}
-    trained = Trained([record], {"plot": log}, len(ids), seconds)
-    if "full" in levels:
-        if full is None:
-            t1 = time.perf_counter()
-            full = fulllib.fit_full_level(store, task, labels, ids, targets, epochs=epochs, batch_size=batch_size,
-                                          seed=seed, progress=progress)
-            trained.seconds["full"] = round(time.perf_counter() - t1, 3)
+    plot_seconds = round(time.perf_counter() - t1, 3)
+    full = full or ("full" in levels and fit_full())
+    trained = Trained([record], {"plot": log}, len(ids), {"plot": plot_seconds, **seconds})
+    if full:
         trained.records.append(fulllib.full_level_record(record, full, ids, held))
         trained.logs["full"] = full.log
     return trained
