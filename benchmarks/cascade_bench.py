@@ -13,7 +13,7 @@ OUT/store first (segments and weights hard-linked: the bench adds tenants to it)
    r16 trained at unseen 0.4; levels plot,full, calibration share 0) on the run's training file at its max_len (as the harness's
    hplm row; --self-train: also `--corpus` with the run's domain corpus,
    RUN/data/domain-<domain>.txt), then its students by `hkstore students create --dev` (the
-   product's defaults);
+   product's defaults; --self-train: also `--corpus`, as many texts as the PLOT level's);
 2. `hkstore levels profile --dev` (the default target and assurance): the dev sample is the
    run's when it scored dev, else drawn as the harness draws it (same size and seed);
 3. a fresh `hkstore serve` process (CPU, one torch thread, the run's max_len, --truncate)
@@ -134,7 +134,7 @@ def hkstore_cli(args, *argv) -> dict:
 
 def construct(args, config, task, store, dev) -> dict:
     """The tenant, its students and its profile (steps done before are kept: OUT/<task>.steps.json)."""
-    from runtime.construct import manager
+    from runtime.construct import manager, recipe
 
     kind, _, domain = TASKS[task]
     tenant = f"{task}-cascade"
@@ -145,9 +145,9 @@ def construct(args, config, task, store, dev) -> dict:
         steps[step] = value
         path.write_text(json.dumps(steps, indent=1, default=str))
 
+    corpus = [str(Path(args.run) / "data" / f"domain-{domain}.txt")] if args.self_train else []
     if "create" not in steps:
         t0 = time.time()
-        corpus = [str(Path(args.run) / "data" / f"domain-{domain}.txt")] if args.self_train else []
         say(f"{task}: tenant create {tenant} on {domain} (levels plot,full{', --corpus' if corpus else ''})")
         out = manager.tenant_create(str(store), tenant, version=domain, train_path=str(Path(args.run) / "data" /
                                     f"{task}.train.{ext(kind)}"), task=kind, max_len=config.get("max_len", 128),
@@ -156,8 +156,11 @@ def construct(args, config, task, store, dev) -> dict:
         done("create", dict(out, seconds=round(time.time() - t0, 1)))
     if args.students and "students" not in steps:
         t0 = time.time()
-        say(f"{task}: students create")
-        out = hkstore_cli(args, "students", "create", str(store), tenant, "--dev", str(dev), "--quiet")
+        # with --self-train the students also learn from the corpus, as many texts as the PLOT level
+        more = [a for path in corpus for a in ("--corpus", path)]
+        more += ["--max-corpus", str(recipe.MAX_CORPUS)] if corpus else []
+        say(f"{task}: students create{' --corpus' if corpus else ''}")
+        out = hkstore_cli(args, "students", "create", str(store), tenant, "--dev", str(dev), "--quiet", *more)
         done("students", dict(out, seconds=round(time.time() - t0, 1)))
     if "profile" not in steps:
         t0 = time.time()
@@ -364,7 +367,8 @@ def parser():
     p.add_argument("--data", default=None, help="the suite, for a dev split the run did not sample (default: the run's)")
     p.add_argument("--no-students", dest="students", action="store_false", help="skip `students create`")
     p.add_argument("--self-train", action="store_true",
-                   help="tenant create --corpus with the run's domain corpus (the full-depth level teaches the PLOT level)")
+                   help="tenant create and students create --corpus with the run's domain corpus "
+                   "(the full-depth level teaches the PLOT level, the PLOT level its students)")
     p.add_argument("--threads", type=int, default=1, help="the server's torch threads (hkstore serve's default)")
     p.add_argument("--write-results", action="store_true",
                    help="add the figures to benchmarks/results/accuracy.json (every task of --tasks done)")

@@ -14,7 +14,8 @@ over auto's (what `hkstore serve --mode dedicated`, the load benchmarks' baselin
 with a model swap whenever its tenant is not resident). Accuracy: auto as cascade_bench served and scored it, against
 dedicated fine-tuning on the same test sample (the harness's dedicated row, seed 0:
 benchmarks/results/accuracy.json). --write-results adds ``headline`` there: the ratios and the
-accuracy differences per task and their six-task means.
+accuracy differences per task and their six-task means. A task's measurement is kept in
+OUT/<task>.headline.<limit> (a rerun reuses it: delete it to measure again).
 """
 
 from __future__ import annotations
@@ -78,7 +79,12 @@ def main(argv=None) -> dict:
             if "served" not in done:
                 continue
             task = done["task"]
-            got = task_headline(out, done, args.threads, args.limit)
+            saved = out / f"{task}.headline.{args.limit or 'all'}"  # a task measured before is kept: resume
+            if saved.exists():
+                got = json.loads(saved.read_text())
+            else:
+                got = task_headline(out, done, args.threads, args.limit)
+                saved.write_text(json.dumps(got))
             got["dedicated"] = accuracy["three_seed_by_task"][task]["dedicated"][0]
             got["auto_minus_dedicated"] = round(got["auto"] - got["dedicated"], 1)
             by_task[task] = got

@@ -286,3 +286,41 @@ def test_the_driver_makes_profiles_and_serves_each_tasks_cascade(tmp_path, monke
     assert again["summary"] == got["summary"]
     with pytest.raises(SystemExit, match="other settings"):
         cascade_bench.main(argv[:6] + ["--limit", "4"])
+
+
+# -- the headline -------------------------------------------------------------------------------
+
+
+def test_the_headline_keeps_each_tasks_measurement_and_writes_the_means(tmp_path, monkeypatch):
+    from benchmarks import headline
+
+    results = tmp_path / "accuracy.json"
+    results.write_text(json.dumps({"three_seed_by_task": {"chemprot": {"dedicated": [60.0, 0, 0]},
+                                                          "sciie": {"dedicated": [50.0, 0, 0]}}}))
+    out = tmp_path / "out"
+    out.mkdir()
+    for task, score in (("chemprot", 0.61), ("sciie", 0.49)):
+        (out / f"{task}.json").write_text(json.dumps({"task": task, "served": {"auto": {"score": score}}}))
+    (out / "chemprot.steps.json").write_text("{}")  # not a task's result: no "served"
+    measured = []
+
+    def measure(out_dir, done, threads, limit):
+        measured.append(done["task"])
+        cpu = {"chemprot": (10.0, 20.0), "sciie": (5.0, 20.0)}[done["task"]]
+        return {"auto_cpu_ms": cpu[0], "dedicated_cpu_ms": cpu[1], "throughput_vs_dedicated": cpu[1] / cpu[0],
+                "auto": round(100 * done["served"]["auto"]["score"], 1)}
+
+    monkeypatch.setattr(headline, "task_headline", measure)
+    argv = [str(out), "--results", str(results), "--write-results"]
+    first = headline.main(argv)
+    assert sorted(measured) == ["chemprot", "sciie"]
+    assert first["mean"]["throughput_vs_dedicated"] == 3.0  # (2x + 4x) / 2
+    assert first["by_task"]["chemprot"]["auto_minus_dedicated"] == 1.0
+    assert first["by_task"]["sciie"]["auto_minus_dedicated"] == -1.0
+    written = json.loads(results.read_text())["headline"]
+    assert written["throughput_vs_dedicated_by_task"] == {"chemprot": 2.0, "sciie": 4.0}
+    assert written["auto_minus_dedicated_mean"] == 0.0
+    # a rerun measures nothing again and reports the same; a deleted task's file is measured anew
+    (out / "sciie.headline.all").unlink()
+    again = headline.main(argv)
+    assert measured[2:] == ["sciie"] and again == first
