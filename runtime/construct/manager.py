@@ -554,9 +554,10 @@ def _train_new(store, encoder, tenant, *, version, train_path, task="classificat
         extra["calibration"] = _calibration(store, encoder, version, pet, held, calibration_share, 0)
     record = _record(tenant, store, version, exported, extra)
     plot_seconds = round(time.perf_counter() - t1, 3)
-    full = full or ("full" in levels and fit_full())
+    if full is None and "full" in levels:
+        full = fit_full()
     trained = Trained([record], {"plot": log}, len(ids), {"plot": plot_seconds, **seconds})
-    if full:
+    if full is not None:
         trained.records.append(fulllib.full_level_record(record, full, ids, held))
         trained.logs["full"] = full.log
     return trained
@@ -566,7 +567,7 @@ def _unlabeled(docs, labeled, limit, seed) -> list[str]:
     """At most limit of docs (a seeded sample), none empty and none equal to a labeled text
     (whitespace aside): those have their labels."""
     skip = {" ".join(text.split()) for text in labeled}
-    docs = [d for d in docs if d.split() and " ".join(d.split()) not in skip]
+    docs = [d for d in docs if (plain := " ".join(d.split())) and plain not in skip]
     return [docs[i] for i in _subsample(len(docs), limit, seed)]
 
 
