@@ -35,8 +35,8 @@ COMMAND = "python -m experiments.selection_bar OUTA OUTB --write   # OUTA, OUTB:
 KEY = ("level1", "c", "k", "alpha", "w", "gate")
 
 
-def outputs(out: Path, task: str) -> dict:
-    """The tenant's saved level outputs on dev and test, its temperatures and the queries."""
+def outputs(out: Path, task: str, splits=("dev", "test")) -> dict:
+    """The tenant's saved level outputs on each split (dev, test), its temperatures and the queries."""
     import runtime
     from runtime.level import profile
     from runtime.level.queries import read_queries
@@ -48,7 +48,7 @@ def outputs(out: Path, task: str) -> dict:
         full = rt.full(tenant, pet)
         max_len = (meta.get("train") or {}).get("max_len", rt.max_len)
         got = {"temps": meta["levels"]["temperature"]}
-        for split in ("dev", "test"):
+        for split in splits:
             q = read_queries(done["files"][split], pet.task, rt.encoder, pet.labels, max_len)
             saved = profile.collect(rt.engine, pet, q.pairs(), n=rt.meta["n"], full=full,
                                     students=profile._students(rt, tenant, pet))
@@ -126,10 +126,13 @@ def main(argv=None) -> int:
 
 
 def write(path: Path, head, body, seconds, load) -> None:
+    """The table as the section's first (experiments.router_bound's second stays), and its command."""
     got = json.loads(path.read_text()) if path.exists() else {"section": "Tabi: profiling with an assurance"}
-    got.update(command=COMMAND, machine="the 2-core development machine (AMD EPYC, AVX2, shared with other jobs)",
+    others = [line for line in got.get("command", "").splitlines() if "experiments.selection_bar" not in line]
+    got.update(command="\n".join([COMMAND, *others]),
+               machine="the 2-core development machine (AMD EPYC, AVX2, shared with other jobs)",
                load=f"{load[0]:.1f}-{os.getloadavg()[0]:.1f}; {seconds / 60:.0f} min", date=time.strftime("%Y-%m-%d"),
-               tables=[{"columns": head, "rows": body}])
+               tables=[{"columns": head, "rows": body}] + got.get("tables", [])[1:])
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(got, indent=1, ensure_ascii=False) + "\n")
     os.replace(tmp, path)
