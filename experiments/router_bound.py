@@ -10,6 +10,11 @@ as `levels profile` runs them) against the top's:
   oracle       the same for a router that knows where the cheap level differs from the top and
                sends those first (least confident first): a query both answer alike gains
                nothing from going up, and sending every differing one gives the top's metric
+  cost         that oracle's cascade cost against the top: the cheap level's served CPU time per
+               query r (the run's `hkstore serve` measurement) plus the oracle's share, as a
+               dispatcher pays it (a sent-up query pays both levels); `before` (in the JSON and
+               the mean below the table): r + share (1 - r), as a router that knew before
+               running any level would pay
 
 The gold-label bound of BENCHMARKS' cascade table (cascade_report's oracle) may use the top's
 mistakes to offset the cheap level's; this one asks only for the top's answers, which is what
@@ -70,8 +75,9 @@ def share_needed(order, tokens, st1, st2, metric, points: float) -> float:
     return 1.0
 
 
-def figures(q, saved, temps: dict, task: str, points: float) -> dict:
-    """Per cheap level: differs (share of queries), confidence and oracle (share of tokens)."""
+def figures(q, saved, temps: dict, task: str, points: float, costs: dict | None = None) -> dict:
+    """Per cheap level: differs (share of queries), confidence and oracle (share of tokens), and
+    with costs ({level: its served CPU time against the top's}) the oracle cascade's cost."""
     from runtime.level import dispatch
 
     got = answers(saved, temps)
@@ -89,20 +95,44 @@ def figures(q, saved, temps: dict, task: str, points: float) -> dict:
         out[level] = {"differs": float(unlike.mean()),
                       "confidence": share_needed(by_conf, tokens, st1, st2, q.metric, points),
                       "oracle": share_needed(oracle, tokens, st1, st2, q.metric, points)}
+        if costs and level in costs:
+            r, share = costs[level], out[level]["oracle"]
+            out[level].update(cost=r + share, before=r + share * (1 - r))
     return {"task": task, **out}
+
+
+def served_costs(result: dict) -> dict:
+    """{level: served CPU time per query against the top's} of a cascade_bench task result."""
+    from benchmarks import cascade_report
+
+    f = cascade_report.task_figures(result)
+    top = f["systems"]["exact"]["cpu_ms"]
+    out = {"plot": f["systems"]["fast"]["cpu_ms"] / top}
+    if "students" in f["systems"]:
+        out["students"] = f["systems"]["students"]["cpu_ms"] / top
+    return out
+
+
+def mean_before(rows: list) -> float:
+    """The six tasks' mean of the cheapest oracle cascade routed before running any level."""
+    return float(np.mean([min(r[level]["before"] for level in LEVELS if level in r) for r in rows]))
 
 
 def table(rows: list, points: float) -> tuple:
     names = [r["task"] for r in rows]
     head = [f"cheap level (test): {' / '.join(names)}", "queries it answers differently from the top",
             f"tokens sent up for within {points:g} point of the top, least confident first",
-            "the same, the queries it answers differently first (oracle)"]
+            "the same, the queries it answers differently first (oracle)",
+            "cost of that oracle's cascade against the top (a sent-up query pays both levels)"]
 
     def cells(level, key):
         return " / ".join(f"{100 * r[level][key]:.0f}%" if level in r else "-" for r in rows)
 
-    return head, [[LEVELS[level], cells(level, "differs"), cells(level, "confidence"), cells(level, "oracle")]
-                  for level in LEVELS]
+    def costs(level):
+        return " / ".join(f"{r[level]['cost']:.2f}" if "cost" in r.get(level, {}) else "-" for r in rows)
+
+    return head, [[LEVELS[level], cells(level, "differs"), cells(level, "confidence"), cells(level, "oracle"),
+                   costs(level)] for level in LEVELS]
 
 
 def main(argv=None) -> int:
@@ -122,7 +152,8 @@ def main(argv=None) -> int:
             print(f"[{time.time() - t0:6.0f}s] {path.stem}: saving test outputs", flush=True)
             got = outputs(run, path.stem, splits=("test",))
             q, saved = got["test"]
-            rows.append(figures(q, saved, got["temps"], path.stem, args.points))
+            costs = served_costs(json.loads(path.read_text()))
+            rows.append(figures(q, saved, got["temps"], path.stem, args.points, costs))
     rows.sort(key=lambda r: TASKS.index(r["task"]) if r["task"] in TASKS else len(TASKS))
     head, body = table(rows, args.points)
     print("| " + " | ".join(head) + " |\n| " + " | ".join("---" for _ in head) + " |")
@@ -130,15 +161,20 @@ def main(argv=None) -> int:
         print("| " + " | ".join(r) + " |")
     out = args.out or args.runs[0]
     out.mkdir(parents=True, exist_ok=True)
-    (out / "router_bound.json").write_text(json.dumps({"columns": head, "rows": body, "tasks": rows}, indent=1))
+    before = mean_before(rows)
+    print(f"the cheapest oracle cascade per task, routed before running any level: mean {before:.2f} of the top")
+    (out / "router_bound.json").write_text(json.dumps({"columns": head, "rows": body, "tasks": rows,
+                                                       "mean_before": before}, indent=1))
     if args.write:
-        write(ROOT / "benchmarks" / "results" / "tabi_assurance.json", head, body, time.time() - t0, load)
+        write(ROOT / "benchmarks" / "results" / "tabi_assurance.json", head, body, before, time.time() - t0, load)
     return 0
 
 
-def write(path: Path, head, body, seconds, load) -> None:
-    """The table as the section's second (the selection bar's stays first), and its command."""
+def write(path: Path, head, body, before, seconds, load) -> None:
+    """The table as the section's second (the selection bar's stays first), its command and
+    the mean cost of the oracle cascades routed before running any level."""
     got = json.loads(path.read_text())
+    got["router_bound_mean_cost_routed_before"] = round(before, 2)
     others = [line for line in got.get("command", "").splitlines() if "experiments.router_bound" not in line]
     got.update(command="\n".join([*others, COMMAND]), tables=got["tables"][:1] + [{"columns": head, "rows": body}],
                load=f"{got.get('load', '').split('; router bound')[0]}; router bound {load[0]:.1f}-{os.getloadavg()[0]:.1f}, "

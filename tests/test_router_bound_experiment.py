@@ -66,4 +66,27 @@ def test_the_table_names_each_level_and_task():
              "students": {"differs": 0.9, "confidence": 1.0, "oracle": 0.75}}]
     head, body = exp.table(rows, 1.0)
     assert head[0].endswith("a / b") and "1 point" in head[2]
-    assert body == [["students", "- / 90%", "- / 100%", "- / 75%"], ["PLOT level", "50% / 20%", "25% / 0%", "10% / 0%"]]
+    assert body == [["students", "- / 90%", "- / 100%", "- / 75%", "- / -"],
+                    ["PLOT level", "50% / 20%", "25% / 0%", "10% / 0%", "- / -"]]
+
+
+def test_the_oracle_cascade_costs_the_cheap_level_plus_what_it_sends_up():
+    """A dispatcher's cascade pays the cheap level on every query and the top on the sent-up
+    share; one routed before running any level pays the top instead of the cheap level there;
+    the mean takes each task's cheaper level."""
+    n = 10
+    logits1 = np.zeros((n, 2))
+    logits1[:, 0] = 1.0
+    logits2 = logits1.copy()
+    logits2[:4] = logits2[:4, ::-1]  # the top answers 4 of 10 queries (of equal length) differently
+    saved = SimpleNamespace(logits1=list(logits1), logits2={0.0: list(logits2)}, students=list(logits1),
+                            tokens=np.full(n, 5), task="classification")
+    gold = logits2.argmax(1)
+    q = SimpleNamespace(stats=lambda p, i: np.array([float(np.argmax(p) == gold[i]), 1.0]), metric=_accuracy)
+    got = exp.figures(q, saved, {"1": 1.0, "2": 1.0}, "t", 0.0, {"plot": 0.5, "students": 0.25})
+    assert got["plot"]["oracle"] == 0.4 and abs(got["plot"]["cost"] - 0.9) < 1e-9
+    assert abs(got["plot"]["before"] - (0.5 + 0.4 * 0.5)) < 1e-9
+    assert abs(got["students"]["before"] - (0.25 + 0.4 * 0.75)) < 1e-9
+    assert abs(exp.mean_before([got, got]) - 0.55) < 1e-9
+    head, body = exp.table([got], 0.0)
+    assert body[0][-1] == "0.65" and body[1][-1] == "0.90"
