@@ -136,7 +136,7 @@ def table(rows: list, points: float) -> tuple:
 
 
 def main(argv=None) -> int:
-    from experiments.selection_bar import outputs
+    from experiments.selection_bar import outputs, task_results
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="+", type=Path, help="cascade_bench output directories")
@@ -146,14 +146,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     rows, t0, load = [], time.time(), os.getloadavg()
     for run in args.runs:
-        for path in sorted(run.glob("*.json")):
-            if path.name.endswith(".steps.json") or path.name == "settings.json":
-                continue
-            print(f"[{time.time() - t0:6.0f}s] {path.stem}: saving test outputs", flush=True)
-            got = outputs(run, path.stem, splits=("test",))
+        for task, done in task_results(run):
+            print(f"[{time.time() - t0:6.0f}s] {task}: saving test outputs", flush=True)
+            got = outputs(run, task, splits=("test",))
             q, saved = got["test"]
-            costs = served_costs(json.loads(path.read_text()))
-            rows.append(figures(q, saved, got["temps"], path.stem, args.points, costs))
+            rows.append(figures(q, saved, got["temps"], task, args.points, served_costs(done)))
     rows.sort(key=lambda r: TASKS.index(r["task"]) if r["task"] in TASKS else len(TASKS))
     head, body = table(rows, args.points)
     print("| " + " | ".join(head) + " |\n| " + " | ".join("---" for _ in head) + " |")

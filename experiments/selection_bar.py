@@ -35,6 +35,13 @@ COMMAND = "python -m experiments.selection_bar OUTA OUTB --write   # OUTA, OUTB:
 KEY = ("level1", "c", "k", "alpha", "w", "gate")
 
 
+def task_results(run: Path) -> list[tuple[str, dict]]:
+    """(task, result) of each task cascade_bench served in `run` (its OUT/<task>.json; the
+    other JSON there, steps, settings and what the experiments write, served nothing)."""
+    found = ((path.stem, json.loads(path.read_text())) for path in sorted(run.glob("*.json")))
+    return [(task, done) for task, done in found if isinstance(done, dict) and "served" in done]
+
+
 def outputs(out: Path, task: str, splits=("dev", "test")) -> dict:
     """The tenant's saved level outputs on each split (dev, test), its temperatures and the queries."""
     import runtime
@@ -105,10 +112,7 @@ def main(argv=None) -> int:
     targets = [float(x) for x in args.targets.split(",") if x]
     rows, t0, load = [], time.time(), os.getloadavg()
     for run in args.runs:
-        for path in sorted(run.glob("*.json")):
-            if path.name.endswith(".steps.json") or path.name == "settings.json":
-                continue
-            task = path.stem
+        for task, _ in task_results(run):
             print(f"[{time.time() - t0:6.0f}s] {task}: saving dev and test outputs", flush=True)
             rows += cases(task, outputs(run, task), targets)
     head = ["rule", f"(task, target) cases that missed, of {len(rows) // len(RULES)}", "worst miss beyond its target",

@@ -31,3 +31,15 @@ def test_a_lucky_level_1_on_dev_misses_on_test_and_the_assured_rules_do_not():
     table = {r[0]: r for r in exp.table(list(rows.values()), [0.5, 2.0])}
     plain, bar = table[exp.TITLES["plain"]], table[exp.TITLES["bar"]]
     assert plain[1] == 2 and plain[2] == "24.5" and bar[1] == 0
+
+
+def test_only_the_tasks_cascade_bench_served_are_read(tmp_path):
+    """A run's steps, settings and the experiments' own JSON (written there by default) are no
+    tasks: a rerun reads the same tasks."""
+    import json
+
+    (tmp_path / "chemprot.json").write_text(json.dumps({"task": "chemprot", "served": {}}))
+    (tmp_path / "chemprot.steps.json").write_text("{}")
+    (tmp_path / "settings.json").write_text(json.dumps({"run": "r"}))
+    (tmp_path / "selection_bar.json").write_text(json.dumps({"columns": [], "rows": [], "cases": []}))
+    assert [task for task, _ in exp.task_results(tmp_path)] == ["chemprot"]
