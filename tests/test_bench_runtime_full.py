@@ -3,6 +3,8 @@ product's full-depth recipe with distinct, non-zero weights, held as the runtime
 one (fp16 layers); memory per tenant is one shared model plus a PET each; a --quick run reports
 full-depth throughput for every tenant count."""
 
+import json
+
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -42,12 +44,22 @@ def test_the_pool_is_the_full_depth_recipe_with_distinct_nonzero_weights():
 
 
 def test_quick_run_reports_full_depth_throughput(tmp_path):
-    out = tmp_path / "out.md"
-    bench_runtime.main(["--quick", "--skip", "b,c,d", "--tenants", "1,3", "--threads", "1", "--out", str(out)])
+    """Full-depth beside dedicated and PEFT's mixed-adapter batching, in the table and the JSON."""
+    out, js = tmp_path / "out.md", tmp_path / "out.json"
+    bench_runtime.main(["--quick", "--device", "cpu", "--skip", "b,c,d", "--tenants", "1,3", "--threads", "1",
+                        "--peft", "--json", str(js), "--out", str(out)])
     text = out.read_text()
     table = text.split("the full-depth level", 1)[1]
+    head = next(ln for ln in table.splitlines() if ln.startswith("| tenants"))
+    cols = [c.strip() for c in head.split("|")[1:-1]]
     rows = [ln.split("|")[1:-1] for ln in table.splitlines() if ln.startswith("| ") and ln[2].isdigit()]
     assert [r[0].strip() for r in rows] == ["1", "3"]
     for r in rows:
-        assert float(r[1]) > 0 and float(r[3].strip().rstrip("x")) > 0
+        cell = dict(zip(cols, (c.strip().rstrip("x") for c in r)))
+        for c in ("full-depth req/s", "PEFT mixed req/s", "full-depth / PEFT mixed", "full-depth / dedicated"):
+            assert float(cell[c]) > 0
     assert "of dedicated's" in table
+    rates = json.loads(js.read_text())["a"]["cpu"]["requests_per_s"]
+    for T, r in zip(("1", "3"), rows):
+        assert rates[T]["full-depth"] > 0 and rates[T]["PEFT mixed"] > 0
+        assert f"{rates[T]['full-depth']:.2f}" == r[1].strip()
