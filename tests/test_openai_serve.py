@@ -270,8 +270,12 @@ def test_bad_requests_get_clear_4xx(env):
         assert r.status_code == 400 and words in r.text, (body, r.status_code, r.text)
     assert s.client.post("/v1/completions", json=ok).status_code == 401
     assert s.client.post("/v1/completions", json=ok, headers=auth("acme~wrong")).status_code == 401
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.NotFoundError, match="unknown model 'nobody'"):  # the client shows the reason
         client(env, ADMIN).completions.create(model="nobody", prompt="x")
+    with pytest.raises(openai.BadRequestError, match="n must be between 1 and 128"):
+        client(env, ADMIN).completions.create(model="acme", prompt="x", n=0)
+    with pytest.raises(openai.PermissionDeniedError, match="does not give access to model 'nobody'"):
+        client(env, env["token"]).completions.create(model="nobody", prompt="x")  # as for another tenant
 
 
 def wait_for_a_place(s):

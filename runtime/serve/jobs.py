@@ -18,6 +18,7 @@ import time
 
 import hkstore
 from hkstore.files import atomic_write, atomic_write_json, read_json
+from hkstore.errors import StoreError
 
 log = logging.getLogger("hkstore.serve")
 
@@ -348,10 +349,14 @@ class Jobs:
     def _done(self, job, result):
         p = job["params"]
         if self.tokens is not None:
-            if job["kind"] == "tenant_create" and job.get("token_hash"):
-                self.tokens.set(p["tenant"], dict(job["token_hash"], created=time.time(), job=job["id"]))
-            elif job["kind"] == "tenant_rm":
-                self.tokens.remove(p["tenant"])
+            try:
+                if job["kind"] == "tenant_create" and job.get("token_hash"):
+                    self.tokens.set(p["tenant"], dict(job["token_hash"], created=time.time(), job=job["id"]))
+                elif job["kind"] == "tenant_rm":
+                    self.tokens.remove(p["tenant"])
+            except StoreError as e:  # a damaged tokens.json: the store's change stands; say what did not happen
+                log.error("job %s: %s", job["id"], e)
+                result = dict(result or {}, token_error=str(e))
         job.update(state="done", finished=time.time(), result=result, error=None, pid=None)
         job["progress"] = dict(job.get("progress") or {}, stage="done", fraction=1.0)
         self._save(job)

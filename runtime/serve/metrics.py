@@ -61,6 +61,9 @@ class Metrics:
         self.damaged = Counter("hkstore_store_damaged", "Requests (or refreshes) that met a damaged store: answered 503",
                                ["where"], registry=r)
         self.degraded = Gauge("hkstore_store_degraded", "1 while /healthz reports the store damaged", registry=r)
+        self.tokens_damaged = Gauge("hkstore_tokens_damaged", "1 while STORE/tokens.json is damaged (tenant tokens "
+                                    "refused, the admin token works)", registry=r)
+        self.tokens_damaged.set_function(lambda: float(service.tokens.problem() is not None))
         r.register(_RuntimeCollector(service))
 
     def count_request(self, tenant, status):
@@ -105,7 +108,7 @@ class _RuntimeCollector:
         rt = svc.rt
         if rt is None:
             return
-        stats = rt.stats()
+        stats = svc.runtime_stats()
         flat = _flatten("", stats, {})
         info = GaugeMetricFamily("hkstore_runtime_info", "The runtime serving this server", labels=["device", "mode"])
         info.add_metric([str(stats.get("device", "")), svc.mode], 1.0)

@@ -7,7 +7,10 @@
 
 ``model`` names a tenant (its lm PET and PLOT version) or the base model (``base``, unless a
 tenant has that name, or the base model's own name as /v1/models lists it). A tenant's token
-reaches its own tenant and the base model; the admin token reaches every one.
+reaches its own tenant and the base model; the admin token reaches every one. Any other model
+named with a tenant's token is 403, whether it is a tenant or not (tenant names are not
+enumerable); the admin token gets 404 for an unknown one. Errors are OpenAI's shape,
+``{"error": {"message", "type", "param", "code"}}``, so its clients show the reason.
 
 **Prompts and choices** (as vLLM serves them). ``prompt`` is a string, a list of strings, a list
 of token ids or a list of lists of token ids (ids are taken as they are: no BOS is added); each
@@ -40,7 +43,8 @@ that disconnects cancels its sequences. Extensions beside OpenAI's fields: ``top
 all) and vLLM's ``ignore_eos`` (run to max_tokens or a stop). temperature defaults to 1 and
 max_tokens to 16 (completions) or what is left of the context, at most 256 (chat), as
 OpenAI's. Bad requests are refused before anything runs: unknown model 404; a body that does
-not fit the schema (text that is not valid Unicode included) 422; prompt or prompt + max_tokens
+not fit the schema (text that is not valid Unicode, or a body that is not UTF-8, included) 422;
+a body that is not JSON 400; prompt or prompt + max_tokens
 beyond the context, token ids outside the vocabulary, invalid sampling values, best_of other
 than n, suffix, penalties, logit_bias, an encoder tenant or store asked to generate: 400.
 /metrics gains the running and waiting sequences, tokens made, time to first token and
@@ -59,7 +63,7 @@ from typing import Annotated, Union
 from fastapi import Depends, Request
 from fastapi.responses import Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials
-from pydantic import BaseModel, ConfigDict, StringConstraints
+from pydantic import BaseModel, ConfigDict, StrictBool, StringConstraints
 
 MAX_N = 128  # choices per prompt, OpenAI's bound
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -74,7 +78,7 @@ Name = Annotated[str, StringConstraints(max_length=256)]
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    include_usage: bool | None = None
+    include_usage: StrictBool | None = None
 
 
 class _Body(BaseModel):
@@ -84,9 +88,9 @@ class _Body(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None  # not OpenAI's: an extension (0 or -1: all)
-    ignore_eos: bool | None = None  # not OpenAI's: vLLM's extension (run to max_tokens or a stop sequence)
+    ignore_eos: StrictBool | None = None  # not OpenAI's: vLLM's extension (run to max_tokens or a stop sequence)
     n: int | None = None
-    stream: bool | None = False
+    stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     stop: Text | list[Text] | None = None
     seed: int | None = None
@@ -99,7 +103,7 @@ class _Body(BaseModel):
 class CompletionBody(_Body):
     prompt: Union[Text, list[Text], list[int], list[list[int]]]
     logprobs: int | None = None
-    echo: bool | None = None
+    echo: StrictBool | None = None
     best_of: int | None = None
     suffix: Text | None = None
 
@@ -118,7 +122,7 @@ class ChatMessage(BaseModel):
 
 class ChatBody(_Body):
     messages: list[ChatMessage]
-    logprobs: bool | None = None
+    logprobs: StrictBool | None = None
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
 
@@ -193,11 +197,14 @@ def add_openai_routes(app, svc, bearer, HTTPError):
         """The tenant model names (None: the base model), after the token's check."""
         who = svc.principal(creds)
         pets = svc.rt.store.snapshot().pets
+        base = model in base_names() and model not in pets
+        if who != "admin" and not base and model != who:
+            # The same answer whether the model is another tenant or none at all: a tenant's
+            # token must not learn which names are tenants.
+            raise HTTPError(403, f"this token does not give access to model {model!r}")
         if model in pets:
-            if who != "admin" and who != model:
-                raise HTTPError(403, f"this token does not give access to model {model!r}")
             tenant = model
-        elif model in base_names():
+        elif base:
             tenant = None
         else:
             raise HTTPError(404, f"unknown model {model!r}: not a tenant of this store, nor 'base' "
@@ -384,8 +391,9 @@ def add_openai_routes(app, svc, bearer, HTTPError):
         return _Stream(events(), closed, media_type="text/event-stream",
                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    errors = {400: {"description": "invalid request: sampling values, n, prompt or max_tokens beyond the "
-                                   "context, token ids outside the vocabulary, an encoder tenant or store"},
+    errors = {400: {"description": "invalid request: a body that is not JSON, sampling values, n, prompt or "
+                                   "max_tokens beyond the context, token ids outside the vocabulary, an encoder "
+                                   "tenant or store"},
               401: {"description": "missing or invalid token"}, 403: {"description": "not this tenant's token"},
               404: {"description": "unknown model"}, 422: {"description": "invalid request body"},
               429: {"description": "the generation queue is full (Retry-After)"}}

@@ -2,9 +2,10 @@
 
 from typing import Annotated, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StringConstraints, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
 from hkstore.store import NAME
+from runtime.construct.manager import recipes  # serve reaches construct through the manager
 
 NAME_PATTERN = NAME.pattern  # hkstore.store.check_name's rule, as an OpenAPI pattern
 
@@ -33,6 +34,15 @@ MAX_UPLOAD_BODY = 64 << 20  # the manage requests that carry documents or exampl
 MAX_MANAGE_BODY = 64 << 10  # every other request body (a tenant update without examples, a delete)
 
 
+def _integral(value):
+    """3.0 is an integer to JSON Schema (and the OpenAPI description): take it as 3; strings and
+    booleans stay refused (the request bodies are strict)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+INTEGRAL = BeforeValidator(_integral)  # last in an Annotated: after Field, or the schema loses its bounds
+
+
 Name = Annotated[str, StringConstraints(pattern=NAME_PATTERN, min_length=1, max_length=64)]
 
 
@@ -49,21 +59,27 @@ Word = Annotated[str, StringConstraints(min_length=1, max_length=100)]
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: no coercion the schema does not show (0 or "yes" for a boolean, "5" or 5.0 for an integer)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class InferBody(Strict):
     """Exactly one of text and texts."""
 
-    text: Optional[Text] = None
-    texts: Optional[Annotated[list[Text], Field(min_length=1, max_length=MAX_TEXTS)]] = None
+    # the schema says what the validator below checks: one of the two, not both
+    model_config = ConfigDict(extra="forbid", strict=True,
+                              json_schema_extra={"oneOf": [{"required": ["text"]}, {"required": ["texts"]}]})
+
+    # Not nullable (None only when absent): the schema's oneOf counts a key given as null.
+    text: Text = None
+    texts: Annotated[list[Text], Field(min_length=1, max_length=MAX_TEXTS)] = None
     truncate: Optional[bool] = Field(None, description="Cut texts over the server's max_len tokens instead of "
                                                        "answering 422 (default: the server's --truncate)")
     policy: Optional[Literal["fast", "auto", "exact"]] = Field(
         None, description="fast: the PLOT level only; exact: the tenant's top (its full-depth PET, else full-context "
                           "lower layers); auto: Tabi's dispatcher "
                           "(default once the tenant is profiled, else fast)")
-    students: Optional[Annotated[int, Field(ge=0, le=1024)]] = Field(
+    students: Optional[Annotated[int, Field(ge=0, le=1024), INTEGRAL]] = Field(
         None, description="A tenant with students (hkstore students create): 0 the teacher answers, k the first k "
                           "students (policy fast or auto, not exact; 422 for a tenant without them or more than it has); "
                           "default: the server's pruning policy chooses per batch under the load")
@@ -113,23 +129,23 @@ class DomainCreateBody(Strict):
     parent: Name = "root"
     documents: Annotated[list[Document], Field(min_length=1, max_length=MAX_DOCUMENTS)]
     alpha: Annotated[float, Field(ge=0, le=100)] = 50
-    mlm_steps: Annotated[int, Field(ge=0, le=100_000)] = 100
+    mlm_steps: Annotated[int, Field(ge=0, le=100_000), INTEGRAL] = 100
     lr: Annotated[float, Field(gt=0, le=1)] = 5e-5
-    batch_size: Annotated[int, Field(ge=1, le=1024)] = 16
-    max_len: Annotated[int, Field(ge=8, le=512)] = 128
-    seed: Annotated[int, Field(ge=0, le=2**31 - 1)] = 0
+    batch_size: Annotated[int, Field(ge=1, le=1024), INTEGRAL] = 16
+    max_len: Annotated[int, Field(ge=8, le=512), INTEGRAL] = 128
+    seed: Annotated[int, Field(ge=0, le=2**31 - 1), INTEGRAL] = 0
 
 
 class DomainUpdateBody(Strict):
     new_name: Name
     documents: Annotated[list[Document], Field(min_length=1, max_length=MAX_DOCUMENTS)]
     alpha: Optional[Annotated[float, Field(ge=0, le=100)]] = None
-    mlm_steps: Annotated[int, Field(ge=0, le=100_000)] = 100
+    mlm_steps: Annotated[int, Field(ge=0, le=100_000), INTEGRAL] = 100
     lr: Annotated[float, Field(gt=0, le=1)] = 5e-5
-    batch_size: Annotated[int, Field(ge=1, le=1024)] = 16
-    max_len: Optional[Annotated[int, Field(ge=8, le=512)]] = None
+    batch_size: Annotated[int, Field(ge=1, le=1024), INTEGRAL] = 16
+    max_len: Optional[Annotated[int, Field(ge=8, le=512), INTEGRAL]] = None
     include_old: bool = True
-    seed: Annotated[int, Field(ge=0, le=2**31 - 1)] = 0
+    seed: Annotated[int, Field(ge=0, le=2**31 - 1), INTEGRAL] = 0
 
 
 class ClassificationExample(Strict):
@@ -176,18 +192,20 @@ class TenantCreateBody(Strict):
     version: Name = "root"
     task: Literal["classification", "tagging"] = "classification"
     examples: Examples
-    pet_type: Literal["adapter", "lora", "bitfit", "diff", "mask", "head"] = "adapter"
+    pet_type: Literal["adapter", "lora", "bitfit", "diff", "mask", "head"] = recipes.PLOT_PET_TYPE  # as `tenant create`
     # the levels to build: the PLOT PET (PLOT and exact levels) and the full-depth PET (the top)
-    levels: Annotated[list[Literal["plot", "full"]], Field(min_length=1, max_length=2)] = ["plot", "full"]
+    levels: Annotated[list[Literal["plot", "full"]], Field(min_length=1, max_length=2,
+                                                           json_schema_extra={"contains": {"const": "plot"}})] \
+        = ["plot", "full"]
     # None: the training recipe's (runtime.construct.recipe)
-    epochs: Optional[Annotated[int, Field(ge=1, le=1000)]] = None
-    max_examples: Optional[Annotated[int, Field(ge=1, le=MAX_EXAMPLES)]] = None
+    epochs: Optional[Annotated[int, Field(ge=1, le=1000), INTEGRAL]] = None
+    max_examples: Optional[Annotated[int, Field(ge=1, le=MAX_EXAMPLES), INTEGRAL]] = None
     lr: Optional[Annotated[float, Field(gt=0, le=1)]] = None
-    batch_size: Optional[Annotated[int, Field(ge=1, le=1024)]] = None
-    max_len: Annotated[int, Field(ge=8, le=512)] = 128
-    bottleneck: Optional[Annotated[int, Field(ge=1, le=1024)]] = None
-    rank: Optional[Annotated[int, Field(ge=1, le=256)]] = None
-    seed: Annotated[int, Field(ge=0, le=2**31 - 1)] = 0
+    batch_size: Optional[Annotated[int, Field(ge=1, le=1024), INTEGRAL]] = None
+    max_len: Annotated[int, Field(ge=8, le=512), INTEGRAL] = 128
+    bottleneck: Optional[Annotated[int, Field(ge=1, le=1024), INTEGRAL]] = None
+    rank: Optional[Annotated[int, Field(ge=1, le=256), INTEGRAL]] = None
+    seed: Annotated[int, Field(ge=0, le=2**31 - 1), INTEGRAL] = 0
 
     @field_validator("levels")
     @classmethod
@@ -205,12 +223,12 @@ class TenantCreateBody(Strict):
 class TenantUpdateBody(Strict):
     examples: Optional[Examples] = None
     version: Optional[Name] = None
-    epochs: Annotated[int, Field(ge=1, le=1000)] = 1
-    max_examples: Optional[Annotated[int, Field(ge=1, le=MAX_EXAMPLES)]] = None
+    epochs: Annotated[int, Field(ge=1, le=1000), INTEGRAL] = 1
+    max_examples: Optional[Annotated[int, Field(ge=1, le=MAX_EXAMPLES), INTEGRAL]] = None
     lr: Optional[Annotated[float, Field(gt=0, le=1)]] = None
-    batch_size: Annotated[int, Field(ge=1, le=1024)] = 16
-    max_len: Optional[Annotated[int, Field(ge=8, le=512)]] = None
-    seed: Annotated[int, Field(ge=0, le=2**31 - 1)] = 0
+    batch_size: Annotated[int, Field(ge=1, le=1024), INTEGRAL] = 16
+    max_len: Optional[Annotated[int, Field(ge=8, le=512), INTEGRAL]] = None
+    seed: Annotated[int, Field(ge=0, le=2**31 - 1), INTEGRAL] = 0
 
     @model_validator(mode="after")
     def _kinds(self):
@@ -248,7 +266,7 @@ class JobList(BaseModel):
     jobs: list[JobView]
 
 
-TokenId = Annotated[StrictInt, Field(ge=0, lt=1 << 31)]  # strict: true and 1.0 are no token ids
+TokenId = Annotated[int, Field(ge=0, lt=1 << 31), INTEGRAL]  # true and "1" are no token ids
 
 
 TokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=8192)]
@@ -267,7 +285,7 @@ class EmbeddingsBody(Strict):
     encoding_format: Literal["float", "base64"] = Field(
         "float", description="float: lists of numbers; base64: each vector's little-endian float32 bytes, "
                              "base64-encoded (what the openai client asks for by default)")
-    dimensions: Optional[Annotated[int, Field(ge=1, le=65536)]] = Field(
+    dimensions: Optional[Annotated[int, Field(ge=1, le=65536), INTEGRAL]] = Field(
         None, description="Keep the first `dimensions` components and L2-normalize them again (as OpenAI's "
                           "text-embedding-3 models and TEI do); at most the model's dimension")
     policy: Optional[Literal["fast", "exact"]] = Field(
@@ -309,3 +327,5 @@ class Health(BaseModel):
     queue_depth: Optional[int] = None
     jobs: Optional[dict] = None
     jobs_enabled: Optional[bool] = Field(None, description="manage jobs run: here, or (Ray) in the Manager replica")
+    workers: Optional[dict] = Field(None, description="hkstore serve --workers N: the worker processes (workers, "
+                                                       "alive, restarts, depth, pids)")

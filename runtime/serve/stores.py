@@ -28,7 +28,7 @@ import json
 import os
 import re
 
-from runtime.serve.app import _send_json, create_app
+from runtime.serve.app import _send_json, create_app, error_body
 from runtime.serve.asgi_call import Lifespan, call
 from runtime.serve.schemas import MAX_INFER_BODY
 
@@ -155,7 +155,8 @@ class StoresApp:
         headers = dict(scope.get("headers") or [])
         if (denied := self.denial(headers, admin=False)) is not None:
             extra = [(b"www-authenticate", b"Bearer")] if denied[0] == 401 else []
-            return await _send_json(send, denied[0], {"detail": denied[1]}, extra + [(b"connection", b"close")])
+            return await _send_json(send, denied[0], error_body(scope["path"], *denied),
+                                    extra + [(b"connection", b"close")])
         body = bytearray()
         while True:  # the body is bounded as infer's; the store's own gate checks it again
             message = await receive()
@@ -163,7 +164,8 @@ class StoresApp:
                 return
             body += message.get("body", b"")
             if len(body) > MAX_INFER_BODY:
-                return await _send_json(send, 413, {"detail": f"request body exceeds {MAX_INFER_BODY} bytes"},
+                return await _send_json(send, 413, error_body(scope["path"], 413, f"request body exceeds "
+                                                                             f"{MAX_INFER_BODY} bytes"),
                                         [(b"connection", b"close")])
             if not message.get("more_body"):
                 break
