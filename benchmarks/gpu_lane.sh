@@ -157,7 +157,7 @@ fi
 # it only once benchmarks/bench_cores.py exists). Its --out is a folder (store, data, cores.json/.md):
 # kept out of $OUT, which returns 8 files at most; its cores.json is copied back.
 step cores         90   30   "[ -f benchmarks/bench_cores.py ] || { echo 'no benchmarks/bench_cores.py'; exit 0; }; \
-python3 -m benchmarks.bench_cores --workers 1,16 --out /tmp/cores; cp /tmp/cores/cores.json $OUT/cores.json"
+python3 -m benchmarks.bench_cores --workers 1,16 --tenants 1,16 --seconds 8 --rounds 1 --out /tmp/cores; cp /tmp/cores/cores.json $OUT/cores.json"
 step runtime_fp16  100  50   "$RUNTIME --gpu-dtype fp16 --json $OUT/runtime_fp16.json"
 echo "=== done in $(($(date +%s) - START)) s" | tee -a "$LOG"
 cat "$OUT/summary.json"

@@ -22,3 +22,8 @@ class IncompatiblePet(StoreError):
 
 class Expired(RuntimeError):
     """A queued request whose deadline would pass before its batch could finish."""
+
+
+class Unavailable(RuntimeError):
+    """The worker process serving a request exited before it answered; the request may be sent
+    again (a server answers 503 with Retry-After)."""

@@ -50,7 +50,17 @@ requests carrying documents or examples 64 MiB (spooled to a temporary file whil
 arrive), other manage requests 64 KiB. ``hkstore serve --header-timeout`` (10 s) closes
 connections that do not send a whole request head in time; ``--body-timeout`` (30 s, plus 1 s
 per ``--min-body-rate`` bytes received) answers 408 to a body that does not arrive in time,
-whoever sent it (runtime.serve.cli.BodyDeadline).
+whoever sent it (runtime.serve.cli.BodyDeadline). Every writer of STORE/tokens.json (the CLI's
+``token issue/revoke``, this server's tenant jobs, any process) holds STORE/tokens.lock across its
+update (hkstore.tokens), and every request re-reads the file when it changed: a revoked token is
+refused once ``revoke`` returns. A damaged tokens.json refuses every tenant token (401) while the
+admin token works; ``/healthz`` says degraded (the reason to the admin), ``/metrics`` has
+``hkstore_tokens_damaged``.
+
+**Answers to bad requests.** ``{"detail": ...}``; on the OpenAI-compatible routes OpenAI's
+``{"error": {"message", "type", "param", "code"}}``. A body that is not JSON: 400; not UTF-8, or
+not fitting the schema: 422 (booleans and integers are strict: ``0`` or ``"yes"`` is no boolean);
+a method a path does not serve: 405 with every method it does in ``Allow``.
 
 **Damage.** A CorruptError (a damaged or missing store file, a rolled-back CURRENT) answers
 the requests it affects 503 "store damaged: run hkstore verify"; tenants and versions whose
@@ -85,6 +95,7 @@ lookup), and a request that asks for a policy, a level or students is refused.
 
 import asyncio
 import base64
+import codecs
 import contextlib
 import hmac
 import io
@@ -98,14 +109,15 @@ import time
 from typing import Annotated, Literal, Optional
 
 import numpy as np
-from fastapi import Depends, FastAPI, Path, Query
+from fastapi import Depends, FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hkstore.errors import CorruptError, StoreError, UnknownTenant
 from hkstore.store import check_name
-from runtime.serve.dispatcher import Dispatcher, Expired
+from runtime.serve.dispatcher import Dispatcher, Expired, PoolDispatcher
 from runtime.serve.jobs import Jobs, JobsUnavailable
 from runtime.serve.metrics import Metrics
 from runtime.serve.schemas import (
@@ -141,7 +153,7 @@ class Service:
     """Everything one app holds: runtime, dispatcher, jobs, tokens, metrics."""
 
     def __init__(self, store_path, *, admin_token, max_batch, max_wait_ms, queue_limit, request_timeout_s, device,
-                 max_len, mode, dedicated_resident, job_threads, runtime_options, torch_threads):
+                 max_len, mode, dedicated_resident, job_threads, runtime_options, torch_threads, workers=1):
         self.store_path = os.path.abspath(store_path)
         self.admin_token = admin_token
         self.max_batch, self.max_wait_s = max_batch, max_wait_ms / 1000.0
@@ -149,6 +161,7 @@ class Service:
         self.device, self.max_len, self.mode = device, max_len, mode
         self.dedicated_resident = dedicated_resident
         self.torch_threads = int(torch_threads)
+        self.workers = int(workers)  # > 1: infer runs in worker processes (runtime.pool)
         self.runtime_options = dict(runtime_options or {})
         self.rt = None
         self.dispatcher = None
@@ -183,8 +196,14 @@ class Service:
         self.rt = await asyncio.to_thread(runtime.open, self.store_path, self.device, max_len=self.max_len, **options)
         self._current = self._read_current()
         await asyncio.to_thread(self._warm_up)
-        self.dispatcher = Dispatcher(self.rt, self.metrics, queue_limit=self.queue_limit, mode=self.mode,
-                                     dedicated_resident=self.dedicated_resident)
+        if self.workers > 1 and getattr(self.rt, "engine", None) is not None and self.mode == "shared":
+            # This process keeps HTTP, tokens, jobs and metrics; the workers compute.
+            self.dispatcher = await asyncio.to_thread(
+                PoolDispatcher, self.store_path, self.metrics, workers=self.workers, queue_limit=self.queue_limit,
+                device=self.rt.device, torch_threads=max(self.torch_threads, 1), max_len=self.max_len, **options)
+        else:
+            self.dispatcher = Dispatcher(self.rt, self.metrics, queue_limit=self.queue_limit, mode=self.mode,
+                                         dedicated_resident=self.dedicated_resident)
         self.dispatcher.start()
         await asyncio.to_thread(self.jobs.start)
         self._watch_task = asyncio.get_running_loop().create_task(self._watch())
@@ -227,9 +246,17 @@ class Service:
                     self.note_damage("refresh", e)
                     return
                 self._current = current
+                if isinstance(self.dispatcher, PoolDispatcher):
+                    self.dispatcher.refresh()
                 if self.damage is not None:  # the store changed (repaired?): requests re-report what is left
                     self.damage = None
                     self.metrics.degraded.set(0)
+
+    def runtime_stats(self) -> dict:
+        """Runtime.stats() of what computes: the workers' summed, else this process's runtime."""
+        if isinstance(self.dispatcher, PoolDispatcher):
+            return dict(self.dispatcher.pool.runtime_stats(), device=self.rt.device)
+        return self.rt.stats()
 
     def _committed(self, job):
         self.refresh()
@@ -304,7 +331,9 @@ class Service:
         if who != "admin" and who != tenant:
             raise HTTPError(403, f"this token does not give access to tenant {tenant!r}")
         if tenant not in self.rt.store.snapshot().pets:
-            raise HTTPError(404, f"unknown tenant {tenant!r}")
+            self.refresh()  # a job may have committed it a moment ago (its state says done first)
+            if tenant not in self.rt.store.snapshot().pets:
+                raise HTTPError(404, f"unknown tenant {tenant!r}")
         return who
 
     # -- future view of names, for conflicts at submission --
@@ -324,6 +353,15 @@ class Service:
             elif job["kind"] == "domain_update":
                 versions.add(p["new_name"])
         return tenants, versions
+
+
+def _optional_creds(request):
+    """The bearer token of an open route (/healthz, /info), which shows more to the admin: read
+    from the header, not declared as a security scheme, since the route needs none."""
+    scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
+    token = token.strip()
+    return HTTPAuthorizationCredentials(scheme="Bearer", credentials=token) \
+        if scheme.lower() == "bearer" and token else None
 
 
 def _name(kind, name):
@@ -414,41 +452,65 @@ class _Gate:
     2. a body limit by route: infer MAX_INFER_BODY, the manage requests that carry documents or
        examples MAX_UPLOAD_BODY (streamed into a temporary file while it arrives), any other
        MAX_MANAGE_BODY; 413 from Content-Length before reading, or as soon as a body without
-       one passes its limit."""
+       one passes its limit;
+    3. a body that is not UTF-8 (JSON's encoding, RFC 8259) is answered 422 with the offending
+       byte's offset, as text that is not valid Unicode is;
+    4. a method a path does not serve is answered 405 with every method it serves in Allow
+       (the router alone would name only the first route of the path)."""
 
     def __init__(self, app, service=None, infer_limit=MAX_INFER_BODY, upload_limit=MAX_UPLOAD_BODY,
-                 manage_limit=MAX_MANAGE_BODY):
-        self.app, self.service = app, service
+                 manage_limit=MAX_MANAGE_BODY, routes=None):
+        self.app, self.service, self.routes = app, service, routes
         self.infer_limit, self.upload_limit, self.manage_limit = infer_limit, upload_limit, manage_limit
 
+    def _allowed(self, path):
+        """The methods the routes of path serve (None: no route has that path)."""
+        methods = None
+        for route in (self.routes() if self.routes is not None else ()):
+            regex, served = getattr(route, "path_regex", None), getattr(route, "methods", None)
+            if regex is not None and served and regex.match(path):
+                methods = (methods or set()) | set(served)
+        return methods
+
+    async def _refuse(self, send, path, status, detail, headers=()):
+        if _INFER_PATH.match(path):
+            self.service.metrics.count_request(path.split("/")[3], status)
+        elif path == "/v1/embeddings":
+            self.service.metrics.count_embeddings("other", status)  # the body (its model) is not read
+        return await _send_json(send, status, error_body(path, status, detail), headers)
+
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path = scope.get("path", "")
+        path, method = scope.get("path", ""), scope["method"]
+        allowed = self._allowed(path)
+        if allowed is not None and method not in allowed:
+            allow = ", ".join(sorted(allowed))
+            return await _send_json(send, 405, error_body(path, 405, f"{method} is not served here (Allow: {allow})"),
+                                    [(b"allow", allow.encode())])
+        if method in ("GET", "HEAD", "OPTIONS") or self.service is None:
+            return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
         infer = bool(_INFER_PATH.match(path)) or path in _TENANT_POSTS  # tenant tokens welcome
-        if self.service is not None and path.startswith("/v1/"):
+        if path.startswith("/v1/"):
             denied = self.service.header_denial(headers.get(b"authorization"), admin=not infer)
             if denied is not None:
                 status, detail = denied
-                if _INFER_PATH.match(path):
-                    self.service.metrics.count_request(path.split("/")[3], status)
-                elif path == "/v1/embeddings":
-                    self.service.metrics.count_embeddings("other", status)  # the body (its model) is not read
                 extra = [(b"www-authenticate", b"Bearer")] if status == 401 else []
-                return await _send_json(send, status, {"detail": detail}, extra + [(b"connection", b"close")])
-        upload = scope["method"] == "POST" and bool(_UPLOAD_PATH.match(path))
+                return await self._refuse(send, path, status, detail, extra + [(b"connection", b"close")])
+        upload = method == "POST" and bool(_UPLOAD_PATH.match(path))
         limit = self.infer_limit if infer else self.upload_limit if upload else self.manage_limit
         length = headers.get(b"content-length")
         if length is not None:
             try:
                 n = int(length)
             except ValueError:
-                return await _send_json(send, 400, {"detail": "invalid Content-Length"}, [(b"connection", b"close")])
+                return await self._refuse(send, path, 400, "invalid Content-Length", [(b"connection", b"close")])
             if n > limit:
-                return await _send_json(send, 413, {"detail": f"request body of {n} bytes exceeds {limit} bytes"},
-                                        [(b"connection", b"close")])
+                return await self._refuse(send, path, 413, f"request body of {n} bytes exceeds {limit} bytes",
+                                          [(b"connection", b"close")])
         spool = tempfile.SpooledTemporaryFile(max_size=_SPOOL_IN_MEMORY) if upload else io.BytesIO()
+        utf8 = codecs.getincrementaldecoder("utf-8")()
         try:
             size = 0
             while True:
@@ -456,13 +518,21 @@ class _Gate:
                 if message["type"] == "http.disconnect":
                     return
                 chunk = message.get("body", b"")
+                if size + len(chunk) > limit:
+                    return await self._refuse(send, path, 413, f"request body exceeds {limit} bytes",
+                                              [(b"connection", b"close")])
+                more = bool(message.get("more_body"))
+                pending = len(utf8.getstate()[0])  # bytes of a character the last chunk began
+                try:
+                    utf8.decode(chunk, final=not more)
+                except UnicodeDecodeError as e:
+                    return await self._refuse(
+                        send, path, 422, f"the request body is not valid UTF-8 (byte {size - pending + e.start}: "
+                                         f"{e.reason}): JSON text must be UTF-8", [(b"connection", b"close")])
                 size += len(chunk)
-                if size > limit:
-                    return await _send_json(send, 413, {"detail": f"request body exceeds {limit} bytes"},
-                                            [(b"connection", b"close")])
                 if chunk:
                     spool.write(chunk)  # a page-cache write: no need to leave the loop
-                if not message.get("more_body"):
+                if not more:
                     break
             spool.seek(0)
             done = False
@@ -480,6 +550,32 @@ class _Gate:
             spool.close()
 
 
+OPENAI_PATHS = frozenset(("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/embeddings"))
+_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
+_ERROR_CODES = {401: "invalid_api_key", 403: "permission_denied", 404: "not_found", 413: "request_too_large",
+                429: "rate_limit_exceeded", 503: "service_unavailable", 504: "timeout"}
+
+
+def error_body(path, status, detail) -> dict:
+    """A 4xx/5xx answer's body: ``{"detail": ...}``, or on the OpenAI-compatible routes OpenAI's
+    ``{"error": {"message", "type", "param", "code"}}`` (its clients show only that message)."""
+    if path not in OPENAI_PATHS:
+        return {"detail": detail}
+    param = None
+    if isinstance(detail, list):  # validation errors: [{loc, msg, type}]
+        where = [".".join(str(x) for x in e.get("loc", ()) if x != "body") for e in detail]
+        message = "; ".join(f"{w}: {e.get('msg', '')}" if w else str(e.get("msg", ""))
+                            for w, e in zip(where, detail)) or "invalid request"
+        param = where[0] if where and where[0] else None
+        code = detail[0].get("type") if detail else None
+    else:
+        message, code = str(detail), _ERROR_CODES.get(status)
+        if status == 404 and message.startswith("unknown model"):
+            code, param = "model_not_found", "model"
+    kind = _ERROR_TYPES.get(status) or ("server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
 async def _send_json(send, status, obj, headers=()):
     body = json.dumps(obj).encode()
     await send({"type": "http.response.start", "status": status,
@@ -490,7 +586,7 @@ async def _send_json(send, status, obj, headers=()):
 
 def create_app(store_path, *, admin_token, max_batch=32, max_wait_ms=5, queue_limit=1024, request_timeout_s=30,
                device="auto", max_len=128, mode="shared", dedicated_resident=4, job_threads=1,
-               torch_threads=1, runtime_options=None, metrics_public=False) -> FastAPI:
+               torch_threads=1, runtime_options=None, metrics_public=False, workers=1) -> FastAPI:
     """The serving app over the store at store_path (see the module doc). The runtime opens
     when the app starts (uvicorn's lifespan) and closes when it stops.
 
@@ -513,7 +609,7 @@ def create_app(store_path, *, admin_token, max_batch=32, max_wait_ms=5, queue_li
     svc = Service(store_path, admin_token=admin_token, max_batch=int(max_batch), max_wait_ms=float(max_wait_ms),
                   queue_limit=int(queue_limit), request_timeout_s=float(request_timeout_s), device=device,
                   max_len=int(max_len), mode=mode, dedicated_resident=dedicated_resident, job_threads=job_threads,
-                  runtime_options=runtime_options, torch_threads=torch_threads)
+                  runtime_options=runtime_options, torch_threads=torch_threads, workers=workers)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -527,12 +623,18 @@ def create_app(store_path, *, admin_token, max_batch=32, max_wait_ms=5, queue_li
                   description="Multi-tenant inference over one shared encoder, with durable manage jobs (HMI §4).",
                   lifespan=lifespan)
     app.state.service = svc
-    app.add_middleware(_Gate, service=svc)
+    app.add_middleware(_Gate, service=svc, routes=lambda: app.routes)
     bearer = HTTPBearer(auto_error=False, description="The admin token, or a tenant's API token")
 
     @app.exception_handler(HTTPError)
     async def _http_error(request, exc: HTTPError):
-        return JSONResponse({"detail": exc.detail}, status_code=exc.status, headers=exc.headers)
+        return JSONResponse(error_body(request.url.path, exc.status, exc.detail), status_code=exc.status,
+                            headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _starlette_error(request, exc: StarletteHTTPException):
+        return JSONResponse(error_body(request.url.path, exc.status_code, exc.detail), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, exc: RequestValidationError):
@@ -543,12 +645,12 @@ def create_app(store_path, *, admin_token, max_batch=32, max_wait_ms=5, queue_li
         elif request.url.path == "/v1/embeddings":
             svc.metrics.count_embeddings("other", status)
         detail = [{"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")} for e in errors]
-        return JSONResponse({"detail": detail}, status_code=status)
+        return JSONResponse(error_body(request.url.path, status, detail), status_code=status)
 
     @app.exception_handler(CorruptError)
     async def _damaged(request, exc: CorruptError):
         e = svc.damaged_error(f"{request.method} {request.url.path}", exc)
-        return JSONResponse({"detail": e.detail}, status_code=e.status, headers=e.headers)
+        return JSONResponse(error_body(request.url.path, e.status, e.detail), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(JobsUnavailable)
     async def _no_jobs(request, exc):
@@ -557,30 +659,36 @@ def create_app(store_path, *, admin_token, max_batch=32, max_wait_ms=5, queue_li
     @app.exception_handler(Exception)
     async def _internal(request, exc):
         log.exception("internal error on %s %s", request.method, request.url.path)
-        return JSONResponse({"detail": "internal server error"}, status_code=500)
+        return JSONResponse(error_body(request.url.path, 500, "internal server error"), status_code=500)
 
     TenantPath = Annotated[str, Path(pattern=NAME_PATTERN, min_length=1, max_length=64)]
-    errors_infer = {401: {"description": "missing or invalid token"}, 403: {"description": "not this tenant's token"},
+    not_json = {400: {"description": "the body is not JSON (or a Content-Length that is not a number)"}}
+    errors_infer = {**not_json, 401: {"description": "missing or invalid token"},
+                    403: {"description": "not this tenant's token"},
                     404: {"description": "unknown tenant"}, 413: {"description": "body too large"},
                     422: {"description": "invalid request"}, 429: {"description": "queue full (Retry-After)"},
                     504: {"description": "not answered within the request timeout"}}
     errors_admin = {401: {"description": "missing or invalid token"}, 403: {"description": "not the admin token"},
                     422: {"description": "invalid request"}}
-    errors_manage = {**errors_admin, 404: {"description": "unknown tenant or version"},
+    errors_manage = {**errors_admin, **not_json, 404: {"description": "unknown tenant or version"},
                      409: {"description": "the name is taken"}, 413: {"description": "body too large"},
                      503: {"description": "another server runs this store's jobs"}}
 
     @app.get("/healthz", response_model=Health, response_model_exclude_none=True, tags=["observability"])
-    async def healthz(creds: HTTPAuthorizationCredentials = Depends(bearer)):
+    async def healthz(request: Request):
         """Open: ``status`` (ok or degraded). With the admin token also the reason of a damage,
         the device, the tenants and versions, the queue and the jobs."""
-        damage = svc.damage
-        out = {"status": "degraded" if damage else "ok"}
-        if svc.is_admin(creds):
+        reasons = [svc.damage[0]] if svc.damage else []
+        if (tokens_problem := svc.tokens.problem()) is not None:
+            reasons.append(f"tokens.json is damaged: {tokens_problem} (tenant tokens are refused; the admin token "
+                           "works; issue them again with hkstore token issue)")
+        out = {"status": "degraded" if reasons else "ok"}
+        if svc.is_admin(_optional_creds(request)):
             snap = svc.rt.store.snapshot()
-            out.update(reason=damage[0] if damage else None, device=svc.rt.device, mode=svc.mode,
+            out.update(reason="; ".join(reasons) or None, device=svc.rt.device, mode=svc.mode,
                        tenants=len(snap.pets), versions=len(snap.versions), queue_depth=svc.dispatcher.depth,
-                       jobs=svc.jobs.counts(), jobs_enabled=bool(svc.jobs.enabled or svc.jobs_elsewhere))
+                       jobs=svc.jobs.counts(), jobs_enabled=bool(svc.jobs.enabled or svc.jobs_elsewhere),
+                       workers=svc.dispatcher.pool.stats() if isinstance(svc.dispatcher, PoolDispatcher) else None)
         return out
 
     @app.get("/metrics", tags=["observability"], response_class=Response,
@@ -588,6 +696,8 @@ def create_app(store_path, *, admin_token, max_batch=32, max_wait_ms=5, queue_li
                         401: {"description": "missing or invalid token (unless the server was started with "
                                              "--metrics-public)"}, 403: {"description": "not the admin token"}})
     async def metrics(creds: HTTPAuthorizationCredentials = Depends(bearer)):
+        """Prometheus text format: queue, batches, latencies, rejections, embeddings, jobs, the PET
+        cache and the runtime's counters. The admin token (open with ``--metrics-public``)."""
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         if not metrics_public:
@@ -596,14 +706,14 @@ def create_app(store_path, *, admin_token, max_batch=32, max_wait_ms=5, queue_li
         return Response(data, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/info", tags=["observability"])
-    async def info(creds: HTTPAuthorizationCredentials = Depends(bearer)) -> dict:
+    async def info(request: Request) -> dict:
         """What this server serves and its limits (as TEI's /info): the model's name, kind and
         dimension, the limits and the routes. With the admin token also where the store and the
         model are on disk, the versions, the number of tenants, the device and the mode."""
-        return info_view(svc, admin=svc.is_admin(creds))
+        return info_view(svc, admin=svc.is_admin(_optional_creds(request)))
 
     @app.post("/v1/embeddings", tags=["infer"], responses={
-        401: {"description": "missing or invalid token"}, 403: {"description": "not this tenant's token"},
+        **not_json, 401: {"description": "missing or invalid token"}, 403: {"description": "not this tenant's token"},
         404: {"description": "unknown tenant (model)"}, 409: {"description": "the tenant's PET does not fit"},
         413: {"description": "body too large"}, 422: {"description": "invalid request"}})
     async def embeddings(body: EmbeddingsBody, creds: HTTPAuthorizationCredentials = Depends(bearer)) -> dict:
@@ -634,10 +744,16 @@ def create_app(store_path, *, admin_token, max_batch=32, max_wait_ms=5, queue_li
                 try:
                     _name("tenant", tenant)
                 except HTTPError:  # no tenant can have that name: an unknown model, as OpenAI says
-                    svc.principal(creds)
+                    if svc.principal(creds) != "admin":  # as for any other tenant's name: no enumeration
+                        raise HTTPError(403, f"this token does not give access to model {body.model!r}") from None
                     raise HTTPError(404, f"unknown model {body.model!r}: not a tenant of this store, nor 'base' "
                                          "(GET /v1/models lists them)") from None
-                svc.require_tenant(creds, tenant)
+                who = svc.principal(creds)
+                if who != "admin" and who != tenant:  # another tenant or none: the same answer
+                    raise HTTPError(403, f"this token does not give access to model {body.model!r}")
+                if tenant not in pets:
+                    raise HTTPError(404, f"unknown model {body.model!r}: not a tenant of this store, nor 'base' "
+                                         "(GET /v1/models lists them)")
                 label = tenant
             inputs = body.all_inputs()
             d = int(svc.rt.meta.get("d") or 0)
@@ -681,6 +797,9 @@ def create_app(store_path, *, admin_token, max_batch=32, max_wait_ms=5, queue_li
     @app.post("/v1/tenants/{tenant}/infer", response_model=InferResponse, response_model_exclude_none=True,
               tags=["infer"], responses=errors_infer)
     async def infer(tenant: TenantPath, body: InferBody, creds: HTTPAuthorizationCredentials = Depends(bearer)):
+        """Classify or tag ``text`` or ``texts`` with the tenant's PET: one result per text (label
+        and probabilities, or tags per word; the level that answered). The tenant's token or the
+        admin token; 429 when the queue is full, 504 past the request timeout."""
         import runtime
 
         t0 = time.perf_counter()
@@ -721,6 +840,9 @@ def create_app(store_path, *, admin_token, max_batch=32, max_wait_ms=5, queue_li
                     raise HTTPError(404, f"unknown tenant {tenant!r}")
                 if isinstance(out, CorruptError):
                     raise svc.damaged_error(f"infer {tenant}", out)
+                if isinstance(out, runtime.Unavailable):
+                    m.rejected.labels("worker_lost").inc()
+                    raise HTTPError(503, str(out), {"Retry-After": "1"})
                 if isinstance(out, runtime.IncompatiblePet):
                     raise HTTPError(409, where + str(out))
                 if isinstance(out, (runtime.BadRequest, StoreError)):
@@ -742,13 +864,20 @@ def create_app(store_path, *, admin_token, max_batch=32, max_wait_ms=5, queue_li
 
     @app.get("/v1/tenants", tags=["manage"], responses=errors_admin)
     async def list_tenants(creds: HTTPAuthorizationCredentials = Depends(bearer)) -> dict:
+        """Every tenant of the store and whether it has an API token. The admin token."""
         svc.require_admin(creds)
         snap = svc.rt.store.snapshot()
         tokens = svc.tokens.tenants()
         return {"tenants": [{"tenant": t, "has_token": t in tokens} for t in sorted(snap.pets)]}
 
-    @app.get("/v1/tenants/{tenant}", tags=["manage"], responses={**errors_admin, 404: {"description": "unknown tenant"}})
+    @app.get("/v1/tenants/{tenant}", tags=["manage"], responses={
+        401: {"description": "missing or invalid token"},
+        403: {"description": "neither the admin token nor this tenant's own token"},
+        404: {"description": "unknown tenant (to the admin token or the tenant's own)"},
+        422: {"description": "invalid request"}})
     async def get_tenant(tenant: TenantPath, creds: HTTPAuthorizationCredentials = Depends(bearer)) -> dict:
+        """A tenant's record: version, PET type, task, labels, created. The admin token, or the
+        tenant's own token."""
         _name("tenant", tenant)
         svc.require_tenant(creds, tenant)
         try:
@@ -760,6 +889,8 @@ def create_app(store_path, *, admin_token, max_batch=32, max_wait_ms=5, queue_li
 
     @app.get("/v1/domains", tags=["manage"], responses=errors_admin)
     async def list_domains(creds: HTTPAuthorizationCredentials = Depends(bearer)) -> dict:
+        """Every version (domain) of the store: name, parent, created, segments, and its build info.
+        The admin token."""
         svc.require_admin(creds)
         snap = svc.rt.store.snapshot()
         return {"versions": [{"name": v["name"], "parent": v["parent"], "created": v["created"],
@@ -777,6 +908,8 @@ def create_app(store_path, *, admin_token, max_batch=32, max_wait_ms=5, queue_li
 
     @app.post("/v1/domains", status_code=202, response_model=JobAccepted, tags=["manage"], responses=errors_manage)
     async def domain_create(body: DomainCreateBody, creds: HTTPAuthorizationCredentials = Depends(bearer)):
+        """A job that creates domain ``name`` from ``parent``: further pre-training on ``documents``,
+        then a new PLOT branch. The admin token; 202 with the job."""
         svc.require_admin(creds)
         _check_jobs()
         _name("version", body.name)
@@ -793,6 +926,8 @@ def create_app(store_path, *, admin_token, max_batch=32, max_wait_ms=5, queue_li
               responses=errors_manage)
     async def domain_update(name: TenantPath, body: DomainUpdateBody,
                             creds: HTTPAuthorizationCredentials = Depends(bearer)):
+        """A job that updates domain ``name`` with ``documents`` into a new sibling version
+        ``new_name``. The admin token; 202 with the job."""
         svc.require_admin(creds)
         _check_jobs()
         _name("version", name)
@@ -809,6 +944,9 @@ def create_app(store_path, *, admin_token, max_batch=32, max_wait_ms=5, queue_li
     @app.post("/v1/tenants", status_code=202, response_model=TenantJobAccepted, tags=["manage"],
               responses=errors_manage)
     async def tenant_create(body: TenantCreateBody, creds: HTTPAuthorizationCredentials = Depends(bearer)):
+        """A job that creates ``tenant`` on ``version``, fine-tuning a PET (``pet_type``, LoRA by
+        default as ``hkstore tenant create``) on ``examples``. The admin token; 202 with the job and
+        the tenant's API token, shown only here and valid once the job is done."""
         svc.require_admin(creds)
         _check_jobs()
         _name("tenant", body.tenant)
@@ -832,6 +970,8 @@ def create_app(store_path, *, admin_token, max_batch=32, max_wait_ms=5, queue_li
               responses=errors_manage)
     async def tenant_update(tenant: TenantPath, body: TenantUpdateBody,
                             creds: HTTPAuthorizationCredentials = Depends(bearer)):
+        """A job that continues the tenant's fine-tuning on ``examples`` (and may move it to
+        ``version``). The admin token; 202 with the job."""
         svc.require_admin(creds)
         _check_jobs()
         _name("tenant", tenant)
@@ -851,6 +991,7 @@ def create_app(store_path, *, admin_token, max_batch=32, max_wait_ms=5, queue_li
     @app.delete("/v1/tenants/{tenant}", status_code=202, response_model=JobAccepted, tags=["manage"],
                 responses=errors_manage)
     async def tenant_rm(tenant: TenantPath, creds: HTTPAuthorizationCredentials = Depends(bearer)):
+        """A job that deletes the tenant (and its API token). The admin token; 202 with the job."""
         svc.require_admin(creds)
         _check_jobs()
         _name("tenant", tenant)
@@ -863,6 +1004,7 @@ def create_app(store_path, *, admin_token, max_batch=32, max_wait_ms=5, queue_li
              responses={**errors_admin, 404: {"description": "unknown job"}})
     async def get_job(job_id: Annotated[str, Path(pattern=r"^[0-9a-f]{16}$")],
                       creds: HTTPAuthorizationCredentials = Depends(bearer)):
+        """One job: state (queued, running, done, failed), progress, result or error. The admin token."""
         svc.require_admin(creds)
         job = svc.jobs.load(job_id)
         if job is None:
@@ -873,6 +1015,7 @@ def create_app(store_path, *, admin_token, max_batch=32, max_wait_ms=5, queue_li
     async def list_jobs(creds: HTTPAuthorizationCredentials = Depends(bearer),
                         state: Optional[Literal["queued", "running", "done", "failed"]] = None,
                         limit: Annotated[int, Query(ge=1, le=1000)] = 50):
+        """The newest jobs (``limit``, at most 1000), optionally in one ``state``. The admin token."""
         svc.require_admin(creds)
         jobs = await asyncio.to_thread(svc.jobs.list, limit, state)
         return {"jobs": [svc.jobs.view(j) for j in jobs]}

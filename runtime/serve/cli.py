@@ -73,7 +73,11 @@ def admin_token_source(store, token_file=None) -> str:
 @click.option("--job-threads", type=click.IntRange(1, 64), default=1, show_default=True,
               help="Torch threads of a job worker.")
 @click.option("--torch-threads", type=click.IntRange(0, 256), default=1, show_default=True,
-              help="Torch intra-op threads of the server (0: torch's default).")
+              help="Torch intra-op threads of the server, of each worker with --workers (0: torch's default).")
+@click.option("--workers", default="auto", show_default=True, metavar="N|auto",
+              help="Engine worker processes behind the one port (auto: one per core this process may use). "
+                   "The server's process keeps HTTP, tokens, jobs and metrics; a tenant's texts go to its home "
+                   "worker while it keeps up. One store, encoder, CPU, shared mode; else one engine.")
 @click.option("--metrics-public", is_flag=True,
               help="Serve /metrics without a token (default: it needs the admin token as a bearer token).")
 @click.option("--header-timeout", type=click.FloatRange(0.1, 3600), default=10, show_default=True,
@@ -99,7 +103,7 @@ def admin_token_source(store, token_file=None) -> str:
 def serve(stores, host, port, admin_token_file, device, max_batch, max_wait_ms, queue_limit, batching, request_timeout,
           max_len,
           truncate, mode, dedicated_resident, job_threads, torch_threads, metrics_public, header_timeout, body_timeout,
-          min_body_rate, log_level, access_log, use_ray, **ray_options):
+          min_body_rate, log_level, access_log, use_ray, workers, **ray_options):
     """Serve STORE over HTTP: POST /v1/tenants/TENANT/infer for every tenant, POST /v1/embeddings,
     manage jobs (/v1/tenants, /v1/domains, /v1/jobs), /healthz, /info, /metrics; the OpenAPI
     description at /docs;
@@ -135,6 +139,7 @@ def serve(stores, host, port, admin_token_file, device, max_batch, max_wait_ms, 
             raise click.ClickException("--device cuda: no CUDA GPU with CuPy here (pip install 'hkstore[gpu]'); "
                                        "use --device cpu or auto")
 
+    workers = _workers(workers, stores, device, mode, use_ray)
     if host not in ("127.0.0.1", "localhost", "::1"):
         click.echo(f"warning: binding {host}, not loopback: the server is reachable from other hosts", err=True)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -153,14 +158,66 @@ def serve(stores, host, port, admin_token_file, device, max_batch, max_wait_ms, 
                    "device": device, "max_len": max_len, "mode": mode, "dedicated_resident": dedicated_resident,
                    "job_threads": job_threads, "torch_threads": torch_threads, "metrics_public": metrics_public,
                    "runtime_options": {"batching": batching, **({"truncate": True} if truncate else {})}}
-        app = create_app(store, **options) if len(stores) == 1 else create_stores_app(stores, **options)
+        app = create_app(store, workers=workers, **options) if len(stores) == 1 \
+            else create_stores_app(stores, **options)
     except (StoreError, ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
-    click.echo(f"serving {', '.join(stores)} on http://{host}:{port} (admin token: "
+    sock = _bind(host, port)
+    click.echo(f"serving {', '.join(stores)} on http://{host}:{port}"
+               f"{f' with {workers} workers' if workers > 1 else ''} (admin token: "
                f"{admin_token_source(store, admin_token_file)}; tenant tokens: hkstore token issue "
                f"{store if len(stores) == 1 else 'STORE'} TENANT)", err=True)
-    uvicorn.run(BodyDeadline(app, body_timeout, min_body_rate), host=host, port=port, log_level=log_level,
-                access_log=access_log, timeout_graceful_shutdown=5, http=header_timeout_protocol(header_timeout))
+    config = uvicorn.Config(BodyDeadline(app, body_timeout, min_body_rate), log_level=log_level,
+                            access_log=access_log, timeout_graceful_shutdown=5,
+                            http=header_timeout_protocol(header_timeout))
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def _workers(workers, stores, device, mode, use_ray) -> int:
+    """--workers as a count: auto is one per usable core where workers apply (one encoder store
+    on the CPU, shared mode, no Ray), else 1; a count where they do not apply is refused."""
+    from runtime.pool import check_workers, is_decoder_store, usable_cores
+
+    try:
+        n, warning = check_workers(workers)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--workers") from None
+    why = ("several stores" if len(stores) > 1 else "--ray (use --replicas)" if use_ray
+           else "--device cuda (one GPU takes one engine)" if device == "cuda"
+           else "--mode dedicated" if mode == "dedicated"
+           else "a decoder store (one generation engine keeps every stream in one batch)"
+           if is_decoder_store(stores[0]) else None)
+    if why is None and device == "auto":
+        from runtime import _cuda_available
+
+        why = "a GPU (one GPU takes one engine)" if _cuda_available() else None
+    if why is not None:
+        if workers not in (None, "auto") and n > 1:
+            raise click.BadParameter(f"{n} workers: not with {why}", param_hint="--workers")
+        return 1
+    if warning:
+        click.echo(f"warning: {warning}", err=True)
+    if workers in (None, "auto"):
+        n = usable_cores()
+    return n
+
+
+def _bind(host, port):
+    """The listening socket, bound before the runtime and the workers start, so a busy port
+    is one line and exit status 1, not a traceback after a minute of loading."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise click.ClickException(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.listen(2048)
+    sock.set_inheritable(False)
+    return sock
 
 
 class BodyDeadline:

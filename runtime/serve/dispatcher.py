@@ -21,10 +21,10 @@ import asyncio
 import collections
 from concurrent.futures import Future
 
-from hkstore.errors import CorruptError, StoreError
 from runtime.errors import Expired
+from runtime.pool import Pool, submit_each
 
-__all__ = ["Dispatcher", "Expired"]
+__all__ = ["Dispatcher", "Expired", "PoolDispatcher"]
 
 
 class _Entry:
@@ -98,8 +98,6 @@ class Dispatcher:
         every request of a submission before it queues any: one bad text (or one tenant's damaged
         PET) fails them all. Then each is submitted alone to find the culprits; the others are
         answered."""
-        import runtime
-
         def submit(batch):
             if self._dedicated is not None:
                 batch = [self._dedicated.pin(r) for r in batch]
@@ -107,18 +105,7 @@ class Dispatcher:
                 return [_answered(r) for r in self.rt.infer(batch)]
             return self.rt.submit(batch, deadline)
 
-        try:
-            return submit(requests)
-        except (runtime.BadRequest, StoreError, CorruptError) as e:
-            if len(requests) == 1:
-                return [_failed(e)]
-        out = []
-        for r in requests:
-            try:
-                out += submit([r])
-            except (runtime.BadRequest, StoreError, CorruptError) as e:
-                out.append(_failed(e))
-        return out
+        return submit_each(submit, requests)
 
     def drop(self, entries):
         """Forget entries whose caller gave up; those not yet in a batch leave the queue."""
@@ -141,16 +128,59 @@ class Dispatcher:
         self.m.queue_depth.set(self.depth)
 
 
-def _failed(exc) -> Future:
-    f = Future()
-    f.set_exception(exc)
-    return f
-
-
 def _answered(result) -> Future:
     f = Future()
     f.set_result(result)
     return f
+
+
+class PoolDispatcher(Dispatcher):
+    """The door to N worker processes (runtime.pool, ``hkstore serve --workers N``): the same
+    limits, cancellation and metrics as one engine's, over the texts the workers hold. Each
+    worker validates and queues its texts itself (the split on a bad text included), so the
+    server's process only routes them."""
+
+    def __init__(self, store_path, metrics, *, workers, queue_limit, device="cpu", torch_threads=1, **options):
+        self.m = metrics
+        self.queue_limit = int(queue_limit)
+        self.mode = "shared"
+        self._reserved = 0
+        self._entries = set()
+        self._dedicated = None
+        self.engine = None
+        self.pool = Pool(store_path, workers, device, torch_threads=torch_threads, observe=self._observe_batch,
+                         **options)
+        self.rt = self.pool
+        from prometheus_client import Gauge
+
+        alive = Gauge("hkstore_workers_alive", "Worker processes serving (hkstore serve --workers)",
+                      registry=metrics.registry)
+        alive.set_function(lambda: self.pool.alive)
+        restarts = Gauge("hkstore_worker_restarts", "Worker processes started again after they died",
+                         registry=metrics.registry)
+        restarts.set_function(lambda: sum(w.restarts for w in self.pool.workers))
+
+    @property
+    def depth(self) -> int:
+        return self.pool.depth
+
+    async def stop(self):
+        await super().stop()
+        await asyncio.to_thread(self.pool.close)
+
+    def _submit(self, requests, deadline):
+        return self.pool.submit(requests, deadline)
+
+    def refresh(self):
+        self.pool.refresh()
+
+    def _observe_batch(self, n, seconds, waits):
+        """A batch ran in a worker (called on the pool's reader thread)."""
+        self.m.batch_size.observe(n)
+        self.m.batch_seconds.observe(seconds)
+        for w in waits:
+            self.m.queue_wait.observe(w)
+        self.m.queue_depth.set(self.depth)
 
 
 class _DedicatedModels:
