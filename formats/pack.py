@@ -284,11 +284,12 @@ def append_record(path, record: PetRecord) -> tuple[int, int]:
     return append_encoded(path, encode_record(record))
 
 
-def append_encoded(path, data: bytes) -> tuple[int, int]:
+def append_encoded(path, data: bytes, sync: bool = True) -> tuple[int, int]:
     """append_record for a record already encoded (a writer that needs its header_digest).
 
     A torn earlier append can leave the file off a page boundary; padding it first keeps every
-    record page-aligned, which is what lets scan() resync after damage.
+    record page-aligned, which is what lets scan() resync after damage. sync=False leaves the
+    fsync to the caller (one for many records), who must make it before a manifest names them.
     """
     created = not os.path.exists(path)
     with open(path, "ab") as f:
@@ -298,7 +299,8 @@ def append_encoded(path, data: bytes) -> tuple[int, int]:
             offset = _align(offset, PAGE)
         f.write(data)
         f.flush()
-        os.fsync(f.fileno())
+        if sync:
+            os.fsync(f.fileno())
     if created:
         # The new file's directory entry must be durable before a manifest names the file.
         fsync_dir(os.path.dirname(os.path.abspath(path)))
@@ -346,6 +348,34 @@ def walk_chain(file, start: int, end: int, value: int = 0) -> int:
         value = xxh64(head[_HASHED:], value)  # = chain(value, header_digest(head)): the digest's own bytes
         offset += length
     return value
+
+
+def directories(file, end: int) -> Iterator[tuple[int, int, str, dict, bool]]:
+    """(offset, length, tenant, meta, tombstone) of each record in bytes [0, end) of a pack (a
+    path or an open file), from its header and directory alone: what gc needs to tell whose
+    bytes a dead record holds, without reading payloads. Header and directory are checked;
+    CorruptError (or FormatError) at the first record that is not whole."""
+    if not hasattr(file, "fileno"):
+        with open(file, "rb") as f:
+            yield from directories(f, end)
+        return
+    fd = file.fileno()
+    offset = 0
+    while offset < end:
+        try:
+            header = _read_header(memoryview(os.pread(fd, HEADER_SIZE, offset)))
+            if offset + header.record_length > end:
+                raise CorruptError(f"the record ({header.record_length} bytes) runs past byte {end}")
+            mv = memoryview(os.pread(fd, HEADER_SIZE + header.dir_length, offset))
+            if len(mv) < HEADER_SIZE + header.dir_length:
+                raise CorruptError("truncated directory")
+            if xxhash.xxh64_intdigest(mv[HEADER_SIZE:]) != header.dir_hash:
+                raise CorruptError("directory checksum mismatch")
+            directory = _parse_directory(mv, header)
+        except FormatError as err:
+            raise _located(offset, err) from None
+        yield offset, header.record_length, directory["tenant"], directory["meta"], bool(header.flags & FLAG_TOMBSTONE)
+        offset += header.record_length
 
 
 def _next_record_page(fd: int, offset: int, size: int) -> int:

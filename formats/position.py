@@ -26,9 +26,19 @@ def write_position(path, table):
 
 def read_position(file, rows, d, xxh64):
     """The (rows, d) float32 table in `file` (an open binary file), checked against its
-    manifest entry."""
+    manifest entry. Reads by offset, not from the file's position, so a failed read leaves
+    nothing behind that a second read of the same open file would trip on."""
     name = os.path.basename(file.name)
-    data = file.read()
+    fd = file.fileno()
+    size = os.fstat(fd).st_size
+    parts, offset = [], 0
+    while offset < size:  # pread may return less than asked for on big files
+        part = os.pread(fd, size - offset, offset)
+        if not part:
+            break
+        parts.append(part)
+        offset += len(part)
+    data = b"".join(parts)
     if len(data) != rows * d * DTYPE.itemsize:
         raise CorruptError(f"position table {name}: {len(data)} bytes, expected {rows * d * DTYPE.itemsize}")
     if f"{checksum(data):016x}" != xxh64:

@@ -159,7 +159,9 @@ class Segment:
         self.path = str(path)
         name = os.path.basename(self.path)
         with open(self.path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+            st = os.fstat(f.fileno())
+            size = st.st_size
+            self._stat = (st.st_ino, st.st_size, st.st_mtime_ns)
             if size < HEADER_SIZE:
                 raise CorruptError(f"segment {name}: truncated ({size} bytes, header needs {HEADER_SIZE})")
             self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
@@ -206,6 +208,17 @@ class Segment:
     @property
     def name(self):
         return os.path.basename(self.path)
+
+    def changed(self):
+        """Whether the file at this segment's path is no longer the one it opened (another
+        inode, size or mtime): a segment is immutable, so a change is a rewrite in place or a
+        replacement, whose rows this process's first-use checks no longer cover. A file gone
+        (gc) is no change: the mapping holds the bytes that were checked."""
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        return (st.st_ino, st.st_size, st.st_mtime_ns) != self._stat
 
     def identity(self):
         """{size, xxh64} as the manifest records it (FORMAT.md section 2, File identity)."""

@@ -107,14 +107,19 @@ def model_source(meta) -> dict:
 
 
 def store_info(path):
-    from hkstore.maintenance import store_bytes
+    from hkstore.maintenance import reclaimable, store_bytes
 
     snap = open_store(path).snapshot()
     segments = {s for v in snap.versions for s in v["segments"]}
     size = store_bytes(path, snap.manifest)
+    try:
+        freeable = reclaimable(path)
+    except hkstore.FormatError:  # a rolled-back CURRENT (read with --allow-rollback): gc refuses to run
+        freeable = None
     return {"path": path, "meta": snap.meta, "model": model_source(snap.meta), "generation": snap.manifest["generation"],
             "versions": len(snap.versions), "segments": len(segments), "tenants": len(snap.pets),
-            "bytes": size["live"], "bytes_on_disk": size["on_disk"]}
+            "bytes": size["live"], "bytes_on_disk": size["on_disk"], "bytes_models": size["models_on_disk"],
+            "gc_reclaims": freeable}
 
 
 @main.command()
@@ -130,7 +135,9 @@ def info(store, as_json):
             click.echo(f"{k:24} {v}")
         click.echo(f"{'generation':24} {r['generation']}")
         click.echo(f"{'versions':24} {r['versions']}  segments {r['segments']}  tenants {r['tenants']}  "
-                   f"bytes {r['bytes']:,} live, {r['bytes_on_disk']:,} on disk (gc reclaims dead PET records)")
+                   f"bytes {r['bytes']:,} live, {r['bytes_on_disk']:,} on disk"
+                   + (f" ({r['bytes_models']:,} of them model weights)" if r["bytes_models"] else "")
+                   + ("" if r["gc_reclaims"] is None else f"; hkstore gc would free {r['gc_reclaims']:,}"))
 
     emit(store_info(store), as_json, human)
 
@@ -249,7 +256,8 @@ def lookup(store, version, text, ids, as_json):
 @click.argument("store")
 @click.option("--version", "version", required=True)
 @click.option("--tolerance", default=0.0, show_default=True,
-              help="Drop branch entries within this max-abs distance of the parent's.")
+              help="Drop branch entries within this max-abs distance of the parent's; needs a sealed parent "
+                   "(hkstore seal).")
 @json_option
 def compact(store, version, tolerance, as_json):
     """Merge a version's segments; drop shadowed, tombstoned and parent-equal entries."""
@@ -265,6 +273,26 @@ def compact(store, version, tolerance, as_json):
         f"{r['version']}: {r['segments_before']} segments, {r['entries_before']:,} -> {r['entries_after']:,} entries "
         f"({r['dropped_equal_to_parent']:,} equal to parent dropped), {r['bytes_before']:,} -> {r['bytes_after']:,} "
         f"bytes, {r['mb_per_s']:.1f} MB/s"))
+
+
+@main.command()
+@click.argument("store")
+@click.argument("version")
+@json_option
+def seal(store, version, as_json):
+    """Seal VERSION: it takes no further entries, tombstones or position table, so its answers
+    can no longer change and `compact --tolerance` may drop a child's entries equal to them.
+    Irreversible."""
+    st = open_store(store, writable=True)
+    try:
+        already = bool(st.snapshot().versions[st.snapshot().version_index(version)].get("sealed"))
+        if not already:
+            st.seal(version)
+    finally:
+        st.close()
+    emit({"version": version, "sealed": True, "already": already}, as_json, lambda r: click.echo(
+        f"{version}: {'already sealed' if already else 'sealed'} (no further entries, tombstones or position "
+        "table; branch under it to change its answers)"))
 
 
 def parse_spec(spec):
@@ -331,7 +359,7 @@ def verify(store, as_json):
     def human(r):
         c = r["checked"]
         click.echo(f"checked {c['segments']} segments, {c['entries']:,} entries, {c['pets']} PET records, "
-                   f"{c['bytes']:,} live bytes (`hkstore info`'s live total; dead pack records were walked "
+                   f"{c['models']} model files, {c['bytes']:,} live bytes (`hkstore info`'s live total; dead pack records were walked "
                    "too, not counted)")
         for p in r["problems"]:
             click.echo(f"PROBLEM {p}")
@@ -350,15 +378,16 @@ def verify(store, as_json):
 @click.option("--dry-run", is_flag=True, help="Only list what would be deleted.")
 @json_option
 def gc(store, dry_run, as_json):
-    """Delete files no manifest names; rewrite mostly-dead pack files."""
+    """Rewrite pack files holding deleted or mostly dead records; delete files no manifest names."""
     st = open_store(store, writable=True)
     try:
         r = hkstore.gc(st, dry_run=dry_run)
     finally:
         st.close()
     emit(r, as_json, lambda r: click.echo(
-        f"{'would remove' if dry_run else 'removed'} {len(r['removed'])} files, {r['bytes_freed']:,} bytes; "
-        f"packs rewritten: {len(r['packs_rewritten'])}"))
+        f"{'would rewrite' if dry_run else 'rewrote'} {len(r['packs_rewritten'])} pack(s), "
+        f"{'would remove' if dry_run else 'removed'} {len(r['removed'])} file(s): "
+        f"{'would free' if dry_run else 'freed'} {r['bytes_freed']:,} bytes"))
 
 
 @main.group()

@@ -7,6 +7,7 @@ import numpy as np
 
 from formats.segment import write_segment
 from formats.xxh64 import hash_keys
+from hkstore.errors import StoreError
 from hkstore.lookup import find_exact
 
 
@@ -62,6 +63,17 @@ def compact(store, version, tolerance=0.0):
     snap = store.snapshot()
     vi = snap.version_index(version)
     name = snap.version_names[vi]
+    ancestors = snap.ancestry(vi)[1:]
+    sealed = 0  # ancestors, nearest first, whose answers can no longer change
+    while sealed < len(ancestors) and snap.versions[ancestors[sealed]].get("sealed"):
+        sealed += 1
+    if tolerance > 0 and not sealed:
+        # Asked for, it would do nothing: say so rather than compact as if it were 0.
+        parent = snap.versions[vi]["parent"]
+        raise StoreError(f"a tolerance drops entries equal to what a sealed parent serves, and version {name!r} "
+                         + ("has no parent" if parent is None else
+                            f"has an unsealed parent {parent!r}: seal it first (hkstore seal STORE {parent}; "
+                            "irreversible) or compact without a tolerance"))
     old = list(snap.versions[vi]["segments"])
     segments = snap.version_segments(vi)
     bytes_before = sum(os.path.getsize(s.path) for s in segments)
@@ -70,10 +82,6 @@ def compact(store, version, tolerance=0.0):
     keys, seg, ent = keys[~tomb], seg[~tomb], ent[~tomb]
     values = read_entries(segments, keys, seg, ent)
     dropped_equal = 0
-    ancestors = snap.ancestry(vi)[1:]
-    sealed = 0  # ancestors, nearest first, whose answers can no longer change
-    while sealed < len(ancestors) and snap.versions[ancestors[sealed]].get("sealed"):
-        sealed += 1
     parent_chain = [snap.version_segments(v) for v in ancestors[:sealed]]
     if parent_chain and len(keys) and tolerance >= 0:
         pos, pseg, pent = find_exact(parent_chain, keys, hash_keys(keys))

@@ -212,19 +212,32 @@ class _Missing(Exception):
 
 class PositionFile:
     """A position table named by a manifest. The file is opened when the manifest is installed
-    (so gc cannot take it from an older snapshot) and read and checked on first use."""
+    (so gc cannot take it from an older snapshot) and read and checked on first use. A table
+    that fails its check (or was missing at install) is read again on the next use: the file
+    may have been put right meanwhile, and each error then says what is wrong now."""
 
-    def __init__(self, path, entry, d):
+    def __init__(self, path, entry, d, missing=False):
         self.path, self.entry, self.d = path, entry, d
-        self._file = open(path, "rb")
+        self.name = os.path.basename(path)
+        self._file = None if missing else open(path, "rb")
         self._table = None
         self._lock = threading.Lock()
 
     def table(self):
         with self._lock:
             if self._table is None:
-                self._table = read_position(self._file, self.entry["rows"], self.d, self.entry["xxh64"])
-                self._file.close()
+                try:
+                    if self._file is None:
+                        self._file = open(self.path, "rb")
+                    self._table = read_position(self._file, self.entry["rows"], self.d, self.entry["xxh64"])
+                except FileNotFoundError:
+                    raise CorruptError(f"position table {self.name} is missing") from None
+                except OSError as e:
+                    raise CorruptError(f"position table {self.name}: unreadable ({e.strerror or e})") from None
+                finally:
+                    if self._file is not None:  # read whole or failed: either way never read from again
+                        self._file.close()
+                        self._file = None
             return self._table
 
 
@@ -286,36 +299,76 @@ class Store:
 
     def refresh(self):
         """Move to the newest committed manifest. Retries if gc removes a file under us; a file
-        that stays missing while CURRENT does not move is damage (CorruptError)."""
+        that stays missing while CURRENT does not move is damage: the store opens all the same,
+        and only what reads that file raises CorruptError (the lookups of the versions whose
+        ancestry names the segment or position table, the tenants whose record is in the pack)."""
         for attempt in range(20):
             manifest = mf.load(self.path, allow_rollback=self.allow_rollback)
             try:
                 self._install(manifest)
                 return self._snapshot
-            except _Missing as e:
-                missing = str(e)
+            except _Missing:
+                pass
             if mf.current_name(self.path) == mf.manifest_name(manifest["generation"]):
                 break  # not a race with a commit: the live manifest names a file that is gone
-        raise CorruptError(f"{self.path}: {missing}, which the live manifest names: run hkstore verify")
+        self._install(manifest, tolerate=True)
+        return self._snapshot
 
-    def _install(self, manifest):
+    def scrub(self, deep=False):
+        """Check that the segments being served are still the files this process checked:
+        one whose file changed since it was opened (inode, size or mtime: rewritten in place,
+        or replaced) is opened afresh, so its header is checked against the identity the
+        manifest records again and its rows on their next return. deep=True reopens every
+        segment, so every row is checked again on its next return (warm() checks them all
+        now). Cheap without deep: a stat a segment. Returns the names of the segments reopened."""
+        with self._mutex:
+            old = dict(self._segments)
+            if deep:
+                self._segments = {}
+            self._install(self._manifest, tolerate=True)
+            return sorted(name for name, seg in old.items() if self._segments.get(name) is not seg)
+
+    def _install(self, manifest, tolerate=False):
         try:
-            self._install_files(manifest)
+            self._install_files(manifest, tolerate)
         except FileNotFoundError as e:
             where = os.path.relpath(e.filename, self.path) if e.filename else "a file"
             raise _Missing(f"{where} is missing") from None
 
-    def _install_files(self, manifest):
+    def _open_segment(self, name, meta):
+        """The named segment, reusing this process's open copy while its file is unchanged."""
+        seg = self._segments.get(name)
+        if seg is None or seg.changed():
+            seg = Segment(os.path.join(self.path, "segments", name))
+        if (seg.n, seg.slots, seg.d) != (meta["n"], mf.value_slots(meta), meta["d"]):
+            raise CorruptError(f"segment {name}: shape (n={seg.n}, slots={seg.slots}, d={seg.d}) does not "
+                               "match the store")
+        return seg
+
+    def _install_files(self, manifest, tolerate=False):
+        """Open what `manifest` names. A segment that cannot be used (damaged header, wrong
+        shape, another file's identity; with `tolerate`, missing) and a position table or pack
+        missing with `tolerate` are stood in for: only what reads them fails."""
         with self._mutex:
             names = {s for v in manifest["versions"] for s in v["segments"]}
             files = mf.identities(manifest)
             segments, opened = {}, {}
             for name in names:
-                seg = self._segments.get(name) or Segment(os.path.join(self.path, "segments", name))
-                meta = manifest["meta"]
-                if (seg.n, seg.slots, seg.d) != (meta["n"], mf.value_slots(meta), meta["d"]):
-                    raise CorruptError(f"segment {name}: shape (n={seg.n}, slots={seg.slots}, d={seg.d}) does not "
-                                       "match the store")
+                path = os.path.join(self.path, "segments", name)
+                try:
+                    seg = self._open_segment(name, manifest["meta"])
+                except FileNotFoundError:
+                    if not tolerate:
+                        raise
+                    segments[name] = _NotTheFile(path, CorruptError(
+                        f"segment {name} is missing, which the live manifest names: run hkstore verify"))
+                    continue
+                except OSError as e:
+                    segments[name] = _NotTheFile(path, CorruptError(f"segment {name}: unreadable ({e.strerror or e})"))
+                    continue
+                except FormatError as e:
+                    segments[name] = _NotTheFile(path, CorruptError(str(e)))
+                    continue
                 want = files.get(name)
                 if want is not None and seg.identity() != want:  # the header Segment() read and checked
                     have = f"size {seg.size}, xxh64 {seg.digest:016x}"
@@ -325,13 +378,25 @@ class Store:
             positions = {}
             for v in manifest["versions"]:
                 entry = v.get("position")
-                if entry:
-                    positions[entry["file"]] = self._positions.get(entry["file"]) or PositionFile(
-                        os.path.join(self.path, "positions", entry["file"]), entry, manifest["meta"]["d"])
+                if entry and entry["file"] not in positions:
+                    path = os.path.join(self.path, "positions", entry["file"])
+                    have = self._positions.get(entry["file"])
+                    if have is None:
+                        try:
+                            have = PositionFile(path, entry, manifest["meta"]["d"])
+                        except FileNotFoundError:
+                            if not tolerate:
+                                raise
+                            have = PositionFile(path, entry, manifest["meta"]["d"], missing=True)
+                    positions[entry["file"]] = have
             packs = {}
             live = [loc for kind in MAPS.values() for loc in manifest.get(kind, {}).values()]
             for name in set(manifest["packs"]) | {loc["file"] for loc in live}:
-                packs[name] = self._packs.get(name) or PackFile(os.path.join(self.path, "packs", name))
+                try:
+                    packs[name] = self._packs.get(name) or PackFile(os.path.join(self.path, "packs", name))
+                except FileNotFoundError:
+                    if not tolerate:
+                        raise  # left out: a read of its records reports the pack missing
             self._segments = opened  # a refused file is opened afresh next time (it may have been put right)
             self._positions = positions
             self._packs = packs
@@ -389,10 +454,8 @@ class Store:
             self._record_identities(new)
             new["generation"] += 1
             mf.commit(self.path, new)
-            try:
-                self._install(new)
-            except _Missing as e:
-                raise CorruptError(f"{self.path}: {e}, which the live manifest names: run hkstore verify") from None
+            # Committed: whatever is missing or damaged (and was before) fails only its readers.
+            self._install(new, tolerate=True)
             return result
 
     def _record_identities(self, m):
@@ -565,24 +628,28 @@ class Store:
 
     # -- PET pack --------------------------------------------------------------------------
 
-    def _append_pets(self, records):
-        """Append records to the active pack (rolling to a new one past PACK_ROLL_BYTES);
-        returns their locations and a manifest change that places them."""
+    def _append_pets(self, records, fresh=False):
+        """Append records to the active pack (rolling to a new one past PACK_ROLL_BYTES, or
+        at once with `fresh`: gc moving the active pack's live records out of it); returns their
+        locations and a manifest change that places them."""
         m = self._manifest
         active = m["packs"][-1] if m["packs"] else None
         end, new_files, locations = m["pack_end"], [], []
         grown = {}  # pack -> identity of its records, extended record by record as they are appended
+        written = set()
         if active is not None:
             # A writer killed mid-append leaves a torn tail past the committed end: cut it off
             # now, before this pack may be rolled past and become immutable (verify walks it).
             path = os.path.join(self.path, "packs", active)
-            if os.path.getsize(path) > end:
-                os.truncate(path, end)
             try:
+                if os.path.getsize(path) > end:
+                    os.truncate(path, end)
                 grown[active] = self._pack_identity(active, mf.identities(m).get(active), end)
-            except CorruptError:
-                active = None  # not whole records (damage): start a new pack rather than vouch for it
-        for record in records:
+            except (CorruptError, FileNotFoundError):
+                active = None  # damaged or missing: start a new pack rather than vouch for it
+        if fresh:
+            active = None
+        for record in records or ([None] if fresh else []):
             if active is None or end >= PACK_ROLL_BYTES:
                 active = self.reserve_file(".pack")
                 new_files.append(active)
@@ -590,15 +657,24 @@ class Store:
                 fsync_dir(os.path.join(self.path, "packs"))
                 end = 0
                 grown[active] = 0
+            if record is None:
+                break  # `fresh` with nothing to move: the new, empty pack becomes the active one
             path = os.path.join(self.path, "packs", active)
             # A writer killed mid-append leaves a torn tail past the committed end: cut it off.
             if os.path.getsize(path) > end:
                 os.truncate(path, end)
             data = pack.encode_record(record)
-            offset, length = pack.append_encoded(path, data)
+            offset, length = pack.append_encoded(path, data, sync=False)
+            written.add(path)
             end = offset + length
             grown[active] = pack.chain(grown[active], pack.header_digest(data))
             locations.append({"file": active, "offset": offset, "length": length})
+        for path in written:  # one fsync a pack for the whole batch, before any manifest names a record
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         ends = {loc["file"]: loc["offset"] + loc["length"] for loc in locations}
 
         def place(m2):
@@ -608,11 +684,12 @@ class Store:
 
         return locations, place
 
-    def put_pets(self, records):
+    def put_pets(self, records, fresh_pack=False):
         """Store, replace or (tombstone records) delete tenants' PETs, students and full-depth
         PETs in one commit, in order; durable once this returns. One commit for many records
         keeps bulk loads fast. A students or full-depth record needs its tenant's PET (stored
-        before it, or earlier in `records`): UnknownTenant otherwise, and nothing is written."""
+        before it, or earlier in `records`): UnknownTenant otherwise, and nothing is written.
+        fresh_pack: write into a new pack file, never the active one (gc rewriting it)."""
         self._require_writable()
         records = list(records)
         tenants = set(self._manifest["pets"])
@@ -624,7 +701,7 @@ class Store:
             elif not record.tombstone and record.tenant not in tenants:
                 raise UnknownTenant(f"unknown tenant {record.tenant!r}: a {KIND_NAMES[kind]} record is stored "
                                     "beside the tenant's PET")
-        locations, place = self._append_pets(records)
+        locations, place = self._append_pets(records, fresh=fresh_pack)
 
         def change(m):
             place(m)

@@ -166,6 +166,7 @@ def _worker_main(conn):
             ("batch", len(step.works), seconds, [max(step.started - w.submitted, 0.0) for w in step.works])))
     send(("ready", os.getpid()))
     running = {}  # (batch id, index) -> the runtime's future
+    scrubbed = time.monotonic()
     try:
         while True:
             try:
@@ -179,6 +180,9 @@ def _worker_main(conn):
                 if now != stamp:  # a commit since: serve it before this request (see the module doc)
                     rt.refresh()
                     stamp = now
+                if time.monotonic() - scrubbed > 1.0:  # a segment rewritten in place is checked again
+                    rt.store.scrub()
+                    scrubbed = time.monotonic()
                 deadline = time.perf_counter() + seconds if seconds is not None else math.inf
 
                 def queue(rs, deadline=deadline):

@@ -262,12 +262,16 @@ class Service:
         self.refresh()
 
     async def _watch(self):
-        """Pick up commits made outside this server (the CLI) within a second."""
+        """Pick up commits made outside this server (the CLI) within a second, and segments
+        rewritten in place (a stat each: Store.scrub), whose rows are then checked again."""
         while True:
             await asyncio.sleep(1.0)
             try:
                 if self._read_current() != self._current:
                     await asyncio.to_thread(self.refresh)
+                scrub = getattr(getattr(self.rt, "store", None), "scrub", None)
+                if scrub is not None:
+                    await asyncio.to_thread(scrub)
             except Exception:  # noqa: BLE001 - keep watching
                 log.exception("refreshing the store snapshot failed")
 
