@@ -25,34 +25,48 @@ first k students; at policy fast or auto, not exact); ``Result.students`` says h
 (0: the teacher). Under auto the teacher is Tabi's dispatcher; an answer by students is not re-routed.
 
 Errors a caller can fix are raised by ``infer`` before anything runs: ``UnknownTenant``,
-``EmptyText``, ``TextTooLong`` (more than ``max_len`` tokens), ``BadRequest`` (a malformed
-request) and ``IncompatiblePet`` (a PET trained for another base model, or for a PLOT
-version the store does not hold). Importing this package needs no torch; ``open`` does.
+``EmptyText``, ``TextTooLong`` (more than ``max_len`` tokens, or more than ``MAX_TEXT_CHARS``
+characters: 16,384, the HTTP server's limit, checked before tokenizing, truncate or not),
+``BadRequest`` (a malformed request, or a text that is not valid Unicode: a lone surrogate, such
+as an undecodable byte Python read with surrogateescape) and ``IncompatiblePet`` (a PET trained
+for another base model, or for a PLOT version the store does not hold). Importing this package
+needs no torch; ``open`` does.
 """
 
 from __future__ import annotations
 
 from hkstore.errors import StoreError, UnknownTenant
-from runtime.errors import BadRequest, EmptyText, Expired, IncompatiblePet, TextTooLong
-from runtime.serving import Request, Result, Runtime, _cuda_available, _resolve_device  # noqa: F401 - hkstore serve reads _cuda_available
+from runtime.errors import BadRequest, EmptyText, Expired, IncompatiblePet, TextTooLong, Unavailable
+from runtime.serving import MAX_TEXT_CHARS, Request, Result, Runtime, _cuda_available, _resolve_device  # noqa: F401 - hkstore serve reads _cuda_available
 
 __all__ = [
-    "BadRequest", "EmptyText", "Expired", "IncompatiblePet", "Request", "Result", "Runtime", "StoreError",
+    "BadRequest", "EmptyText", "Expired", "IncompatiblePet", "MAX_TEXT_CHARS", "Request", "Result", "Runtime", "StoreError", "Unavailable",
     "TextTooLong", "UnknownTenant", "infer", "open",
 ]
 
 
-def open(store_path, device: str = "auto", **options) -> Runtime:  # noqa: A001 - the package's verb
+def open(store_path, device: str = "auto", *, workers=None, **options) -> Runtime:  # noqa: A001 - the package's verb
     """A Runtime serving the store at store_path; options as Runtime's (max_len, max_batch,
     pet_cache_bytes, pipeline and prefetch (the overlap threads: on by default on a GPU, off on the
-    CPU, where they compete with compute for the cores), hot_tier_rows, host_cache_bytes, dtype, lora_kernel,
+    CPU, where they compete with compute for the cores), hot_tier_rows, host_cache_bytes, dtype (CPU: fp32, the
+    default; bf16: the shared GEMMs in bf16, refused on a CPU without AVX512_BF16 / AMX-BF16; auto: bf16 where
+    the CPU has it, else fp32; int8), lora_kernel,
     students_target_s: the students' pruning policy's latency target, length_buffer: batches of
     similar lengths from what waits, False for first come first served; batching: fifo, length,
     coordinated (PetS's coordinated batching) or tenant (one tenant a batch), overrides length_buffer;
     max_wait_s: how long a batch waits for company, 0 by default).
-    A decoder store opens as a runtime.gen.api.DecoderRuntime (generate / stream)."""
+    A decoder store opens as a runtime.gen.api.DecoderRuntime (generate / stream).
+    workers: N (or ``auto``, one per usable core) worker processes, each a Runtime with one torch
+    thread (``torch_threads=`` for more), that share a large ``infer`` call: a runtime.pool.Pool,
+    the same answers as one Runtime (encoder stores, on the CPU)."""
     from runtime.gen.api import DecoderRuntime, is_decoder_store_path
 
+    if workers is not None:
+        from runtime.pool import Pool
+
+        if is_decoder_store_path(store_path):
+            raise ValueError("workers: decoder stores are served by one generation engine (see runtime.pool)")
+        return Pool(store_path, workers, "cpu" if device == "auto" else device, **options)
     if is_decoder_store_path(store_path):
         return DecoderRuntime(store_path, _resolve_device(device), **options)
     return Runtime(store_path, device, **options)

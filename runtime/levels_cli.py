@@ -24,7 +24,7 @@ def levels():
 
 
 @levels.command("profile")
-@click.argument("store", type=click.Path(exists=True, file_okay=False))
+@click.argument("store")
 @click.argument("tenant")
 @click.option("--dev", "dev_path", required=True, type=click.Path(exists=True, dir_okay=False),
               help="Labelled validation text (the tenant's format): the policy is chosen on it.")

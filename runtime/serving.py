@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -23,6 +24,11 @@ from runtime.errors import BadRequest, EmptyText, IncompatiblePet, TextTooLong
 DEFAULT_PET_CACHE_BYTES = 512 << 20  # device PET cache (GPU)
 DEFAULT_HOST_CACHE_BYTES = 4 << 30  # host PET cache: 10K adapter/LoRA tenants of MiniLM fit
 DEFAULT_HOT_TIER_ROWS = 65536  # GPU PLOT hot tier: (window, version) rows kept on the device
+# Characters per text, checked before tokenizing: the HTTP server's cap, so a text is refused
+# alike from Python, the shell and HTTP (truncate or not), and a megabyte of text costs no
+# tokenizer pass. max_len (tokens) stays the real bound below it.
+MAX_TEXT_CHARS = 16_384
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass
@@ -150,11 +156,15 @@ class Runtime:
                                         hot_tier_rows=hot_tier_rows, max_batch=self.max_batch, max_len=self.max_len,
                                         lora_kernel=lora_kernel, context=context)
         else:
-            if dtype not in ("fp32", "int8"):  # int8: the shared GEMMs quantized (runtime.exec.int8), PETs fp32
-                raise ValueError(f"the CPU executor computes in fp32 (or dtype='int8' for the shared GEMMs), not {dtype!r}")
+            # int8: the shared GEMMs quantized (runtime.exec.int8); bf16 / auto: the shared GEMMs in bf16 where
+            # the CPU has it (runtime.exec.precision); PETs fp32 either way
+            if dtype not in ("fp32", "int8", "bf16", "auto"):
+                raise ValueError(f"the CPU executor computes in fp32, bf16 or auto (or dtype='int8' for the shared GEMMs), "
+                                 f"not {dtype!r}")
             from runtime.exec.cpu import CpuExecutor
 
             self.executor = CpuExecutor(encoder, lora_kernel=lora_kernel, prefetch=prefetch, int8=dtype == "int8",
+                                        precision=dtype if dtype in ("bf16", "auto") else "fp32",
                                         context=context)
         self.pets = PetCache(host_cache_bytes)
         self._refresh_lock = threading.Lock()
@@ -300,6 +310,8 @@ class Runtime:
                 raise BadRequest(f"a request is a dict or runtime.Request, got {type(r).__name__}")
             if tenant is None:
                 raise BadRequest("a request needs a tenant")
+            if not isinstance(tenant, str):
+                raise BadRequest(f"tenant must be a string, got {type(tenant).__name__}")
             if (text is None) == (ids is None):
                 raise BadRequest("a request needs exactly one of text and ids")
             if policy is not None and policy not in ("fast", "auto", "exact"):
@@ -308,13 +320,20 @@ class Runtime:
                                          or students < 0):
                 raise BadRequest(f"students must be a whole number >= 0 (0: the teacher), got {students!r}")
             if level is not None:
-                if level not in PINS:
+                if not isinstance(level, str) or level not in PINS:
                     raise BadRequest(f"level must be one of {', '.join(PINS)}, got {level!r}")
                 if policy is not None or students:
                     raise BadRequest("a request pins a level or asks for a policy or students, not both")
             if text is not None:
                 if not isinstance(text, str):
                     raise BadRequest(f"text must be a string, got {type(text).__name__}")
+                if len(text) > MAX_TEXT_CHARS:
+                    raise TextTooLong(f"tenant {tenant!r}: the text has {len(text):,} characters, more than "
+                                      f"{MAX_TEXT_CHARS:,} (the limit per text, as the HTTP server's; truncate "
+                                      "cuts tokens, not characters: shorten the text)")
+                bad = unicode_problem(text)
+                if bad:
+                    raise BadRequest(f"tenant {tenant!r}: the text is not valid Unicode ({bad})")
                 if not text.strip():
                     raise EmptyText(f"tenant {tenant!r}: the text is empty")
                 texts.append(len(parsed))
@@ -540,6 +559,18 @@ def _settle(outer: Future, inner: Future, convert):
     except BaseException as e:  # noqa: BLE001 - the caller's to see
         if not outer.done():
             outer.set_exception(e)
+
+
+def unicode_problem(text: str) -> str | None:
+    """Why a str cannot be encoded as UTF-8 (the tokenizer's input), None when it can: a lone
+    surrogate, which is how Python carries an undecodable byte (surrogateescape: U+DC80..U+DCFF
+    stand for the bytes 0x80..0xFF) or a broken JSON escape such as "\\ud800"."""
+    m = _SURROGATE.search(text)
+    if m is None:
+        return None
+    cp = ord(m.group())
+    byte = f", the undecodable byte 0x{cp - 0xDC00:02x}" if 0xDC80 <= cp <= 0xDCFF else ""
+    return f"lone surrogate U+{cp:04X}{byte} at character {m.start()}"
 
 
 def _words(text, encoding) -> list:

@@ -26,7 +26,7 @@ def test_a_file_is_not_a_demo_directory(tmp_path):
 
 
 def test_next_steps_are_exact_commands():
-    lines = run.next_steps("/tmp/my demo", [{"tenant": "which-module", "text": "Return the day's name."}])
+    lines = run.next_steps("/tmp/my demo", "Return the day's name.")
     assert lines[0].startswith("hkstore infer '/tmp/my demo' --tenant which-module 'Return the day'\"'\"'s name.'")
     assert any(line.startswith("hkstore serve '/tmp/my demo'") for line in lines)
     assert any(line.startswith("TOKEN=$(hkstore token issue '/tmp/my demo' which-module)") for line in lines)

@@ -29,8 +29,14 @@ def _emit(obj, as_json, human):
 
 
 def _check_store(store):
-    if not os.path.isdir(store) or not os.path.exists(os.path.join(store, "CURRENT")):
-        raise click.ClickException(f"{store}: no such store (no directory with a CURRENT file)")
+    """A missing path, a file or a folder that is no store: hkstore.open's one line, as every
+    command that takes STORE says it."""
+    import hkstore
+
+    try:
+        hkstore.open(store).close()
+    except (StoreError, FormatError) as e:
+        raise click.ClickException(_one_line(e)) from None
 
 
 def _one_line(e):

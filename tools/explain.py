@@ -29,6 +29,8 @@ import numpy as np
 
 import hkstore
 from formats.backoff import key_order
+from runtime.model.stored import is_decoder_store
+from runtime.serving import MAX_TEXT_CHARS, unicode_problem
 from tools.report import cosine_distance
 
 REFERENCES = ("base", "version")
@@ -76,11 +78,19 @@ def explain(store_path, version, text, *, reference="base", max_len=None) -> lis
         raise ValueError(f"unknown reference {reference!r}; expected one of {', '.join(REFERENCES)}")
     if not isinstance(text, str) or not text.strip():
         raise ValueError("nothing to explain: empty text")
+    if len(text) > MAX_TEXT_CHARS:
+        raise ValueError(f"the text has {len(text):,} characters, more than {MAX_TEXT_CHARS:,} (the limit per text)")
+    if bad := unicode_problem(text):
+        raise ValueError(f"the text is not valid UTF-8 ({bad})")
     store = hkstore.open(store_path)
     try:
         snap = store.snapshot()
-        vi = snap.version_index(version)
         meta = snap.meta
+        if is_decoder_store(meta):
+            raise ValueError(f"{store_path} is a decoder store: explain compares an encoder's lower layers in "
+                             "full context with their PLOT inputs, so it is for encoder stores (hkstore generate "
+                             "serves a decoder store)")
+        vi = snap.version_index(version)
         base = _base_encoder(store)
         ids = base.tokenize([text], 1 << 30)[0]
         limit = max_len or base.config.max_len

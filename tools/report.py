@@ -445,7 +445,7 @@ def _build(store_path, version=None, corpus=None, *, sample=SAMPLE, top=TOP, cor
             notes.append("no tokenizer found at the store's model_path: n-grams are shown as token ids")
         report = {
             "store": os.path.abspath(store_path), "generated": time.time(), "generated_iso": _iso(time.time()),
-            "generation": snap.manifest["generation"], "meta": meta, "focus": focus,
+            "generation": snap.manifest["generation"], "meta": _named(meta), "focus": focus,
             "totals": {"versions": len(snap.versions), "segments": len(segments), "segment_bytes": size["segments"],
                        "position_bytes": size["positions"], "pet_bytes": size["pets"], "bytes_live": size["live"],
                        "bytes_on_disk": size["on_disk"], "tenants": len(pets)},
@@ -456,6 +456,17 @@ def _build(store_path, version=None, corpus=None, *, sample=SAMPLE, top=TOP, cor
         return report
     finally:
         st.close()
+
+
+def _named(meta) -> dict:
+    """The store's meta with base_model naming the model it was built from (hkstore.model_name,
+    as `hkstore info` shows it); the record PETs are checked against, when it differs, beside it."""
+    from hkstore.model_name import model_name
+
+    name = model_name(meta)
+    if not name or name == meta.get("base_model"):
+        return dict(meta)
+    return dict(meta, base_model=name, base_model_recorded=meta.get("base_model"))
 
 
 def _public(report):
@@ -620,8 +631,8 @@ def render_html(report, figs):
     for note in report["notes"]:
         parts.append(f'<div class="note">{_e(note)}</div>')
     parts.append("<h2>Store</h2>")
-    keys = ["base_model", "d", "n", "window", "lower_layers", "num_layers", "dtype", "pad_id", "vocab_size",
-            "model_path"]
+    keys = ["base_model", "base_model_recorded", "d", "n", "window", "lower_layers", "num_layers", "dtype", "pad_id",
+            "vocab_size", "model_path"]
     rows = [[_e(k), _num(meta.get(k))] for k in keys if k in meta]
     rows += [[_e(k), _num(v)] for k, v in totals.items()]
     parts.append(_table(["", ""], rows))

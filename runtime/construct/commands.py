@@ -42,13 +42,33 @@ def _run(fn, *args, as_json=False, **kwargs):
     if as_json:
         click.echo(json.dumps(result, indent=2, sort_keys=True, default=str))
     else:
-        for key, value in result.items():
-            if isinstance(value, (dict, list)):
-                value = json.dumps(value, default=str)
-            elif isinstance(value, float):
-                value = f"{value:.6g}"
-            click.echo(f"{key}: {value}")
+        _print(result)
     return result
+
+
+def _print(result):
+    """A result as `key: value` lines."""
+    for key, value in result.items():
+        if isinstance(value, (dict, list)):
+            value = json.dumps(value, default=str)
+        elif isinstance(value, float):
+            value = f"{value:.6g}"
+        click.echo(f"{key}: {value}")
+
+
+def _iso(seconds) -> str | None:
+    """A record's time (seconds since the epoch) as people read it: ISO 8601, UTC."""
+    import datetime
+
+    if not isinstance(seconds, (int, float)):
+        return seconds
+    return datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def _held_out(metric, score) -> str:
+    if score is None:
+        return "held-out: none recorded (tenant create --calibration-share)"
+    return f"held-out {(metric or 'score').replace('_', ' ')} {score:.3f}"
 
 
 def _json_option(f):
@@ -60,7 +80,9 @@ def _quiet_option(f):
 
 
 def _store_arg(f):
-    return click.argument("store", type=click.Path(file_okay=False))(f)
+    # No click.Path check: the store's own open names a missing path, a file or a folder that
+    # is no store in the one line every command that takes STORE says.
+    return click.argument("store")(f)
 
 
 @click.command("build")
@@ -85,8 +107,12 @@ def build(store, corpus_paths, model_path, n, kind, lower_layers, dtype, distill
           corpus_format, quiet, as_json):
     """Create STORE and build its root PLOT from corpora (resumes an interrupted build). A
     decoder --model (GPT-2, OPT, Llama layout) makes a decoder store: causal windows always."""
+    import os
+
     from runtime.model.decoder_config import is_decoder_dir
 
+    if os.path.exists(store) and not os.path.isdir(store):  # the wording of hkstore.open's
+        raise click.ClickException(f"{store}: is a file, not a store directory")
     if model_path and is_decoder_dir(model_path):
         from runtime.construct.decoder_store import build_decoder
 
@@ -303,7 +329,7 @@ def tenant_ls(store, as_json):
     if not as_json:
         for row in result["tenants"]:
             click.echo(f"{row['tenant']}  {row['version']}  {row['pet_type']}  {','.join(row['levels'])}  "
-                       f"cascade {row['cascade']}  {row['bytes']:,} bytes")
+                       f"cascade {row['cascade']}  {row['bytes']:,} bytes  {_held_out(row['metric'], row['held_out'])}")
 
 
 @tenant.command("info")
@@ -313,7 +339,15 @@ def tenant_ls(store, as_json):
 def tenant_info(store, tenant, as_json):
     """TENANT's levels (plot, exact, full, students) with their bytes, held-out scores and
     whether each is current, and its profiled cascade."""
-    _run(manager.tenant_info, store, tenant, as_json=as_json)
+    if as_json:
+        _run(manager.tenant_info, store, tenant, as_json=True)
+        return
+    result = _call(manager.tenant_info, store, tenant)
+    _print(dict(result, created=_iso(result["created"])))
+    scores = [f"{name} {level['held_out']:.3f}" for name, level in result["levels"].items()
+              if isinstance(level.get("held_out"), (int, float))]
+    click.echo(f"held-out {(result['metric'] or 'score').replace('_', ' ')}: {', '.join(scores)}" if scores
+               else _held_out(None, None))
 
 
 COMMANDS = {"build": build, "domain": domain, "tenant": tenant}

@@ -498,8 +498,10 @@ def _train_new(store, encoder, tenant, *, version, train_path, task="classificat
                epochs=None,
                max_examples=None, lr=None, batch_size=None, max_len=128, bottleneck=None, rank=None, density=None,
                norms=None, seed=0, replace=False, unseen=None, calibration_share=0.0, levels=recipes.LEVELS,
-               corpus_paths=(), max_corpus=recipes.MAX_CORPUS, progress=True) -> Trained:
-    """A new tenant's records trained on store's snapshot (not stored)."""
+               corpus_paths=(), max_corpus=recipes.MAX_CORPUS, held_out_path=None, progress=True) -> Trained:
+    """A new tenant's records trained on store's snapshot (not stored). held_out_path: labeled
+    examples kept out of training (the train file's format) that calibrate and score the levels
+    as a calibration share would, for a caller that made its own split (hkstore demo)."""
     from runtime.construct import full as fulllib
     from runtime.construct.train import unstalled
     from runtime.model import pet as petlib
@@ -517,6 +519,10 @@ def _train_new(store, encoder, tenant, *, version, train_path, task="classificat
     pick = _subsample(len(data[0]), max_examples, seed)
     ids, targets = encode_task(encoder, data, task, labels, max_len, pick)
     ids, targets, held = _hold_out(ids, targets, calibration_share, seed)
+    if held_out_path is not None:
+        if held:
+            raise ValueError("give a calibration share or a held-out file, not both")
+        held = encode_task(encoder, read_task(held_out_path, task)[0], task, labels, max_len)
     options, cfg = recipes.settings(pet_type, "plot", lr=lr, epochs=epochs, batch_size=batch_size,
                                     bottleneck=bottleneck, rank=rank, density=density, norms=norms, seed=seed,
                                     progress=progress)
@@ -537,13 +543,12 @@ def _train_new(store, encoder, tenant, *, version, train_path, task="classificat
         docs = _unlabeled(read_corpora(list(corpus_paths)), texts, max_corpus, seed)
         taught = pseudo_examples(encoder, full.whole, full.pet, docs, task, labels, max_len)
 
-    def fit(c):  # the PET itself is kept: calibration reads it
+    def fit(c):
         pet = petlib.create_pet(encoder, pet_type, task, labels, seed=c.seed, **options)
-        exported, log = _fit_pet(store, encoder, pet, version, ids + taught[0], targets + taught[1], c, unseen)
-        return (pet, exported), log
+        return _fit_pet(store, encoder, pet, version, ids + taught[0], targets + taught[1], c, unseen)
 
     t1 = time.perf_counter()
-    (pet, exported), log, cfg, stall = unstalled(fit, cfg)
+    exported, log, cfg, stall = unstalled(fit, cfg)
     extra = {"train": {"path": os.path.abspath(train_path), "examples": len(ids), "epochs": cfg.epochs, "lr": cfg.lr,
                        "max_len": max_len, "unseen": unseen, "loss_last": log[-1], "updates": 0}}
     if corpus_paths:
@@ -551,7 +556,8 @@ def _train_new(store, encoder, tenant, *, version, train_path, task="classificat
     if stall:
         extra["train"]["stalled"] = stall
     if held:
-        extra["calibration"] = _calibration(store, encoder, version, pet, held, calibration_share, 0)
+        # the PET as stored and served: a diff or mask PET trains dense and is cut at export
+        extra["calibration"] = _calibration(store, encoder, version, exported, held, calibration_share, 0)
     record = _record(tenant, store, version, exported, extra)
     plot_seconds = round(time.perf_counter() - t1, 3)
     if full is None and "full" in levels:
@@ -674,7 +680,7 @@ def _update_plot(store, tenant, *, train_path, version, epochs, max_examples, lr
     extra["train"] = train
     extra.pop("calibration", None)
     if held:
-        extra["calibration"] = _calibration(store, encoder, version, model, held, share, train["updates"])
+        extra["calibration"] = _calibration(store, encoder, version, exported, held, share, train["updates"])
     record = _record(tenant, store, version, exported, extra)
     trained = Trained([record], {"plot": log}, len(ids), {"plot": round(time.perf_counter() - t0, 3)})
     return trained, (ids, targets, held)

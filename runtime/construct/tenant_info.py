@@ -25,7 +25,7 @@ def tenant_ls(store_path) -> dict:
         rows = [_info(snap, t) for t in sorted(snap.pets)]
     return {"tenants": [{"tenant": r["tenant"], "version": r["version"], "pet_type": r["pet_type"],
                          "task": r["task"], "levels": r["served"], "cascade": r["cascade"]["state"],
-                         "bytes": r["bytes"]}
+                         "bytes": r["bytes"], "metric": r["metric"], "held_out": r["levels"]["plot"]["held_out"]}
                         for r in rows]}
 
 

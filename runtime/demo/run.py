@@ -17,7 +17,8 @@ of Python's standard library (first paragraph of each public class, function and
    | ``type-words`` | BitFit | root | tagging: the words naming Python types and values (str, int, bytes, None, ...) are ``B-TYPE`` |
    | ``raises`` | diff | email | classification: does the docstring talk about exceptions (raise, error, exception) |
 
-   Every 5th example (in a fixed order) is held out;
+   Every 5th example (in a fixed order) is held out: it calibrates the tenant and scores its
+   levels (the held-out scores `hkstore tenant ls` and `tenant info` show), and is served in 4;
 4. **serve** a mixed-tenant batch of held-out docstrings through ``runtime.infer``: printed
    predictions, held-out accuracy per tenant, and throughput with the timing breakdown.
 
@@ -117,17 +118,24 @@ def tasks(docs) -> dict:
             "raises": _split(raises)}
 
 
+def held_out_name(name) -> str:
+    """The held-out examples' file beside a tenant's training file."""
+    stem, ext = os.path.splitext(name)
+    return f"{stem}.held-out{ext}"
+
+
 def write_data(data_dir, docs, task_data):
     os.makedirs(data_dir, exist_ok=True)
     _write(os.path.join(data_dir, "corpus.txt"), "".join(t + "\n" for t, _, _ in docs))
     _write(os.path.join(data_dir, "domain.txt"), "".join(t + "\n" for t, m, _ in docs if m.split(".")[0] == DOMAIN))
     for tenant, (_, _, task, name) in TENANTS.items():
-        train, _ = task_data[tenant]
-        if task == "classification":
-            text = "".join(json.dumps({"text": t, "label": y}) + "\n" for t, y in train)
-        else:
-            text = "".join("".join(f"{w}\t{y}\n" for w, y in zip(words, tags)) + "\n" for words, tags, _ in train)
-        _write(os.path.join(data_dir, name), text)
+        for examples, path in zip(task_data[tenant], (name, held_out_name(name))):
+            if task == "classification":
+                text = "".join(json.dumps({"text": t, "label": y}) + "\n" for t, y in examples)
+            else:
+                text = "".join("".join(f"{w}\t{y}\n" for w, y in zip(words, tags)) + "\n"
+                               for words, tags, _ in examples)
+            _write(os.path.join(data_dir, path), text)
 
 
 def _write(path, text):
@@ -159,6 +167,18 @@ class DemoError(ValueError):
     pass
 
 
+def check_folder(store_dir):
+    """A missing or empty folder, or a store (the demo resumes it): a DemoError for anything else."""
+    if os.path.exists(store_dir) and not os.path.isdir(store_dir):
+        raise DemoError(f"{store_dir} is a file, not a directory")
+    # A folder the demo did not start is someone's: never mix a store into it. Only the demo's
+    # own data folder may be there without a store (a run stopped before the build began).
+    if (os.path.isdir(store_dir) and not os.path.exists(os.path.join(store_dir, "CURRENT"))
+            and set(os.listdir(store_dir)) - {"demo"}):
+        raise DemoError(f"{store_dir} holds other files and no store: give an empty or new folder "
+                        "(or a demo store, to resume it)")
+
+
 # -- the job ----------------------------------------------------------------------------------
 
 
@@ -174,8 +194,7 @@ def main(store_dir="hkstore-demo", echo=print, progress=True, full=False) -> dic
     preset_name = "full" if full else "quick"
     preset = PRESETS[preset_name]
     store_dir = os.fspath(store_dir)
-    if os.path.exists(store_dir) and not os.path.isdir(store_dir):
-        raise DemoError(f"{store_dir} is a file, not a directory")
+    check_folder(store_dir)
     data_dir = os.path.join(store_dir, "demo")
     docs = docstrings(ROOT_MODULES)
     task_data = tasks(docs)
@@ -230,7 +249,8 @@ def main(store_dir="hkstore-demo", echo=print, progress=True, full=False) -> dic
         echo(f"3. tenant {tenant!r}: {pet_type} PET, {task}, on version {version!r}")
         specs.append(dict(tenant=tenant, version=version, train_path=os.path.join(data_dir, name), task=task,
                           pet_type=pet_type, epochs=epochs, lr=lr, max_examples=preset["max_examples"],
-                          max_len=preset["max_len"], bottleneck=32, rank=8, density=0.01))
+                          max_len=preset["max_len"], bottleneck=32, rank=8, density=0.01,
+                          held_out_path=os.path.join(data_dir, held_out_name(name))))
     if specs:
         echo(f"   training {len(specs)} tenant(s) in one pass ...")
         outs = step("tenants", lambda: manager.tenants_create(store_dir, specs, progress=progress))
@@ -294,7 +314,7 @@ def main(store_dir="hkstore-demo", echo=print, progress=True, full=False) -> dic
     with hkstore.open(store_dir) as st:
         summary["versions"] = st.snapshot().version_names
         summary["tenants"] = sorted(st.snapshot().pets)
-    summary["next"] = next_steps(store_dir, requests)
+    summary["next"] = next_steps(store_dir, suggested_text(requests, results, gold))
     echo(f"demo done in {summary['total_seconds']:.0f} s\n")
     echo("next:")
     for line in summary["next"]:
@@ -302,11 +322,24 @@ def main(store_dir="hkstore-demo", echo=print, progress=True, full=False) -> dic
     return summary
 
 
-def next_steps(store_dir, requests) -> list:
+SUGGESTED = "which-module"  # the tenant the printed next steps query
+
+
+def suggested_text(requests, results, gold, tenant=SUGGESTED, limit=160) -> str:
+    """The held-out text the next steps query: one the tenant answered right (a first query that
+    comes back wrong teaches nothing but doubt), the most confident of the short ones (a
+    shell line stays readable); the first of its texts when it answered none right."""
+    mine = [(q["text"], r) for q, r, g in zip(requests, results, gold)
+            if q["tenant"] == tenant and r.task == "classification" and r.label == g]
+    if not mine:
+        return next(q["text"] for q in requests if q["tenant"] == tenant)
+    short = [m for m in mine if len(m[0]) <= limit] or mine
+    return max(short, key=lambda m: max(m[1].probabilities))[0]
+
+
+def next_steps(store_dir, text, tenant=SUGGESTED) -> list:
     """The commands to run next, exactly as printed at the end of the demo."""
     s = shlex.quote(store_dir)
-    tenant = "which-module"
-    text = next(r["text"] for r in requests if r["tenant"] == tenant)
     body = shlex.quote(json.dumps({"text": text}))
     report = shlex.quote(os.path.join(store_dir, "report"))
     return [

@@ -17,7 +17,7 @@ import click
 
 
 @click.command("generate")
-@click.argument("store", type=click.Path(file_okay=False, exists=True))
+@click.argument("store")
 @click.argument("prompt")
 @click.option("--version", default=None, help="PLOT version (default: the tenant's, else the root).")
 @click.option("--tenant", default=None, help="A decoder tenant (an lm PET, hkstore tenant create on a decoder store).")

@@ -49,7 +49,7 @@ def admin_token_source(store, token_file=None) -> str:
 
 
 @click.command("serve")
-@click.argument("stores", nargs=-1, required=True, type=click.Path(file_okay=False, exists=True))
+@click.argument("stores", nargs=-1, required=True)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback unless told otherwise).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
 @click.option("--admin-token-file", type=click.Path(dir_okay=False, exists=True),
