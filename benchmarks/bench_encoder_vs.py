@@ -12,6 +12,14 @@ batches of 64, tenants drawn uniformly, random PETs of the shipped shapes):
                 weights + a linear head on [CLS], one forward per tenant group of a batch
   onnxruntime   the same model exported by torch.onnx (the dynamo exporter; its outputs are
                 checked against BertModel's at start), onnxruntime's CPU provider
+  compiled      the same BertModel under torch.compile (inductor, dynamic shapes) with freezing:
+                weights folded in as constants, oneDNN packed GEMMs, fused elementwise ops
+                (checked against BertModel at start; compiling is done before timing)
+  compiled bf16 the same, with the model's weights in bf16 (what precision alone buys a
+                dedicated model)
+  hPLM bf16, full-depth bf16
+                hPLM and the full-depth level with the executor's shared GEMMs in bf16
+                (precision="bf16", runtime.exec.precision), where the CPU has native bf16
 
 Dedicated tenants share 4 distinct weight copies, all resident (tenant t runs copy t % 4), and
 no swap is charged: the baselines' best case, as if every tenant's model stayed in memory
@@ -21,6 +29,11 @@ this process (threads included), ratios the median of the per-round ratios with 
 
     python -m benchmarks.bench_encoder_vs --rounds 5 --out OUT.json
     python -m benchmarks.bench_encoder_vs --rounds 5 --gemm addmm    # hkstore on MKL's sgemm (torch.addmm)
+
+With --precision-out FILE the run also writes the top level's figures against the compiled
+model (benchmarks.claims format): top_vs_compile (full-depth / compiled, the minimum over the
+tenant counts), plot_vs_compile (hPLM / compiled, likewise), bf16_speedup_top (full-depth bf16 /
+full-depth, the median over them), each at fp32 unless the key says otherwise.
 """
 
 from __future__ import annotations
@@ -47,7 +60,10 @@ from runtime.model.encoder import right_pad  # noqa: E402
 
 SECTION = "Encoder serving against transformers and onnxruntime"
 COPIES = 4
-SYSTEMS = ("hPLM", "full-depth", "transformers", "onnxruntime")
+SYSTEMS = ("hPLM", "full-depth", "hPLM bf16", "full-depth bf16", "transformers", "onnxruntime", "compiled",
+           "compiled bf16")
+OURS = SYSTEMS[:4]
+PRECISION_SECTION = "The top level against the compiled dedicated model, fp32 and bf16"
 
 
 def log(msg):
@@ -106,12 +122,57 @@ def onnx_matches(bert, session, seed=0) -> float:
     return float(np.abs(got - want)[mask.numpy().astype(bool)].max())
 
 
+def compile_dedicated(bert, dtype=torch.float32):
+    """bert (a BertModel) under torch.compile with inductor's freezing: the weights (cast to
+    dtype) become constants of the graph, which lets inductor pack them for oneDNN and fold
+    what depends on them only. Call it under torch.no_grad(): freezing applies to inference only."""
+    import copy
+
+    import torch._inductor.config as inductor
+
+    inductor.freezing = True  # read when a graph compiles, recompiles included: set for the process
+    model = copy.deepcopy(bert).to(dtype).eval() if dtype != torch.float32 else bert
+    return torch.compile(_Hidden(model), dynamic=True)
+
+
+def compiled_matches(bert, compiled, seed=0) -> float:
+    """Largest |compiled - BertModel| over the unpadded positions of a padded batch."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1000, 20000, (3, 40), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 25:] = 0
+    with torch.no_grad():
+        got = compiled(ids, mask).float()
+        want = bert(input_ids=ids, attention_mask=mask).last_hidden_state
+    return float((got - want)[mask.bool()].abs().max())
+
+
 class Dedicated:
     """Per batch, each tenant's requests together through that tenant's own model."""
 
-    def __init__(self, w, tmp, onnx=True):
+    def __init__(self, w, tmp, onnx=True, compiled=(), copies=COPIES):
         self.w = w
-        self.models = [bert_copy(k) for k in range(COPIES)]
+        self.models = [bert_copy(k) for k in range(copies)]
+        self.compiled = {}
+        for name in compiled:  # "compiled", "compiled bf16"
+            dtype = torch.bfloat16 if name.endswith("bf16") else torch.float32
+            t0 = time.process_time()
+            with torch.no_grad():
+                self.compiled[name] = [compile_dedicated(m, dtype) for m in self.models]
+                # compiling happens on first calls: every shape class a batch can bring (one
+                # request, several; the benchmark's length), before anything is timed
+                worst = max(compiled_matches(m, c) for m, c in zip(self.models, self.compiled[name]))
+                for c in self.compiled[name]:
+                    for n in (1, 2):  # fresh tensors, as a batch brings (a view of another is guarded apart)
+                        ids = torch.randint(1000, 20000, (n, w.args.seq_len))
+                        c(ids, torch.ones_like(ids))
+            # bf16 rounds each weight and activation to 8 bits: its logits move by about 1% of
+            # the hidden states' scale (about 1 here), fp32 only by the order of the sums
+            bound = 0.25 if dtype == torch.bfloat16 else 1e-3
+            if worst > bound:
+                raise SystemExit(f"{name} differs from BertModel by {worst:.3g}: not a fair baseline")
+            log(f"{name}: {len(self.models)} copies compiled in {time.process_time() - t0:.0f} CPU-s, "
+                f"matches BertModel within {worst:.2g}")
         self.sessions = []
         if onnx:
             for k, m in enumerate(self.models):
@@ -136,16 +197,25 @@ class Dedicated:
         for t, seqs in self._groups(reqs):
             ids, mask = right_pad(seqs, self.w.enc.config.pad_id)
             with torch.no_grad():
-                h = self.models[t % COPIES](input_ids=ids, attention_mask=mask.long())
+                h = self.models[t % len(self.models)](input_ids=ids, attention_mask=mask.long())
                 w, b = self.heads[t % len(self.heads)]
                 _ = h.last_hidden_state[:, 0] @ w + b
 
     def onnxruntime(self, reqs):
         for t, seqs in self._groups(reqs):
             ids, mask = right_pad(seqs, self.w.enc.config.pad_id)
-            h = self.sessions[t % COPIES].run(None, {"input_ids": ids.numpy(), "attention_mask": mask.long().numpy()})[0]
+            h = self.sessions[t % len(self.sessions)].run(None, {"input_ids": ids.numpy(), "attention_mask": mask.long().numpy()})[0]
             w, b = self.heads[t % len(self.heads)]
             _ = h[:, 0] @ w.numpy() + b.numpy()
+
+    def run_compiled(self, name, reqs):
+        models = self.compiled[name]
+        for t, seqs in self._groups(reqs):
+            ids, mask = right_pad(seqs, self.w.enc.config.pad_id)
+            with torch.no_grad():
+                h = models[t % len(models)](ids, mask.long())
+                w, b = self.heads[t % len(self.heads)]
+                _ = h[:, 0].float() @ w + b
 
 
 def cpu_rate(fn, n) -> tuple[float, float]:
@@ -161,22 +231,31 @@ def run(args) -> dict:
     tmp = tempfile.mkdtemp(prefix="bench_encoder_vs_")
     log("building the workload (model, synthetic PETs, synthetic PLOT store)")
     w = br.Workload(ns, tmp)
-    ded = Dedicated(w, tmp, onnx="onnxruntime" in args.systems)
+    ded = Dedicated(w, tmp, onnx="onnxruntime" in args.systems, copies=args.copies,
+                    compiled=[s for s in ("compiled", "compiled bf16") if s in args.systems])
     from runtime.exec.cpu import CpuExecutor
 
-    ex = CpuExecutor(w.enc, prefetch=False, gemm=args.gemm)
-    ex_full = CpuExecutor(w.enc, prefetch=False, gemm=args.gemm)
+    def executor(system):
+        return CpuExecutor(w.enc, prefetch=False, gemm=args.gemm, precision="bf16" if "bf16" in system else "fp32")
+
     n = args.requests
-    runs = {
-        "hPLM": lambda reqs: br.hplm(w, ex, reqs, pipeline=False),
-        "full-depth": lambda reqs: br.serve_rows(w, ex_full, _full_rows(w, reqs), pipeline=False),
-        "transformers": ded.transformers,
-        "onnxruntime": ded.onnxruntime,
-    }
-    runs = {k: v for k, v in runs.items() if k in args.systems}
+    runs = {}
+    for system in args.systems:
+        if system.startswith("hPLM"):
+            runs[system] = (lambda ex: lambda reqs: br.hplm(w, ex, reqs, pipeline=False))(executor(system))
+        elif system.startswith("full-depth"):
+            runs[system] = (lambda ex: lambda reqs: br.serve_rows(w, ex, _full_rows(w, reqs), pipeline=False))(
+                executor(system))
+        elif system.startswith("compiled"):
+            runs[system] = (lambda name: lambda reqs: ded.run_compiled(name, reqs))(system)
+        else:
+            runs[system] = getattr(ded, system)
+    runs = {k: runs[k] for k in SYSTEMS if k in runs}
     warm = w.requests(4, args.batch, 99)
     for fn in runs.values():
         fn(warm)
+    # a compile inside a timed round would be charged to the compiled model: fail instead
+    torch._dynamo.config.error_on_recompile = bool(ded.compiled)
     raw = []
     order = list(runs)
     total, done, start = len(args.tenants) * args.rounds, 0, time.perf_counter()
@@ -200,33 +279,84 @@ def _full_rows(w, reqs):
     return [Row(s, w.pet("full", t), "root", source="full") for t, s in reqs]
 
 
+def ratios(raw, tenants, a, b) -> list:
+    """The per-round ratios a / b at a tenant count."""
+    return [r[a] / r[b] for r in raw if r["tenants"] == tenants]
+
+
+def spread(q) -> str:
+    return f"{np.median(q):.2f} ({min(q):.2f}-{max(q):.2f})"
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def bf16_native():
+    from runtime.exec.precision import bf16_native
+
+    return bf16_native()
+
+
 def summarize(args, raw) -> dict:
     have = [s for s in SYSTEMS if s in raw[0]]
-    ours = [s for s in ("hPLM", "full-depth") if s in have]
-    theirs = [s for s in ("transformers", "onnxruntime") if s in have]
+    ours = [s for s in OURS if s in have]
+    theirs = [s for s in SYSTEMS if s in have and s not in OURS]
     cols = ["tenants"] + [f"{s} requests/CPU-s" for s in have]
-    cols += [f"{a} / {b}" for a in ours for b in theirs]
-    rows = []
+    pairs = [(a, b) for a in ours for b in theirs]
+    ratio_cols = ["tenants"] + [f"{a} / {b}" for a, b in pairs]
+    rows, ratio_rows = [], []
     for T in args.tenants:
         mine = [r for r in raw if r["tenants"] == T]
-        row = [f"{T:,}"] + [round(float(np.median([r[s] for r in mine])), 2) for s in have]
-        for a in ours:
-            for b in theirs:
-                q = [r[a] / r[b] for r in mine]
-                row.append(f"{np.median(q):.2f} ({min(q):.2f}-{max(q):.2f})")
-        rows.append(row)
+        rows.append([f"{T:,}"] + [round(float(np.median([r[s] for r in mine])), 2) for s in have])
+        ratio_rows.append([f"{T:,}"] + [spread(ratios(raw, T, a, b)) for a, b in pairs])
     loads = [r["load"] for r in raw]
     return {
         "section": SECTION,
         "command": "python -m benchmarks.bench_encoder_vs " + " ".join(sys.argv[1:]),
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, one thread per system, "
-                   f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}, hkstore GEMMs {args.gemm}"
+        "machine": f"{cpu_name()}, {os.cpu_count()} cores, one thread per system, "
+                   f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+                   f"native bf16 {bf16_native() or 'none'}, "
+                   f"hkstore GEMMs {args.gemm}"
                    + (f", ONEDNN_MAX_CPU_ISA={os.environ['ONEDNN_MAX_CPU_ISA']}" if "ONEDNN_MAX_CPU_ISA" in os.environ else ""),
         "load": f"{min(loads):.1f}-{max(loads):.1f}",
         "date": datetime.date.today().isoformat(),
-        "tables": [{"columns": cols, "rows": rows}],
+        "tables": [{"columns": cols, "rows": rows}] + ([{"columns": ratio_cols, "rows": ratio_rows}] if pairs else []),
         "raw": raw,
     }
+
+
+def precision_claims(args, result) -> dict:
+    """The top level's figures against the compiled dedicated model (the keys the run measured)."""
+    raw, out = result["raw"], {}
+    have = set(raw[0])
+    medians = {}
+    for key, a, b in (("top_vs_compile", "full-depth", "compiled"), ("plot_vs_compile", "hPLM", "compiled"),
+                      ("bf16_speedup_top", "full-depth bf16", "full-depth")):
+        if a in have and b in have:
+            medians[key] = {T: float(np.median(ratios(raw, T, a, b))) for T in args.tenants}
+    for key, per in medians.items():
+        # a speed-up is one figure for the run (its median over tenant counts); a ratio against
+        # the compiled model is claimed at its worst tenant count
+        out[key] = round(float(np.median(list(per.values())) if "speedup" in key else min(per.values())), 2)
+    cols = ["tenants"] + [f"{a} / {b}" for a, b in (("full-depth", "compiled"), ("full-depth bf16", "compiled"),
+                                                    ("full-depth bf16", "compiled bf16"), ("hPLM", "compiled"),
+                                                    ("hPLM bf16", "compiled"), ("full-depth bf16", "full-depth"),
+                                                    ("compiled bf16", "compiled"))
+                          if a in have and b in have]
+    rows = []
+    for T in args.tenants:
+        row = [f"{T:,}"]
+        for c in cols[1:]:
+            a, b = c.split(" / ")
+            row.append(spread(ratios(raw, T, a, b)))
+        rows.append(row)
+    return {"section": PRECISION_SECTION, "command": result["command"], "machine": result["machine"],
+            "load": result["load"], "date": result["date"], "tables": [{"columns": cols, "rows": rows}], **out}
 
 
 def main(argv=None):
@@ -239,16 +369,23 @@ def main(argv=None):
     ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     ap.add_argument("--gemm", choices=("auto", "addmm"), default="auto",
                     help="hkstore's shared GEMMs: the executor's default, or torch.addmm (MKL) as before oneDNN")
+    ap.add_argument("--copies", type=int, default=COPIES, help="distinct dedicated weight copies, all resident")
     ap.add_argument("--out", help="write the results JSON here")
+    ap.add_argument("--precision-out", help="write the top level against the compiled model here (claims format)")
     args = ap.parse_args(argv)
     result = run(args)
-    t = result["tables"][0]
-    print("| " + " | ".join(t["columns"]) + " |")
-    for row in t["rows"]:
-        print("| " + " | ".join(str(c) for c in row) + " |")
+    for t in result["tables"]:
+        print("| " + " | ".join(t["columns"]) + " |")
+        for row in t["rows"]:
+            print("| " + " | ".join(str(c) for c in row) + " |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
+    if args.precision_out:
+        claims = precision_claims(args, result)
+        print(json.dumps({k: v for k, v in claims.items() if k not in ("tables",)}, indent=1))
+        with open(args.precision_out, "w") as f:
+            json.dump(claims, f, indent=1)
     return result
 
 

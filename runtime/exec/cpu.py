@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.exec import cpu_batched, onednn, ops_cpu, students
+from runtime.exec import precision as precision_
 from runtime.exec.int8 import Int8Shared
 from runtime.exec.plan import BatchPlan, plan_batch, prepare_pet, stack_group, tenant_key
 from runtime.exec.rows import (FullInputs, Gathered, Prepared, assemble, attention_rows, full_inputs, gather_host,
@@ -53,11 +54,29 @@ from runtime.exec.threads import helper_thread_setup
 from runtime.model import student
 
 
+def edit_batched(y, x, groups, target, kinds=("bias", "diff", "lora", "adapter")):
+    """The tenants' edits of one projection's output y (rows, d_out) from its input x, in place,
+    on the batched kernels; groups: (kind, target) -> (runs, gaps, stacked weights)."""
+    if "bias" in kinds and ("bias", target) in groups:
+        runs, _, w = groups[("bias", target)]
+        cpu_batched.bias(y, runs, w["delta"])
+    if "diff" in kinds and ("diff", target) in groups:
+        runs, _, w = groups[("diff", target)]
+        cpu_batched.diff(y, x, runs, w["index"], w["value"], w["offsets"])
+    if "lora" in kinds and ("lora", target) in groups:
+        runs, _, w = groups[("lora", target)]
+        cpu_batched.lora(y, x, runs, w["A"], w["B"], w["scales"])
+    if "adapter" in kinds and ("adapter", target) in groups:  # last: it wraps the edited output
+        runs, _, w = groups[("adapter", target)]
+        cpu_batched.adapter(y, runs, w["down"], w["down_bias"], w["up"], w["up_bias"])
+    return y
+
+
 class CpuExecutor:
     device = "cpu"
 
     def __init__(self, encoder, *, lora_kernel: str = "auto", prefetch: bool = True, kernels: str = "batched",
-                 int8=False, context=None, gemm: str = "auto"):
+                 int8=False, context=None, gemm: str = "auto", precision: str = "fp32"):
         if lora_kernel not in ("auto", "sgmv", "bgmv"):
             raise ValueError(f"lora_kernel must be auto, sgmv or bgmv, got {lora_kernel!r}")
         if kernels not in ("batched", "reference"):
@@ -71,6 +90,16 @@ class CpuExecutor:
         # the batched kernels' fp32 shared GEMMs: oneDNN on packed weights where torch has it
         # (runtime/exec/onednn.py), else torch.addmm
         self.packed = onednn.SHARED if gemm != "addmm" else None
+        # bf16: the shared GEMMs on weights packed in bf16 (runtime.exec.precision), the rest fp32
+        bf16_able = kernels == "batched" and not int8 and gemm != "addmm"
+        self.precision = "fp32" if precision == "auto" and not bf16_able else precision_.resolve(precision)
+        if self.precision == "bf16":
+            if not bf16_able:
+                raise ValueError("precision 'bf16' runs on the batched kernels' oneDNN GEMMs, "
+                                 "without int8 or gemm='addmm'")
+            self.bf16 = precision_.shared_bf16()
+        else:
+            self.bf16 = None
         self.kernels = kernels
         self._local = threading.local()  # per calling thread: cpu_batched.stack_into's reused buffers
         self.profile: dict | None = None  # set to {} to accumulate seconds per stage (batched)
@@ -215,7 +244,7 @@ class CpuExecutor:
                     self.profile_clock() - t0
             return out
 
-        layer = self.layer_batched if batched else self.layer
+        layer = (self.layer_bf16 if self.bf16 is not None else self.layer_batched) if batched else self.layer
 
         if self.prefetch and len(layers) > 1:
             # Layer-wise prefetch: layer i+1's stacked PET weights are built on a helper
@@ -257,18 +286,7 @@ class CpuExecutor:
             else:
                 y = torch.addmm(lin.bias, inp, lin.weight.t(), out=out)
             tick("shared GEMMs")
-            if ("bias", target) in groups:
-                runs, _, w = groups[("bias", target)]
-                cpu_batched.bias(y, runs, w["delta"])
-            if ("diff", target) in groups:
-                runs, _, w = groups[("diff", target)]
-                cpu_batched.diff(y, inp, runs, w["index"], w["value"], w["offsets"])
-            if ("lora", target) in groups:
-                runs, _, w = groups[("lora", target)]
-                cpu_batched.lora(y, inp, runs, w["A"], w["B"], w["scales"])
-            if ("adapter", target) in groups:  # last: it wraps the edited output
-                runs, _, w = groups[("adapter", target)]
-                cpu_batched.adapter(y, runs, w["down"], w["down_bias"], w["up"], w["up_bias"])
+            edit_batched(y, inp, groups, target)
             tick("PET ops")
             return y
 
@@ -298,6 +316,67 @@ class CpuExecutor:
         f = torch.ops.aten.gelu_(proj("ffn_in", h, blk.ffn_in, cpu_batched.scratch(buffers, "f", (R, c.ffn))))
         tick("LayerNorm, GELU")
         return norm(proj("ffn_out", f, blk.ffn_out, a), h, "ln_ffn", blk.ln_ffn)
+
+    def layer_bf16(self, i, x, m, B, L, plan, stacked, seg_rows):
+        """One layer with the shared GEMMs in bf16 (precision="bf16"): each projection's input is
+        cast once, its output stays bf16 through LoRA (bf16 products, fp32 accumulation), attention
+        and GELU, so the (rows, ffn) activations never round-trip through fp32 (the casts cost
+        as much as the bf16 GEMMs themselves); the residual stream and LayerNorm stay fp32, and so
+        do the other PET kinds (their edits on an fp32 copy of the output)."""
+        blk, c = self.encoder.layers[i], self.config
+        d = c.d
+        heads, dh = c.heads, d // c.heads
+        groups = {(g.kind, g.target): w for g, w in stacked}
+        prof = self.profile
+        clock = [self.profile_clock()]
+
+        def tick(stage):
+            if prof is not None:
+                now = self.profile_clock()
+                prof[stage] = prof.get(stage, 0.0) + now - clock[0]
+                clock[0] = now
+
+        R, buffers, bf16 = B * L, self._local.buffers, torch.bfloat16
+
+        def proj(target, inp16, lin):
+            y = self.bf16.linear(inp16, lin.weight, lin.bias)
+            tick("shared GEMMs")
+            if ("lora", target) in groups:
+                runs, _, w = groups[("lora", target)]
+                cpu_batched.lora(y, inp16, runs, w["A"].to(bf16), w["B"].to(bf16), w["scales"].to(bf16))
+            kinds = [k for k in ("bias", "diff", "adapter") if (k, target) in groups]
+            if kinds:
+                y.copy_(edit_batched(y.float(), inp16.float(), groups, target, kinds))
+            tick("PET ops")
+            return y
+
+        def norm(y16, residual, name, ln):
+            y = cpu_batched.scratch(buffers, "a", (R, d))
+            if ("norm", name) in groups:
+                runs, gaps, w = groups[("norm", name)]
+                out = cpu_batched.layernorm(y.copy_(y16), residual, ln, runs, gaps, w["weight"], w["bias"],
+                                            out=residual)
+            else:  # the fp32 sum in one pass over y16, then LayerNorm into the residual's memory
+                torch.add(residual, y16, out=y)
+                out = torch.ops.aten.native_layer_norm.out(y, ln.normalized_shape, ln.weight, ln.bias, ln.eps,
+                                                           out0=residual, out1=torch.empty(R, 1),
+                                                           out2=torch.empty(R, 1))[0]
+            tick("LayerNorm, GELU")
+            return out
+
+        x16 = cpu_batched.scratch(buffers, "x16", (R, d), bf16).copy_(x)
+        q, k, v = (proj(t, x16, getattr(blk, t)).view(B, L, heads, dh).transpose(1, 2) for t in ("q", "k", "v"))
+        if plan.received is not None:  # the attention each key receives, for word pruning: in fp32
+            q, k, v = q.float(), k.float(), v.float()
+        ctx = cpu_batched.attention(q, k, v, m, plan.received)
+        flat = cpu_batched.scratch(buffers, "ctx16", (R, d), bf16)
+        flat.view(B, L, heads, dh).copy_(ctx.transpose(1, 2))
+        tick("attention")
+        h = norm(proj("o", flat, blk.o), x, "ln_attn", blk.ln_attn)
+        h16 = x16.copy_(h)
+        f = torch.ops.aten.gelu_(proj("ffn_in", h16, blk.ffn_in))
+        tick("LayerNorm, GELU")
+        return norm(proj("ffn_out", f, blk.ffn_out), h, "ln_ffn", blk.ln_ffn)
 
     def layer(self, i, x, m, B, L, plan, stacked, seg_rows):
         blk, c = self.encoder.layers[i], self.config

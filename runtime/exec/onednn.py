@@ -24,9 +24,11 @@ def available() -> bool:
 class PackedLinears:
     """y = x W^T + b, with each weight W packed into oneDNN's layout on first use and again
     whenever the tensor is written in place (a dedicated model's swap); a weight that is
-    replaced is a new tensor, packed anew."""
+    replaced is a new tensor, packed anew. With dtype=torch.bfloat16 the weights are packed in
+    bf16: inputs must be bf16, outputs are bf16 (the bias may stay fp32), accumulation is fp32."""
 
-    def __init__(self):
+    def __init__(self, dtype: torch.dtype = torch.float32):
+        self.dtype = dtype
         # id(weight) -> (weak reference to it, its version when packed, packed weight); an entry
         # goes when its weight is collected, so packed copies never outlive the model
         self._packed = {}
@@ -37,7 +39,8 @@ class PackedLinears:
         fresh = entry is None or entry[0]() is not w
         if fresh or entry[1] != w._version:
             with self._lock:
-                entry = (weakref.ref(w), w._version, torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
+                entry = (weakref.ref(w), w._version,
+                         torch.ops.mkldnn._reorder_linear_weight(w.detach().to(self.dtype), None))
                 self._packed[id(w)] = entry
             if fresh:
                 weakref.finalize(w, self._packed.pop, id(w), None)

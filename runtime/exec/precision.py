@@ -1,0 +1,79 @@
+"""Which precision the CPU executor's shared GEMMs run in: fp32, or bf16 with fp32 accumulation.
+
+bf16 runs oneDNN's GEMM on weights packed once in bf16 (runtime.exec.onednn); only the shared
+projections change, the tenants' PET ops, attention, LayerNorm and the residual stream stay
+fp32, so tenants of any precision share a batch's rows. It pays only where the CPU multiplies
+bf16 natively (AVX512_BF16, or AMX-BF16 tiles): elsewhere oneDNN emulates it, slower than fp32,
+so bf16 is refused there and ``auto`` keeps fp32.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+PRECISIONS = ("fp32", "bf16", "auto")
+NATIVE_FLAGS = ("amx_bf16", "avx512_bf16")  # the faster first: oneDNN takes AMX tiles where there are any
+
+log = logging.getLogger("runtime.exec.precision")
+
+
+class PrecisionUnavailable(ValueError):
+    """A precision this machine cannot run at full speed was asked for."""
+
+
+def cpu_flags() -> set:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@functools.cache
+def bf16_native() -> str | None:
+    """The native bf16 instruction set this CPU and torch offer ("amx_bf16", "avx512_bf16"), or None."""
+    from runtime.exec import onednn
+
+    if not onednn.available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return None
+    flags = cpu_flags()
+    return next((f for f in NATIVE_FLAGS if f in flags), None)
+
+
+def resolve(precision: str) -> str:
+    """fp32 or bf16 for a requested precision: bf16 where the CPU lacks native bf16 raises
+    PrecisionUnavailable; auto is bf16 where it has it, else fp32 (said once in the log)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if precision == "fp32":
+        return "fp32"
+    native = bf16_native()
+    if native is not None:
+        return "bf16"
+    if precision == "bf16":
+        raise PrecisionUnavailable(
+            "precision 'bf16' needs a CPU with AVX512_BF16 or AMX-BF16 and a torch with oneDNN; "
+            "this machine has neither (oneDNN would emulate bf16, slower than fp32): use precision 'fp32'")
+    _say_fp32_once()
+    return "fp32"
+
+
+@functools.cache
+def _say_fp32_once():
+    log.warning("precision auto: this CPU has no AVX512_BF16 / AMX-BF16, the shared GEMMs stay fp32")
+
+
+@functools.cache
+def shared_bf16():
+    """The process's one bf16 packer (runtime.exec.onednn.PackedLinears): executors share the
+    base model's weights, so each is packed once."""
+    from runtime.exec import onednn
+
+    return onednn.PackedLinears(torch.bfloat16)
