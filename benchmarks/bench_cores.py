@@ -347,8 +347,8 @@ def summary(args, result) -> dict:
     out = {"section": SECTION,
            "command": "python -m benchmarks.bench_cores " + " ".join(
                {args.out: "OUT", args.store: "STORE"}.get(a, a) for a in (args.argv or [])),
-           "machine": f"{platform.machine()}, {os.cpu_count()} cores ({len(os.sched_getaffinity(0))} usable), "
-                      f"{platform.python_version()}",
+           "machine": f"{cpu_model()}, {os.cpu_count()} cores ({len(os.sched_getaffinity(0))} usable), "
+                      f"Python {platform.python_version()}",
            "load": round(max(r["load"] for r in rows), 2),
            "date": datetime.date.today().isoformat(),
            "tables": [{"columns": ["level", "tenants", "workers", "texts/s", "vs one worker", "p99 ms (closed loop)",
@@ -360,6 +360,17 @@ def summary(args, result) -> dict:
     if ray:
         out[f"ray{most}_vs_1"] = round(min(r["vs_1"] for r in ray), 2)
     return out
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
 
 
 def _num(x, digits):

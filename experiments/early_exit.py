@@ -172,7 +172,7 @@ def cascades(t, exit_logits, top_logits, tolerance):
     return round(100 * top, 1), found
 
 
-SECTION = "Early exits inside the full-depth level"  # BENCHMARKS.md
+SECTION = "Early exits inside the full-depth level"  # docs/history/tabi-log.md
 TASK_ORDER = ("chemprot", "citation_intent", "sci-cite", "bc5cdr", "NCBI-disease", "sciie")
 
 
@@ -235,7 +235,7 @@ def main(argv=None):
     p.add_argument("--max-train", type=int, default=600, help="as benchmarks.hmi_accuracy")
     p.add_argument("--report", type=Path, help="a frozen run's OUT: print its table (no training)")
     p.add_argument("--joint-run", type=Path, help="with --report: a --joint run's OUT, beside it")
-    p.add_argument("--write", action="store_true", help="with --report: write benchmarks/results/early_exit.json")
+    p.add_argument("--write", action="store_true", help="with --report: write docs/history/results/early_exit.json")
     args = p.parse_args(argv)
     if args.report:
         frozen = json.loads((args.report / "results.json").read_text())
@@ -245,7 +245,7 @@ def main(argv=None):
 
         print(md_table(got["tables"][0]["columns"], got["tables"][0]["rows"]))
         if args.write:
-            path = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "early_exit.json"
+            path = Path(__file__).resolve().parent.parent / "docs" / "history" / "results" / "early_exit.json"
             old = json.loads(path.read_text()) if path.exists() else {"section": SECTION}
             path.write_text(json.dumps(old | got, indent=1, ensure_ascii=False) + "\n")
         return 0

@@ -20,7 +20,7 @@ Weights are quantized once, symmetric per output channel; activations per call. 
   set every token's scale).
 
 ``dtype="int8"`` runs ``row`` (it needs no calibration). No scheme keeps every task within
-0.3 points of fp32 on dev (BENCHMARKS.md, Optional int8 executor), so int8 is off by default;
+0.3 points of fp32 on dev (docs/history/benchmarks-log.md, Optional int8 executor), so int8 is off by default;
 ``smooth`` is the worst there: the outliers it moves into W_:j set their output channels'
 weight scales and so coarsen every other weight of those channels.
 

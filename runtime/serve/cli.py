@@ -151,7 +151,8 @@ def serve(stores, host, port, admin_token_file, device, max_batch, max_wait_ms, 
                        max_batch=max_batch, max_wait_ms=max_wait_ms, queue_limit=queue_limit,
                        request_timeout_s=request_timeout, max_len=max_len, mode=mode,
                        dedicated_resident=dedicated_resident, job_threads=job_threads, torch_threads=torch_threads,
-                       metrics_public=metrics_public, **ray_options)
+                       metrics_public=metrics_public,
+                       runtime_options={"truncate": True} if truncate else None, **ray_options)
     try:
         options = {"admin_token": resolve_admin_token(store, admin_token_file), "max_batch": max_batch,
                    "max_wait_ms": max_wait_ms, "queue_limit": queue_limit, "request_timeout_s": request_timeout,

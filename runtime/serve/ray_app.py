@@ -305,6 +305,8 @@ class Ingress:
         from ray.serve.exceptions import BackPressureError
         from starlette.responses import JSONResponse, Response
 
+        from runtime.serve.app import error_body  # the OpenAI routes' errors in OpenAI's shape
+
         t0 = time.perf_counter()
         method, path = request.method, request.url.path
         if path == "/metrics" and method == "GET":
@@ -312,7 +314,8 @@ class Ingress:
         length = request.headers.get("content-length")
         if length and length.isdigit() and int(length) > self.max_body:
             self.m_requests.labels("any", "413").inc()
-            return JSONResponse({"detail": f"request body of {length} bytes exceeds {self.max_body} bytes"}, 413)
+            return JSONResponse(error_body(path, 413, f"request body of {length} bytes exceeds {self.max_body} bytes"),
+                                413)
         body = await request.body()
         handle, tenant, target, idempotent = self._target(method, path, request.headers, body)
         headers = [(k.encode(), v.encode()) for k, v in request.headers.items() if k.lower() != "x-hkstore-route"]
@@ -331,17 +334,17 @@ class Ingress:
             except BackPressureError:
                 self.m_rejected.labels("backpressure").inc()
                 self.m_requests.labels(target, "429").inc()
-                return JSONResponse({"detail": "every replica's queue is full; retry later"}, 429,
+                return JSONResponse(error_body(path, 429, "every replica's queue is full; retry later"), 429,
                                     headers={"Retry-After": "1"})
             except asyncio.TimeoutError:
                 self.m_rejected.labels("timeout").inc()
                 self.m_requests.labels(target, "504").inc()
-                return JSONResponse({"detail": "no answer from the replicas in time"}, 504)
+                return JSONResponse(error_body(path, 504, "no answer from the replicas in time"), 504)
             except (ActorDiedError, ActorUnavailableError, RayActorError) as e:
                 if not idempotent or attempt >= self.retries:
                     self.m_requests.labels(target, "503").inc()
                     log.warning("%s %s: replica lost (%s)", method, path, type(e).__name__)
-                    return JSONResponse({"detail": "the replica serving this request died; retry"}, 503,
+                    return JSONResponse(error_body(path, 503, "the replica serving this request died; retry"), 503,
                                         headers={"Retry-After": "1"})
                 attempt += 1
                 self.m_retries.inc()
@@ -363,18 +366,20 @@ class Ingress:
         from ray.serve.exceptions import BackPressureError
         from starlette.responses import JSONResponse, StreamingResponse
 
+        from runtime.serve.app import error_body
+
         gen = handle.options(**dict(opts, method_name="handle_stream", stream=True)).remote(*args)
         try:
             status, out_headers = await asyncio.wait_for(gen.__anext__(), self.timeout_s)
         except BackPressureError:
             self.m_rejected.labels("backpressure").inc()
             self.m_requests.labels("generate", "429").inc()
-            return JSONResponse({"detail": "every replica's queue is full; retry later"}, 429,
+            return JSONResponse(error_body(args[1], 429, "every replica's queue is full; retry later"), 429,
                                 headers={"Retry-After": "1"})
         except asyncio.TimeoutError:
             gen.cancel()
             self.m_requests.labels("generate", "504").inc()
-            return JSONResponse({"detail": "no answer from the replicas in time"}, 504)
+            return JSONResponse(error_body(args[1], 504, "no answer from the replicas in time"), 504)
         headers_out = {k.decode("latin-1"): v.decode("latin-1") for k, v in out_headers}
         media = headers_out.pop("content-type", None)
         self.m_requests.labels("generate", str(status)).inc()
