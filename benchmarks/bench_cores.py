@@ -39,7 +39,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks.loadgen import LOOPBACK, _end_with_parent, corpus_texts, free_port, wait_healthy
+from benchmarks.loadgen import LOOPBACK, _end_with_parent, build_root, corpus_texts, free_port, wait_healthy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "cores.json")
@@ -64,19 +64,10 @@ def prepare_store(args) -> None:
     from formats.pack import PetRecord
     from runtime.construct import manager
     from runtime.demo.stdlib_text import first_lines
-    from runtime.model.tiny import make_tiny_model
 
     store, data = args.store, os.path.join(args.out, "data")
     os.makedirs(data, exist_ok=True)
-    texts = corpus_texts()
-    if not os.path.exists(os.path.join(store, "CURRENT")):
-        t0 = time.perf_counter()
-        corpus = os.path.join(data, "corpus.txt")
-        with open(corpus, "w") as f:
-            f.write("\n".join(texts) + "\n")
-        model = make_tiny_model(os.path.join(data, "tiny-model"), texts) if args.quick else None
-        manager.build(store, model_path=model, corpus_paths=[corpus], max_len=args.tokens, progress=False)
-        log(f"built the root PLOT in {time.perf_counter() - t0:.1f} s")
+    build_root(store, data, "tiny" if args.quick else "minilm", args.tokens, log)
     want = names(max(args.tenants))
     with hkstore.open(store) as st:
         have = set(st.snapshot().pets)

@@ -79,6 +79,24 @@ def tenant_names(n):
     return [f"t{i:05d}" for i in range(n)]
 
 
+def build_root(store, data, model, max_len, log):
+    """The store's root PLOT of the docstring corpus, unless it exists. model: tiny (a random
+    6-layer d=32 BERT), minilm (the embedded all-MiniLM-L6-v2) or a model directory."""
+    from runtime.construct import manager
+
+    if os.path.exists(os.path.join(store, "CURRENT")):
+        return
+    t0 = time.perf_counter()
+    texts = corpus_texts()
+    corpus = os.path.join(data, "corpus.txt")
+    with open(corpus, "w") as f:
+        f.write("\n".join(texts) + "\n")
+    path = make_tiny_model(os.path.join(data, "tiny-model"), texts) if model == "tiny" else \
+        None if model == "minilm" else model
+    manager.build(store, model_path=path, corpus_paths=[corpus], max_len=max_len, progress=False)
+    log(f"built the root PLOT of {store} in {time.perf_counter() - t0:.1f} s")
+
+
 def prepare_store(args, log):
     """The store at args.store with at least max(--tenants) tenants (built or completed here)."""
     import hkstore
@@ -91,18 +109,7 @@ def prepare_store(args, log):
     data = os.path.join(args.out, "data")
     os.makedirs(data, exist_ok=True)
     texts = corpus_texts()
-    if not os.path.exists(os.path.join(store, "CURRENT")):
-        t0 = time.perf_counter()
-        corpus = os.path.join(data, "corpus.txt")
-        with open(corpus, "w") as f:
-            f.write("\n".join(texts) + "\n")
-        model = None
-        if args.model == "tiny":  # a random 6-layer d=32 BERT
-            model = make_tiny_model(os.path.join(data, "tiny-model"), texts)
-        elif args.model != "minilm":
-            model = args.model
-        manager.build(store, model_path=model, corpus_paths=[corpus], max_len=args.max_len, progress=False)
-        log(f"built the root PLOT of {store} in {time.perf_counter() - t0:.1f} s")
+    build_root(store, data, args.model, args.max_len, log)
     first = tenant_names(1)[0]
     with hkstore.open(store) as st:
         have = set(st.snapshot().pets)

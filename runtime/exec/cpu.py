@@ -263,20 +263,25 @@ class CpuExecutor:
                 x = layer(i, x, m, B, L, plan, stack(i), seg_rows)
         return x
 
-    def layer_batched(self, i, x, m, B, L, plan, stacked, seg_rows):
-        """One upper layer with runtime.exec.cpu_batched (kernels="batched")."""
-        blk, c = self.encoder.layers[i], self.config
-        d = c.d
-        heads, dh = c.heads, d // c.heads
-        groups = {(g.kind, g.target): w for g, w in stacked}
-        prof = self.profile
-        clock = [self.profile_clock()]
+    def _ticker(self):
+        """tick(stage): the time since the last tick added to the profile's stage (when profiling)."""
+        prof, clock = self.profile, [self.profile_clock()]
 
         def tick(stage):
             if prof is not None:
                 now = self.profile_clock()
                 prof[stage] = prof.get(stage, 0.0) + now - clock[0]
                 clock[0] = now
+
+        return tick
+
+    def layer_batched(self, i, x, m, B, L, plan, stacked, seg_rows):
+        """One upper layer with runtime.exec.cpu_batched (kernels="batched")."""
+        blk, c = self.encoder.layers[i], self.config
+        d = c.d
+        heads, dh = c.heads, d // c.heads
+        groups = {(g.kind, g.target): w for g, w in stacked}
+        tick = self._ticker()
 
         def proj(target, inp, lin, out):
             if self.int8 is not None:
@@ -327,14 +332,7 @@ class CpuExecutor:
         d = c.d
         heads, dh = c.heads, d // c.heads
         groups = {(g.kind, g.target): w for g, w in stacked}
-        prof = self.profile
-        clock = [self.profile_clock()]
-
-        def tick(stage):
-            if prof is not None:
-                now = self.profile_clock()
-                prof[stage] = prof.get(stage, 0.0) + now - clock[0]
-                clock[0] = now
+        tick = self._ticker()
 
         R, buffers, bf16 = B * L, self._local.buffers, torch.bfloat16
 
