@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -125,8 +126,9 @@ def test_home_is_stable_and_spread():
 
 
 def test_commit_seen_by_every_worker(env, tmp_path):
-    """A tenant replaced after the pool started: once the commit returns, every worker answers
-    with the new PET, with no refresh call (each worker looks at CURRENT before it queues)."""
+    """A tenant replaced under load after the pool started: once the commit returns, every
+    worker answers with the new PET, with no refresh call (each worker looks at CURRENT before
+    it queues)."""
     import shutil
 
     store = str(tmp_path / "store")
@@ -134,9 +136,22 @@ def test_commit_seen_by_every_worker(env, tmp_path):
     texts = env["texts"]
     with runtime.open(store, "cpu", max_len=32, workers=2, slack=0) as p:
         before = p.infer([{"tenant": "a", "text": t} for t in texts])
-        manager.tenant_rm(store, "a")
-        manager.tenant_create(store, "a", version="root", train_path=env["cls"], epochs=3, max_len=32, seed=7,
-                              progress=False)
+        stop = threading.Event()
+
+        def load():  # the update happens under load: both workers busy with tenant b
+            while not stop.is_set():
+                for f in p.submit([{"tenant": "b", "text": t} for t in texts]):
+                    f.result(60)
+
+        busy = threading.Thread(target=load)
+        busy.start()
+        try:
+            manager.tenant_rm(store, "a")
+            manager.tenant_create(store, "a", version="root", train_path=env["cls"], epochs=3, max_len=32, seed=7,
+                                  progress=False)
+        finally:
+            stop.set()
+            busy.join(120)
         with runtime.open(store, "cpu", max_len=32) as fresh:
             want = fresh.infer([{"tenant": "a", "text": t} for t in texts])
         for _ in range(3):  # slack 0: the texts spread over both workers
