@@ -434,12 +434,17 @@ class Pool:
         out = [None] * len(requests)
         groups = {}
         for j, r in enumerate(requests):
-            groups.setdefault(r.get("tenant") if isinstance(r, dict) else None, []).append(j)
+            tenant = r.get("tenant") if isinstance(r, dict) else getattr(r, "tenant", None)
+            groups.setdefault(tenant, []).append(j)
+        # in pieces of `slack` texts, so one tenant's large call still spreads as its home fills
+        step = max(1, self.slack)
         for tenant, idx in groups.items():
-            futures = [Future() for _ in idx]
-            for j, f in zip(idx, futures):
-                out[j] = f
-            self._send(tenant, [requests[j] for j in idx], futures, deadline)
+            for a in range(0, len(idx), step):
+                piece = idx[a:a + step]
+                futures = [Future() for _ in piece]
+                for j, f in zip(piece, futures):
+                    out[j] = f
+                self._send(tenant, [requests[j] for j in piece], futures, deadline)
         return out
 
     def _send(self, tenant, requests, futures, deadline):

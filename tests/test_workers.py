@@ -70,6 +70,15 @@ def test_pool_answers_as_one_runtime(env, one, pool, picks):
         same(a, b)
 
 
+def test_one_tenants_large_call_spreads(env, pool):
+    texts = [env["texts"][i % 32] for i in range(400)]
+    before = [w.process.pid for w in pool.workers]
+    futures = pool.submit([{"tenant": "a", "text": t} for t in texts])
+    assert min(w.outstanding for w in pool.workers) > 0  # both workers got pieces
+    assert all(f.result(120).label for f in futures)
+    assert [w.process.pid for w in pool.workers] == before
+
+
 def test_pool_request_errors_are_the_requests(pool):
     with pytest.raises(runtime.UnknownTenant):
         pool.infer([{"tenant": "nobody", "text": "x"}])
