@@ -178,11 +178,11 @@ def _worker_main(conn):
                 _, bid, requests, seconds = msg
                 now = _current_stamp(rt.store.path)
                 if now != stamp:  # a commit since: serve it before this request (see the module doc)
-                    rt.refresh()
                     stamp = now
+                    _quietly(rt.refresh, "refreshing the store snapshot")
                 if time.monotonic() - scrubbed > 1.0:  # a segment rewritten in place is checked again
-                    rt.store.scrub()
                     scrubbed = time.monotonic()
+                    _quietly(rt.store.scrub, "checking the segments")
                 deadline = time.perf_counter() + seconds if seconds is not None else math.inf
 
                 def queue(rs, deadline=deadline):
@@ -214,6 +214,15 @@ def _worker_main(conn):
                 break
     finally:
         rt.close()
+
+
+def _quietly(fn, what):
+    """fn(); a damaged store keeps the snapshot held (its requests meet the damage and get 503,
+    as in one engine) rather than ending the worker."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - logged; the worker goes on serving what it holds
+        log.error("%s failed: %s", what, e)
 
 
 def _add(a: dict, b: dict) -> dict:
