@@ -1,5 +1,5 @@
 """`hkstore serve` before it serves: refusals are one line and write nothing; it says where it
-listens and where the admin token is (uvicorn.run is stubbed: no server starts here)."""
+listens and where the admin token is (uvicorn.Server.run is stubbed: no server starts here)."""
 
 import os
 
@@ -50,12 +50,13 @@ def test_it_says_where_it_listens_and_where_the_admin_token_is(store, monkeypatc
 
     monkeypatch.delenv("HKSTORE_ADMIN_TOKEN", raising=False)
     calls = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: calls.append(kw))
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: calls.append(sockets))
     r = CliRunner().invoke(serve, [store, "--port", "18123", "--device", "cpu"])
     assert r.exit_code == 0, r.output
     token_file = os.path.join(os.path.abspath(store), "admin.token")
-    assert f"serving {store} on http://127.0.0.1:18123 (admin token: {token_file};" in r.output
-    assert os.path.exists(token_file) and calls[0]["port"] == 18123
+    assert f"serving {store} on http://127.0.0.1:18123" in r.output and f"(admin token: {token_file};" in r.output
+    assert os.path.exists(token_file) and calls[0][0].getsockname()[1] == 18123  # bound before it serves
+    calls[0][0].close()
     assert "runtime/serve" not in CliRunner().invoke(serve, ["--help"]).output  # no source files in the help
 
 
@@ -101,7 +102,7 @@ def test_batching_reaches_the_runtime_and_is_refused_under_ray(store, monkeypatc
     from runtime.serve import cli
 
     made = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: [s.close() for s in sockets])
     monkeypatch.setattr(cli, "create_app", lambda path, **kw: made.append(kw["runtime_options"]))
     r = CliRunner().invoke(serve, [store, "--device", "cpu", "--batching", "coordinated", "--truncate"])
     assert r.exit_code == 0, r.output
