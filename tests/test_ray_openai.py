@@ -9,7 +9,8 @@ import time
 
 import pytest
 import torch
-from test_serve import ADMIN, auth, free_port
+from test_ray_serve import free_port  # below the ephemeral range Ray's processes draw from
+from test_serve import ADMIN, auth
 
 pytestmark = pytest.mark.slow
 

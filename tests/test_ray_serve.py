@@ -25,9 +25,21 @@ pytestmark = pytest.mark.slow
 
 
 def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range: ray.init starts many processes whose
+    sockets take ephemeral ports, and one took a port picked from that range before Serve's
+    proxy bound it ("Failed to bind")."""
+    import random
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    for port in random.Random().sample(range(max(low - 12000, 1024), low), 200):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def auth(token=ADMIN):
