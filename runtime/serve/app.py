@@ -246,17 +246,15 @@ class Service:
                     self.note_damage("refresh", e)
                     return
                 self._current = current
-                if isinstance(self.dispatcher, PoolDispatcher):
+                if self.dispatcher is not None:
                     self.dispatcher.refresh()
                 if self.damage is not None:  # the store changed (repaired?): requests re-report what is left
                     self.damage = None
                     self.metrics.degraded.set(0)
 
     def runtime_stats(self) -> dict:
-        """Runtime.stats() of what computes: the workers' summed, else this process's runtime."""
-        if isinstance(self.dispatcher, PoolDispatcher):
-            return dict(self.dispatcher.pool.runtime_stats(), device=self.rt.device)
-        return self.rt.stats()
+        """Runtime.stats() of what computes (the workers' summed, with --workers)."""
+        return self.dispatcher.runtime_stats() if self.dispatcher is not None else self.rt.stats()
 
     def _committed(self, job):
         self.refresh()
@@ -692,7 +690,7 @@ def create_app(store_path, *, admin_token, max_batch=32, max_wait_ms=5, queue_li
             out.update(reason="; ".join(reasons) or None, device=svc.rt.device, mode=svc.mode,
                        tenants=len(snap.pets), versions=len(snap.versions), queue_depth=svc.dispatcher.depth,
                        jobs=svc.jobs.counts(), jobs_enabled=bool(svc.jobs.enabled or svc.jobs_elsewhere),
-                       workers=svc.dispatcher.pool.stats() if isinstance(svc.dispatcher, PoolDispatcher) else None)
+                       workers=svc.dispatcher.workers())
         return out
 
     @app.get("/metrics", tags=["observability"], response_class=Response,

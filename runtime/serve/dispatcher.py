@@ -60,6 +60,16 @@ class Dispatcher:
     def start(self):
         pass
 
+    def refresh(self):
+        """After this process's runtime took a new snapshot: nothing else computes here."""
+
+    def runtime_stats(self) -> dict:
+        return self.rt.stats()
+
+    def workers(self):
+        """The worker processes' state for /healthz (None: the engine is in this process)."""
+        return None
+
     async def stop(self):
         for e in list(self._entries):
             e.inner.cancel()
@@ -173,6 +183,12 @@ class PoolDispatcher(Dispatcher):
 
     def refresh(self):
         self.pool.refresh()
+
+    def runtime_stats(self) -> dict:
+        return dict(self.pool.runtime_stats(), device=self.pool.device)
+
+    def workers(self):
+        return self.pool.stats()
 
     def _observe_batch(self, n, seconds, waits):
         """A batch ran in a worker (called on the pool's reader thread)."""
