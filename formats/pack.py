@@ -8,6 +8,7 @@ checksum before they return data: a damaged record raises, it never decodes to w
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass, field
@@ -194,15 +195,17 @@ def _tensor_view(raw: memoryview, name: str, entry: dict) -> np.ndarray:
         dtype = DTYPES[entry["dtype"]]
         shape = tuple(entry["shape"])
         offset, length = entry["offset"], entry["length"]
-        valid = (all(type(n) is int and n >= 0 for n in shape)
-                 and type(offset) is int and type(length) is int and offset % ALIGN == 0
-                 and length == int(np.prod(shape, dtype=object)) * dtype.itemsize
-                 and 0 <= offset and offset + length <= len(raw))
+        # Plain loops and math.prod (exact on ints at any size): a record holds dozens of
+        # tensors, checked on a tenant's first use
+        valid = type(offset) is int and type(length) is int and offset % ALIGN == 0
+        for n in shape:
+            valid = valid and type(n) is int and n >= 0
+        valid = valid and length == math.prod(shape) * dtype.itemsize and 0 <= offset and offset + length <= len(raw)
     except (KeyError, TypeError):
         valid = False
     if not valid:
         raise FormatError(f"tensor {name!r}: bad directory entry {entry!r}")
-    return np.frombuffer(raw, dtype, length // dtype.itemsize, offset).reshape(shape)
+    return np.ndarray(shape, dtype, raw, offset)
 
 
 def _raw_payload(mv: memoryview, header: _Header) -> memoryview:
@@ -216,7 +219,7 @@ def _raw_payload(mv: memoryview, header: _Header) -> memoryview:
     if len(raw) != header.raw_length:
         raise CorruptError(f"zstd payload decompressed to {len(raw)} bytes, "
                            f"header says {header.raw_length}")
-    return memoryview(raw)
+    return memoryview(bytearray(raw))  # writable, as an uncompressed record's views into a caller's buffer are
 
 
 def _parse(buf, offset: int, length: int | None) -> tuple[dict, dict[str, np.ndarray], bool]:
@@ -245,20 +248,22 @@ def _located(offset: int, err: FormatError) -> FormatError:
     return type(err)(f"PET record at offset {offset}: {err}")
 
 
-def _record(buf, offset: int, length: int | None) -> PetRecord:
+def _record(buf, offset: int, length: int | None, copy: bool = True) -> PetRecord:
     directory, views, tombstone = _parse(buf, offset, length)
-    tensors = {name: view.copy() for name, view in views.items()}
+    tensors = {name: view.copy() for name, view in views.items()} if copy else views
     return PetRecord(directory["tenant"], directory["meta"], tensors, tombstone)
 
 
-def decode_record(buf, offset: int = 0, length: int | None = None) -> PetRecord:
+def decode_record(buf, offset: int = 0, length: int | None = None, copy: bool = True) -> PetRecord:
     """The verified record at buf[offset:]; tensors are copies, so buf may be closed afterwards.
 
+    copy=False: tensors are views into buf (writable only if buf is; zstd records: into a new
+    buffer they share), for a buffer the caller owns and hands over. Each view pins all of it.
     length, when given (a manifest's byte range), must equal the record's own length.
     Raises CorruptError for damage (checksum, truncation), FormatError for anything else.
     """
     try:
-        return _record(buf, offset, length)
+        return _record(buf, offset, length, copy)
     except FormatError as err:
         error = _located(offset, err)
     # Raised outside the handler so the error drags along no frame holding a view of buf:

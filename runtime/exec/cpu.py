@@ -28,6 +28,11 @@ Full rows (runtime.exec.rows: a tenant's full-depth PET, from the base embedding
 lower layers with their PETs as a batch of their own (``lower_full``: the same layer function,
 kernels and plan machinery, int8 included), then join the batch's other rows at the first upper layer.
 
+``precision`` (runtime.exec.precision): every row fp32, every row bf16 (the shared GEMMs on
+weights packed in bf16, ``layer_bf16``), or ``auto``: each row at the precision its PET records;
+the plan puts the bf16 rows last, and each layer runs the fp32 range and the bf16 range of the
+activations as batches of their own (``layer_mixed``: attention and LayerNorm are per request).
+
 Attention and GELU are shared, and so are the LayerNorms unless a PET of the batch edits them.
 The result for a request equals ``runtime.model.encoder.Encoder.upper`` + ``runtime.model.pet.head`` run on
 that request alone, whatever else is in its batch (tests/test_executor_cpu.py), up to float
@@ -52,6 +57,11 @@ from runtime.exec.rows import (FullInputs, Gathered, Prepared, assemble, attenti
                                received_rows, student_logits)
 from runtime.exec.threads import helper_thread_setup
 from runtime.model import student
+
+
+def _groups(stacked) -> dict:
+    """(kind, target) -> (runs, gaps, weights) of one layer's stacked groups."""
+    return {(g.kind, g.target): w for g, w in stacked}
 
 
 def edit_batched(y, x, groups, target, kinds=("bias", "diff", "lora", "adapter")):
@@ -90,16 +100,16 @@ class CpuExecutor:
         # the batched kernels' fp32 shared GEMMs: oneDNN on packed weights where torch has it
         # (runtime/exec/onednn.py), else torch.addmm
         self.packed = onednn.SHARED if gemm != "addmm" else None
-        # bf16: the shared GEMMs on weights packed in bf16 (runtime.exec.precision), the rest fp32
+        # bf16 rows: the shared GEMMs on weights packed in bf16 (runtime.exec.precision). precision is
+        # what was asked, resolved: "fp32" (every row; also auto where bf16 cannot run), "bf16" (every
+        # row) or "auto" (each row at its PET's recorded precision, precision.row_bf16)
         bf16_able = kernels == "batched" and not int8 and gemm != "addmm"
-        self.precision = "fp32" if precision == "auto" and not bf16_able else precision_.resolve(precision)
-        if self.precision == "bf16":
-            if not bf16_able:
-                raise ValueError("precision 'bf16' runs on the batched kernels' oneDNN GEMMs, "
-                                 "without int8 or gemm='addmm'")
-            self.bf16 = precision_.shared_bf16()
-        else:
-            self.bf16 = None
+        resolved = "fp32" if precision == "auto" and not bf16_able else precision_.resolve(precision)
+        if resolved == "bf16" and not bf16_able:
+            raise ValueError("precision 'bf16' runs on the batched kernels' oneDNN GEMMs, "
+                             "without int8 or gemm='addmm'")
+        self.precision = "auto" if precision == "auto" and resolved == "bf16" else resolved
+        self.bf16 = precision_.shared_bf16() if self.precision != "fp32" else None
         self.kernels = kernels
         self._local = threading.local()  # per calling thread: cpu_batched.stack_into's reused buffers
         self.profile: dict | None = None  # set to {} to accumulate seconds per stage (batched)
@@ -131,10 +141,28 @@ class CpuExecutor:
             return plan_batch(pets, keys, self.lora_kernel)
         if keys is None:
             keys = [tenant_key(p) for p in pets]
-        order = cpu_batched.order_by_count(keys, [tuple(sorted(p.parts, key=str)) for p in pets])
+        # under auto the bf16 rows go last, so each precision's rows are one range of the
+        # activations and each shared GEMM is one call per precision
+        bf16 = [precision_.row_bf16(p.meta) for p in pets] if self.precision == "auto" else None
+        order = cpu_batched.order_by_count(keys, [tuple(sorted(p.parts, key=str)) for p in pets], bf16)
         plan = plan_batch([pets[j] for j in order], [keys[j] for j in order], self.lora_kernel)
         plan.perm = order[plan.perm]
+        if bf16 is not None:
+            # a tenant's rows take its first item's precision, as plan_batch takes its first PET
+            first = {}
+            for k, b in zip(keys, bf16):
+                first.setdefault(k, b)
+            n16 = sum(first[k] for k in keys)
+            plan.bf16_from = plan.size - n16 if n16 else None
         return plan
+
+    def bf16_from(self, plan: BatchPlan) -> int:
+        """The executed position from which plan's requests run bf16 (plan.size: none)."""
+        if self.precision == "bf16":
+            return 0
+        if self.precision == "fp32" or plan.bf16_from is None:
+            return plan.size
+        return plan.bf16_from
 
     # -- a batch plan's rows (runtime.exec.rows) -----------------------------------------
 
@@ -244,7 +272,19 @@ class CpuExecutor:
                     self.profile_clock() - t0
             return out
 
-        layer = (self.layer_bf16 if self.bf16 is not None else self.layer_batched) if batched else self.layer
+        if not batched:
+            layer = self.layer
+        else:
+            split = self.bf16_from(plan)
+            if split == B:
+                def layer(i, x, m, B, L, plan, stacked, seg_rows):
+                    return self.layer_batched(i, x, m, B, L, plan.received, _groups(stacked))
+            elif split == 0:
+                def layer(i, x, m, B, L, plan, stacked, seg_rows):
+                    return self.layer_bf16(i, x, m, B, L, plan.received, _groups(stacked))
+            else:
+                def layer(i, x, m, B, L, plan, stacked, seg_rows):
+                    return self.layer_mixed(i, x, m, B, L, plan.received, _groups(stacked), split)
 
         if self.prefetch and len(layers) > 1:
             # Layer-wise prefetch: layer i+1's stacked PET weights are built on a helper
@@ -275,12 +315,26 @@ class CpuExecutor:
 
         return tick
 
-    def layer_batched(self, i, x, m, B, L, plan, stacked, seg_rows):
-        """One upper layer with runtime.exec.cpu_batched (kernels="batched")."""
+    def layer_mixed(self, i, x, m, B, L, received, groups, split):
+        """One layer over a batch whose requests [0, split) are fp32 rows and [split, B) bf16
+        rows: each precision's layer on its own range of the activations (in place). Attention
+        and LayerNorm are per request and per row, so each range is a batch of its own."""
+        r = split * L
+        sub = (lambda r0, r1: {key: (*cpu_batched.cut_runs(runs, gaps, r0, r1), w)
+                               for key, (runs, gaps, w) in groups.items()})
+        rec = (None, None) if received is None else (received[:split], received[split:])
+        for part, out in ((x[:r], self.layer_batched(i, x[:r], m[:split], split, L, rec[0], sub(0, r))),
+                          (x[r:], self.layer_bf16(i, x[r:], m[split:], B - split, L, rec[1], sub(r, B * L)))):
+            if out.data_ptr() != part.data_ptr():
+                part.copy_(out)
+        return x
+
+    def layer_batched(self, i, x, m, B, L, received, groups):
+        """One layer with runtime.exec.cpu_batched (kernels="batched"); groups: (kind, target) ->
+        (runs, gaps, stacked weights)."""
         blk, c = self.encoder.layers[i], self.config
         d = c.d
         heads, dh = c.heads, d // c.heads
-        groups = {(g.kind, g.target): w for g, w in stacked}
         tick = self._ticker()
 
         def proj(target, inp, lin, out):
@@ -312,7 +366,7 @@ class CpuExecutor:
         qkv = cpu_batched.scratch(buffers, "qkv", (3, R, d))
         q, k, v = (proj(t, x, getattr(blk, t), qkv[j]).view(B, L, heads, dh).transpose(1, 2)
                    for j, t in enumerate(("q", "k", "v")))
-        ctx = cpu_batched.attention(q, k, v, m, plan.received)
+        ctx = cpu_batched.attention(q, k, v, m, received)
         flat = cpu_batched.scratch(buffers, "ctx", (R, d))
         flat.view(B, L, heads, dh).copy_(ctx.transpose(1, 2))
         tick("attention")
@@ -322,29 +376,33 @@ class CpuExecutor:
         tick("LayerNorm, GELU")
         return norm(proj("ffn_out", f, blk.ffn_out, a), h, "ln_ffn", blk.ln_ffn)
 
-    def layer_bf16(self, i, x, m, B, L, plan, stacked, seg_rows):
-        """One layer with the shared GEMMs in bf16 (precision="bf16"): each projection's input is
-        cast once, its output stays bf16 through LoRA (bf16 products, fp32 accumulation), attention
-        and GELU, so the (rows, ffn) activations never round-trip through fp32 (the casts cost
-        as much as the bf16 GEMMs themselves); the residual stream and LayerNorm stay fp32, and so
-        do the other PET kinds (their edits on an fp32 copy of the output)."""
+    def layer_bf16(self, i, x, m, B, L, received, groups):
+        """One layer with the shared GEMMs in bf16 (bf16 rows): each projection's input is
+        cast once, its output stays bf16 through the tenants' LoRA, BitFit and adapters (bf16
+        products, fp32 accumulation), attention and GELU, so the activations never round-trip
+        through fp32 (the casts cost as much as the bf16 GEMMs themselves: adapters on an fp32
+        copy took 5x the PET time at the PLOT level); diff pruning's sparse products run on an
+        fp32 copy; the residual stream and LayerNorm stay fp32."""
         blk, c = self.encoder.layers[i], self.config
         d = c.d
         heads, dh = c.heads, d // c.heads
-        groups = {(g.kind, g.target): w for g, w in stacked}
         tick = self._ticker()
 
         R, buffers, bf16 = B * L, self._local.buffers, torch.bfloat16
 
-        def proj(target, inp16, lin):
+        def proj(target, inp16, lin, lora=True):
             y = self.bf16.linear(inp16, lin.weight, lin.bias)
             tick("shared GEMMs")
-            if ("lora", target) in groups:
+            if ("bias", target) in groups:
+                cpu_batched.bias(y, groups[("bias", target)][0], groups[("bias", target)][2]["delta"])
+            if ("diff", target) in groups:  # the sparse products in fp32
+                y.copy_(edit_batched(y.float(), inp16.float(), groups, target, ("diff",)))
+            if lora and ("lora", target) in groups:
                 runs, _, w = groups[("lora", target)]
                 cpu_batched.lora(y, inp16, runs, w["A"].to(bf16), w["B"].to(bf16), w["scales"].to(bf16))
-            kinds = [k for k in ("bias", "diff", "adapter") if (k, target) in groups]
-            if kinds:
-                y.copy_(edit_batched(y.float(), inp16.float(), groups, target, kinds))
+            if ("adapter", target) in groups:  # last: it wraps the edited output
+                runs, _, w = groups[("adapter", target)]
+                cpu_batched.adapter(y, runs, *(w[k].to(bf16) for k in ("down", "down_bias", "up", "up_bias")))
             tick("PET ops")
             return y
 
@@ -363,15 +421,30 @@ class CpuExecutor:
             return out
 
         x16 = cpu_batched.scratch(buffers, "x16", (R, d), bf16).copy_(x)
-        q, k, v = (proj(t, x16, getattr(blk, t)).view(B, L, heads, dh).transpose(1, 2) for t in ("q", "k", "v"))
-        if plan.received is not None:  # the attention each key receives, for word pruning: in fp32
-            q, k, v = q.float(), k.float(), v.float()
-        ctx = cpu_batched.attention(q, k, v, m, plan.received)
-        flat = cpu_batched.scratch(buffers, "ctx16", (R, d), bf16)
-        flat.view(B, L, heads, dh).copy_(ctx.transpose(1, 2))
+        loras = [groups.get(("lora", t)) for t in ("q", "k", "v")]
+        # equal runs: the same tenant at each stacked index; an adapter would wrap the LoRA's output
+        shared = loras[0] is not None and all(g is not None and g[0] == loras[0][0] for g in loras) and \
+            not any(("adapter", t) in groups for t in ("q", "k", "v"))
+        ys = [proj(t, x16, getattr(blk, t), lora=not shared) for t in ("q", "k", "v")]
+        if shared:  # q, k and v read one input: one shrink GEMM against their A's side by side
+            cpu_batched.lora_shared(ys, x16, loras[0][0], [w["A"] for _, _, w in loras],
+                                    [w["B"].to(bf16) for _, _, w in loras], loras[0][2]["scales"], bf16)
+            tick("PET ops")
+        q, k, v = (y.view(B, L, heads, dh).transpose(1, 2) for y in ys)
+        ctx = cpu_batched.attention(q, k, v, m).transpose(1, 2)
+        if received is not None:  # the attention each key receives, for word pruning: in fp32
+            cpu_batched.add_received(q, k, m, received)
+        if ctx.is_contiguous():  # torch's kernel writes (B, L, heads, dh): the o projection's input as it is
+            flat = ctx.view(R, d)
+        else:
+            flat = cpu_batched.scratch(buffers, "ctx16", (R, d), bf16)
+            flat.view(B, L, heads, dh).copy_(ctx)
         tick("attention")
         h = norm(proj("o", flat, blk.o), x, "ln_attn", blk.ln_attn)
         h16 = x16.copy_(h)
+        # GELU stays a pass of its own: in the GEMM's epilogue (oneDNN's post-op, on the fp32
+        # accumulator) it would round once where this rounds twice, so a row's answer would hang
+        # on whether another row's tenant edits ffn_in
         f = torch.ops.aten.gelu_(proj("ffn_in", h16, blk.ffn_in))
         tick("LayerNorm, GELU")
         return norm(proj("ffn_out", f, blk.ffn_out), h, "ln_ffn", blk.ln_ffn)

@@ -18,32 +18,38 @@ Every function here equals its ops_cpu counterpart up to fp32 rounding
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["adapter", "attention", "bias", "diff", "layernorm", "lora", "order_by_count", "pack_layers", "scratch",
-           "segment_runs", "stack_into", "stack_layer"]
+__all__ = ["adapter", "add_received", "attention", "bias", "cut_runs", "diff", "layernorm", "lora", "lora_shared", "order_by_count",
+           "pack_layers", "scratch", "segment_runs", "stack_into", "stack_layer"]
 
 
-def order_by_count(keys: list, kinds: list | None = None) -> np.ndarray:
+def order_by_count(keys: list, kinds: list | None = None, classes: list | None = None) -> np.ndarray:
     """A stable order of the items that puts tenants (keys) with the same number of requests
     together, most requests first; among those, tenants of the same kind (kinds[b], any
     hashable, e.g. the PET's set of parts) together, so that a group's runs are not cut by
-    tenants without its part; tenants otherwise in first-appearance order."""
+    tenants without its part; tenants otherwise in first-appearance order. classes[b] (ints,
+    a tenant's from its first item) comes before all that: each class is one contiguous range,
+    lowest first (the executor's precision groups)."""
     first: dict = {}
     counts: dict = {}
     kind_ids: dict = {}
     kind_of: dict = {}
+    class_of: dict = {}
     for b, k in enumerate(keys):
         if k not in first:
             first[k] = len(first)
             kind = kinds[b] if kinds is not None else None
             kind_of[k] = kind_ids.setdefault(kind, len(kind_ids))
+            class_of[k] = int(classes[b]) if classes is not None else 0
         counts[k] = counts.get(k, 0) + 1
-    rank = np.array([(-counts[k], kind_of[k], first[k]) for k in keys],
-                    dtype=[("c", np.int64), ("s", np.int64), ("f", np.int64)])
-    return np.argsort(rank, order=("c", "s", "f"), kind="stable")
+    rank = np.array([(class_of[k], -counts[k], kind_of[k], first[k]) for k in keys],
+                    dtype=[("p", np.int64), ("c", np.int64), ("s", np.int64), ("f", np.int64)])
+    return np.argsort(rank, order=("p", "c", "s", "f"), kind="stable")
 
 
 def segment_runs(seg_starts, seg_ids, L: int) -> tuple[list, list]:
@@ -74,6 +80,25 @@ def segment_runs(seg_starts, seg_ids, L: int) -> tuple[list, list]:
         runs.append((int(starts[s]) * L, int(starts[e]) * L, e - s, int(ids[s])))
         s = e
     return runs, gaps
+
+
+def cut_runs(runs: list, gaps: list, r0: int, r1: int) -> tuple[list, list]:
+    """(runs, gaps) of segment_runs restricted to rows [r0, r1) and renumbered from r0; r0 and
+    r1 must fall on segment boundaries (a run cut there keeps whole segments)."""
+    out_runs, out_gaps = [], []
+    for a, b, n, t0 in runs:
+        lo, hi = max(a, r0), min(b, r1)
+        if lo >= hi:
+            continue
+        per = (b - a) // n
+        if (lo - a) % per or (hi - a) % per:
+            raise ValueError(f"rows [{r0}, {r1}) cut a segment of the run [{a}, {b})")
+        out_runs.append((lo - r0, hi - r0, (hi - lo) // per, t0 + (lo - a) // per))
+    for a, b in gaps:
+        lo, hi = max(a, r0), min(b, r1)
+        if lo < hi:
+            out_gaps.append((lo - r0, hi - r0))
+    return out_runs, out_gaps
 
 
 def _view(t: torch.Tensor, r0: int, r1: int, n: int) -> torch.Tensor:
@@ -124,6 +149,22 @@ def lora(y, x, runs, A, B, scales) -> torch.Tensor:
     return y
 
 
+def lora_shared(ys, x, runs, As, Bs, scales, dtype=None) -> list:
+    """lora for several outputs of one input on the same runs (q, k and v): per run, one shrink
+    GEMM against the outputs' A's side by side (fewer, larger small GEMMs), then each output's
+    expand. dtype: the products' (the A's are cast to it once, together)."""
+    rs = [A.shape[1] for A in As]
+    for r0, r1, n, t0 in runs:
+        A = torch.cat([a[t0:t0 + n] for a in As], 1)
+        v = torch.bmm(_view(x, r0, r1, n), (A if dtype is None else A.to(dtype)).transpose(1, 2))
+        v.mul_(scales[t0:t0 + n].view(n, 1, 1).to(v.dtype))
+        off = 0
+        for y, B, r in zip(ys, Bs, rs):
+            _view(y, r0, r1, n).baddbmm_(v[:, :, off:off + r], B[t0:t0 + n].transpose(1, 2))
+            off += r
+    return ys
+
+
 def bias(y, runs, delta) -> torch.Tensor:
     """ops_cpu.bias_gather on runs."""
     for r0, r1, n, t0 in runs:
@@ -169,11 +210,24 @@ def attention(q, k, v, m, received=None) -> torch.Tensor:
     is added to received (the same pass, not a second one)."""
     if received is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=m[:, None, None, :])
+    return _probs(q, k, m, received) @ v
+
+
+def _probs(q, k, m, received) -> torch.Tensor:
+    """The attention probabilities of q, k under key mask m; each key's, summed over real
+    queries and averaged over heads, added to received."""
     scores = (q @ k.transpose(-2, -1)).mul_(q.shape[-1] ** -0.5)
     scores.masked_fill_(~m[:, None, None, :], torch.finfo(scores.dtype).min)
     probs = scores.softmax(-1)
     received += (probs * m[:, None, :, None]).sum(2).mean(1)
-    return probs @ v
+    return probs
+
+
+def add_received(q, k, m, received) -> None:
+    """Only the attention each key receives (attention's received), in fp32 whatever q and k
+    hold: for rows whose attention output runs in bf16, which must not depend on whether
+    another row of the batch asked for it."""
+    _probs(q.float(), k.float(), m, received)
 
 
 def layernorm(y, residual, ln, runs=None, gaps=None, gain=None, shift=None, out=None) -> torch.Tensor:
@@ -210,25 +264,58 @@ def pack_layers(pet):
     (pet.blocks[layer] = (block, layout)), once, when the PET enters the host cache; then a
     batch whose tenants share a layer's layout stacks the layer with one copy (stack_layer)
     instead of one per tensor. In place (same values and dtype: a block is fp16 when all its
-    parts are, no extra memory); returns pet."""
+    parts are, no extra memory); returns pet. Parts that already lie back to back in block
+    order (a record read from a pack) are their block as they are: no copy."""
     if pet.blocks:
         return pet
     by_layer: dict = {}
-    for part in sorted(pet.parts, key=str):
+    for part in pet.parts:
         if part[0] in _BLOCK_KINDS:
             by_layer.setdefault(part[1], []).append(part)
     for layer, parts in by_layer.items():
-        block = torch.cat([a.reshape(-1) for p in parts for a in pet.parts[p]])  # mixed dtypes: fp32
-        layout, off = [], 0
-        for p in parts:
-            views = []
-            for a in pet.parts[p]:
-                views.append(block[off:off + a.numel()].view(a.shape))
-                off += a.numel()
-            pet.parts[p] = tuple(views)
-            layout.append((p, tuple(tuple(v.shape) for v in views)))
-        pet.blocks[layer] = (block, tuple(layout))
+        parts.sort(key=_block_order)
+        arrays = [a for p in parts for a in pet.parts[p]]
+        layout = tuple((p, tuple(tuple(a.shape) for a in pet.parts[p])) for p in parts)
+        layout = _LAYOUTS.setdefault(layout, layout)  # one object per layout: stack_layer compares by identity first
+        if len(_LAYOUTS) > 4096:
+            _LAYOUTS.clear()
+        block = _span(arrays)
+        if block is None:
+            block = torch.cat([a.reshape(-1) for a in arrays])  # mixed dtypes: fp32
+            flat = iter(block.split([a.numel() for a in arrays]))  # one split for all views
+            for p, shapes in layout:
+                pet.parts[p] = tuple(next(flat).view(shape) for shape in shapes)
+        pet.blocks[layer] = (block, layout)
     return pet
+
+
+# A layer's block: LayerNorm deltas first, then the targets' parts, in the order the encoder
+# runs them, which is the order runtime.model.pet creates and exports a PET's tensors in: a
+# record read from a pack lies in block order, and _span makes its memory the block.
+_BLOCK_ORDER = {name: j for j, name in enumerate(("ln_attn", "ln_ffn", "q", "k", "v", "o", "ffn_in", "ffn_out"))}
+_NUMPY = {torch.float32: np.float32, torch.float16: np.float16}
+_LAYOUTS: dict = {}
+
+
+def _block_order(part):
+    return part[0] != "norm", _BLOCK_ORDER.get(part[2], len(_BLOCK_ORDER)), part[0], str(part[2])
+
+
+def _span(arrays):
+    """One 1-D tensor over the arrays' memory when they lie back to back in this order, in one
+    dtype (views into one record's buffer do); else None. It holds the arrays, and through
+    them their buffer."""
+    dtype, start = arrays[0].dtype, arrays[0].data_ptr()
+    end = start
+    for a in arrays:
+        if a.dtype != dtype or a.data_ptr() != end or not a.is_contiguous():
+            return None
+        end += a.numel() * a.element_size()
+    if end == start or dtype not in _NUMPY:
+        return None
+    memory = (ctypes.c_char * (end - start)).from_address(start)
+    memory.arrays = arrays  # each range is live while its array is: so is their union, while memory is
+    return torch.from_numpy(np.frombuffer(memory, _NUMPY[dtype]))
 
 
 def stack_layer(buffers: dict, plan, layer: int, L: int) -> list:

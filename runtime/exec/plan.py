@@ -66,10 +66,7 @@ class ServingPet:
     def nbytes(self) -> int:
         """Bytes held, in the dtypes held (a host cache's accounting)."""
         head = () if self.head_weight is None else (self.head_weight, self.head_bias)
-        total = sum(a.numel() * a.element_size() for a in head)
-        for arrays in self.parts.values():
-            total += sum(a.numel() * a.element_size() for a in arrays)
-        return total
+        return sum(a.nbytes for a in head) + sum(a.nbytes for arrays in self.parts.values() for a in arrays)
 
 
 def prepare_pet(encoder, pet: petlib.Pet, key=None, token=None) -> ServingPet:
@@ -108,7 +105,9 @@ def prepare_pet(encoder, pet: petlib.Pet, key=None, token=None) -> ServingPet:
         elif kind == "norm" and bits[4] == "weight":
             parts[("norm", i, bits[3])] = (_float(value), _float(t[f"layers.{i}.norm.{bits[3]}.bias"]))
     if "head.weight" in t:
-        head = _f32(t["head.weight"]), _f32(t["head.bias"])
+        # copies: a pack's tensors are views into the record's buffer, which the small head alone
+        # would otherwise keep alive in the host cache where the rest was copied out of it
+        head = _f32(t["head.weight"]).clone(), _f32(t["head.bias"]).clone()
     elif meta.get("task") == "lm":  # a decoder tenant: the decoder's own LM head scores the vocabulary
         head = None, None
     else:
@@ -131,8 +130,15 @@ def _f32(v) -> torch.Tensor:
 
 def _float(v) -> torch.Tensor:
     """fp16 stays fp16 (what the host cache saves); any other float dtype becomes fp32."""
-    v = torch.as_tensor(v).detach()
-    return (v if v.dtype == torch.float16 else v.float()).contiguous()
+    # each step only where it changes something: a PET has ~100 tensors and this runs on a
+    # tenant's first use
+    if not isinstance(v, torch.Tensor):
+        v = torch.as_tensor(v)
+    if v.requires_grad:
+        v = v.detach()
+    if v.dtype != torch.float16 and v.dtype != torch.float32:
+        v = v.float()
+    return v if v.is_contiguous() else v.contiguous()
 
 
 def _sorted_delta(index, value):
@@ -166,6 +172,10 @@ class BatchPlan:
     # executor adds the attention each token receives in every upper layer (summed over
     # queries, averaged over heads) while it computes attention. None: not asked for.
     received: torch.Tensor | None = None
+    # The CPU executor's per-row precision (precision "auto"): requests at executed positions >=
+    # bf16_from are bf16 rows, the ones before fp32 (its plan sorts each precision into one range).
+    # None: no bf16 row.
+    bf16_from: int | None = None
 
     @property
     def size(self) -> int:

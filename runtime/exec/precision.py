@@ -1,10 +1,11 @@
-"""Which precision the CPU executor's shared GEMMs run in: fp32, or bf16 with fp32 accumulation.
+"""Which precision the CPU executor's rows run in: fp32, or bf16 with fp32 accumulation.
 
-bf16 runs oneDNN's GEMM on weights packed once in bf16 (runtime.exec.onednn); only the shared
-projections change, the tenants' PET ops, attention, LayerNorm and the residual stream stay
-fp32, so tenants of any precision share a batch's rows. It pays only where the CPU multiplies
-bf16 natively (AVX512_BF16, or AMX-BF16 tiles): elsewhere oneDNN emulates it, slower than fp32,
-so bf16 is refused there and ``auto`` keeps fp32.
+A bf16 row runs oneDNN's GEMM on weights packed once in bf16 (runtime.exec.onednn); the residual
+stream and LayerNorm stay fp32. ``fp32`` and ``bf16`` set every row; ``auto`` runs each row at
+the precision its PET's meta records (``"precision"``, chosen by measurement when the tenant was
+made or profiled; none recorded: fp32), and rows of both precisions share a batch. bf16 pays only
+where the CPU multiplies bf16 natively (AVX512_BF16, or AMX-BF16 tiles): elsewhere oneDNN emulates
+it, slower than fp32, so bf16 is refused there and ``auto`` runs every row fp32.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def bf16_native() -> str | None:
 
 def resolve(precision: str) -> str:
     """fp32 or bf16 for a requested precision: bf16 where the CPU lacks native bf16 raises
-    PrecisionUnavailable; auto is bf16 where it has it, else fp32 (said once in the log)."""
+    PrecisionUnavailable; auto is bf16 where it has it (rows may run it), else fp32 (said once
+    in the log)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     if precision == "fp32":
@@ -67,7 +69,13 @@ def resolve(precision: str) -> str:
 
 @functools.cache
 def _say_fp32_once():
-    log.warning("precision auto: this CPU has no AVX512_BF16 / AMX-BF16, the shared GEMMs stay fp32")
+    log.warning("precision auto: this CPU has no AVX512_BF16 / AMX-BF16, every row runs fp32")
+
+
+def row_bf16(meta: dict) -> bool:
+    """Whether a PET's rows run bf16 under auto: its meta records "bf16" (anything else, or no
+    record, is fp32)."""
+    return meta.get("precision") == "bf16"
 
 
 @functools.cache

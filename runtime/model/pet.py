@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -131,7 +132,8 @@ TYPE_META = {
 def pet_meta(meta: dict) -> dict:
     """The fields of a stored record's meta that describe its PET (FORMAT.md section 5),
     without the record's own (version, tenant, training log)."""
-    keep = ("pet_type", "task", "labels", "layers", "norms", *TYPE_META.get(meta.get("pet_type"), ()))
+    # precision: what the level is served at (an executor at precision auto reads it per row)
+    keep = ("pet_type", "task", "labels", "layers", "norms", "precision", *TYPE_META.get(meta.get("pet_type"), ()))
     out = {k: meta[k] for k in keep if k in meta}
     if is_full(meta):  # what lets its lower-layer tensors load
         out["level"] = FULL
@@ -224,7 +226,25 @@ def _layout(meta: dict, c) -> dict[str, tuple[int, ...]]:
 
 def _served_layout(meta: dict, c) -> dict[str, tuple[int, ...] | int]:
     """Name -> shape of an exported PET's tensors; for the variable-length 1-D index lists
-    (and diff values) an int instead: the number of weights they index, d_out * d_in."""
+    (and diff values) an int instead: the number of weights they index, d_out * d_in. Shared
+    by every PET of one shape (a tenant's first use pays no layout of its own): do not modify."""
+    try:
+        key = (c, meta["pet_type"], meta["task"] == "lm", len(meta.get("labels") or ()), tuple(meta["layers"]),
+               tuple(meta.get("norms", ())), tuple(meta.get("targets", ())), meta.get("bottleneck"), meta.get("rank"))
+        layout = _SERVED.get(key)
+    except TypeError:  # an unhashable config or meta value: no cache
+        return _served_layout_of(meta, c)
+    if layout is None:
+        if len(_SERVED) >= 64:
+            _SERVED.clear()
+        layout = _SERVED[key] = _served_layout_of(meta, c)
+    return layout
+
+
+_SERVED: dict = {}
+
+
+def _served_layout_of(meta: dict, c) -> dict:
     served = {}
     for name, shape in _layout(meta, c).items():
         stem, _, suffix = name.rpartition(".")
@@ -276,18 +296,22 @@ def load_pet(encoder: Encoder, tensors: dict, meta: dict, *, half: bool = False)
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise ValueError(f"PET lacks tensor {missing[0]}{more}")
     loaded = {}
+    keep = (torch.float32, torch.float16) if half else (torch.float32,)
     for name, v in tensors.items():
-        v = torch.as_tensor(v)  # pack readers hand back NumPy arrays
-        if name not in expected:
+        # Pack readers hand back NumPy arrays: shared, not copied (the CPU executor's blocks
+        # can be the record's own memory: a tenant's first use need not copy its PET at all)
+        v = torch.from_numpy(v) if type(v) is np.ndarray else torch.as_tensor(v)
+        want = expected.get(name)
+        if want is None:
             raise ValueError(f"PET tensor {name!r} is not part of a {meta['pet_type']} PET on layers {meta['layers']}")
-        if isinstance(expected[name], int):
-            _check_index_list(name, v, expected[name], tensors)
-        elif tuple(v.shape) != expected[name]:
-            raise ValueError(f"PET tensor {name} has shape {tuple(v.shape)}, expected {expected[name]}")
+        if type(want) is int:
+            _check_index_list(name, v, want, tensors)
+        elif v.shape != want:
+            raise ValueError(f"PET tensor {name} has shape {tuple(v.shape)}, expected {want}")
         if name.endswith(".index"):
             loaded[name] = v.to(torch.int32)
         else:
-            loaded[name] = v if half and v.dtype == torch.float16 else v.float()
+            loaded[name] = v if v.dtype in keep else v.float()
     return Pet(loaded, dict(meta))
 
 
