@@ -25,7 +25,8 @@ ROOM_ARROWS = {
     "plot": {"model"},
     "exec": {"model", "plot"},
     "sched": set(),
-    "construct": {"model", "plot"},
+    # a trained level's precision is chosen by scoring it through the CPU executor (construct/precision.py)
+    "construct": {"model", "plot", "exec"},
     # profiling reads labelled held-out files with construction's readers, and runs exec's rows
     "level": {"model", "exec", "construct"},
     # the serving loop: schedules (sched, student's buffer), routes (level, student), runs exec's plans

@@ -8,7 +8,8 @@
                                                                   full-depth PET on exact inputs (levels)
     tenant_update(store, "t1", train_path=...)                    continue from the stored PET(s)
     tenant_rm(store, "t1")
-    tenant_ls(store), tenant_info(store, "t1")                    levels, scores, bytes (tenant_info.py)
+    tenant_ls(store), tenant_info(store, "t1")                    levels, scores, precisions, bytes (tenant_info.py)
+    tenant_precision(store, "t1", "dev.jsonl")                    each level's precision measured again on dev
 
 Every function returns a JSON-able dict describing what it did. Bad input raises a StoreError
 (ManagerError, UnknownVersion, UnknownTenant, ...) or ValueError whose message is one line.
@@ -36,6 +37,7 @@ from hkstore.errors import UnknownTenant
 from runtime.construct import recipe as recipes
 from runtime.construct.branch import branch_from, new_version_checks, update_plan
 from runtime.construct.data import read_corpora
+from runtime.construct.precision import check_asked as check_precision
 from runtime.construct.tenant_info import tenant_info, tenant_ls
 from runtime.model.stored import (
     ManagerError,
@@ -380,6 +382,7 @@ def _summary(trained: Trained, t0, sizes: dict) -> dict:
            "task": record.meta["task"], "labels": record.meta["labels"], "levels": list(trained.seconds),
            "examples": trained.examples, "steps": len(log), **loss_ends(log), "pet_bytes": int(sizes["plot"]),
            "level_seconds": trained.seconds, "threads": torch.get_num_threads(),
+           "precision": _precisions(trained.records),
            "seconds": round(time.perf_counter() - t0, 3)}
     if stall := record.meta.get("train", {}).get("stalled"):
         out["stalled"] = stall  # the first run never left its starting loss: retrained at half its rate
@@ -392,6 +395,14 @@ def _summary(trained: Trained, t0, sizes: dict) -> dict:
                        "pet_bytes": int(sizes["full"])}
         if stall := full.meta["train"].get("stalled"):
             out["full"]["stalled"] = stall
+    return out
+
+
+def _precisions(records) -> dict:
+    """Each level's recorded precision (plot: the PET record's, which the exact level shares),
+    and the CPU seconds measuring them took."""
+    out = {("full" if r.meta.get("level") == "full" else "plot"): r.meta.get("precision") for r in records}
+    out["seconds"] = round(sum((r.meta.get("precision_check") or {}).get("seconds", 0.0) for r in records), 3)
     return out
 
 
@@ -434,7 +445,7 @@ def tenant_create(store_path, tenant, *, version, train_path, task: str = "class
                   rank: int | None = None, density: float | None = None, norms: tuple[str, ...] | None = None,
                   seed: int = 0, replace: bool = False, unseen: float | None = None, calibration_share: float = 0.0,
                   levels=recipes.LEVELS, corpus_paths=(), max_corpus: int = recipes.MAX_CORPUS,
-                  progress: bool = True) -> dict:
+                  precision: str = "auto", progress: bool = True) -> dict:
     """Fine-tune a PET + head on the upper layers with inputs served by PLOT `version`
     (runtime.plot.retrieve, the serving path) and store it as `tenant`'s PET; with level "full"
     also a full-depth PET on the same examples (runtime.construct.full), stored beside it.
@@ -451,7 +462,8 @@ def tenant_create(store_path, tenant, *, version, train_path, task: str = "class
     losses. corpus_paths: unlabeled text of the tenant's domain (needs level "full", which is then
     trained first): at most max_corpus of its texts, labeled by the full-depth level, train the
     PLOT-level PET beside the labeled examples (runtime.construct.pseudo; the record's
-    ``train.corpus``)."""
+    ``train.corpus``). precision: what each level serves at (runtime.construct.precision): auto
+    measures it, fp32 or bf16 is recorded as asked (bf16 only on a CPU with native bf16)."""
     t0 = time.perf_counter()
     # Train on a read-only snapshot (no writer lock: tenants can be trained in parallel), then
     # take the lock only to append the records; the checks run again under it.
@@ -461,7 +473,7 @@ def tenant_create(store_path, tenant, *, version, train_path, task: str = "class
                              batch_size=batch_size, max_len=max_len, bottleneck=bottleneck, rank=rank,
                              density=density, norms=norms, seed=seed, replace=replace, unseen=unseen,
                              calibration_share=calibration_share, levels=levels, corpus_paths=corpus_paths,
-                             max_corpus=max_corpus, progress=progress)
+                             max_corpus=max_corpus, precision=precision, progress=progress)
     with _open_writable(store_path) as store:
         _tenant_checks(store, tenant, version, replace)
         _put_levels(store, [trained.records])
@@ -498,7 +510,8 @@ def _train_new(store, encoder, tenant, *, version, train_path, task="classificat
                epochs=None,
                max_examples=None, lr=None, batch_size=None, max_len=128, bottleneck=None, rank=None, density=None,
                norms=None, seed=0, replace=False, unseen=None, calibration_share=0.0, levels=recipes.LEVELS,
-               corpus_paths=(), max_corpus=recipes.MAX_CORPUS, held_out_path=None, progress=True) -> Trained:
+               corpus_paths=(), max_corpus=recipes.MAX_CORPUS, held_out_path=None, precision="auto",
+               progress=True) -> Trained:
     """A new tenant's records trained on store's snapshot (not stored). held_out_path: labeled
     examples kept out of training (the train file's format) that calibrate and score the levels
     as a calibration share would, for a caller that made its own split (hkstore demo)."""
@@ -508,6 +521,7 @@ def _train_new(store, encoder, tenant, *, version, train_path, task="classificat
 
     t0 = time.perf_counter()
     levels = check_levels(levels)
+    check_precision(precision)  # before minutes of training
     hkstore.store.check_name("tenant", tenant)
     if pet_type not in petlib.PET_TYPES:
         raise ValueError(f"unknown PET type {pet_type!r}; expected one of {', '.join(petlib.PET_TYPES)}")
@@ -566,7 +580,18 @@ def _train_new(store, encoder, tenant, *, version, train_path, task="classificat
     if full is not None:
         trained.records.append(fulllib.full_level_record(record, full, ids, held))
         trained.logs["full"] = full.log
+    _mark_precision(store, encoder, trained.records, held, (ids, targets), precision, seed)
     return trained
+
+
+def _mark_precision(store, encoder, records, held, training, asked, seed) -> None:
+    """Each record's precision (runtime.construct.precision), measured on the held-out
+    examples, else on a sample of the training ones (an agreement check between fp32 and bf16
+    more than a score: a tenant created without a held-out share is measured too)."""
+    from runtime.construct import precision
+
+    ids, targets = held if held else precision.training_sample(*training, seed=seed)
+    precision.mark(store.snapshot(), encoder, records, ids, targets, asked, "held-out" if held else "training")
 
 
 def _unlabeled(docs, labeled, limit, seed) -> list[str]:
@@ -615,22 +640,29 @@ def load_tenant(store, tenant, encoder):
 
 def tenant_update(store_path, tenant, *, train_path=None, version=None, epochs: int = 1,
                   max_examples: int | None = None, lr: float | None = None, batch_size: int | None = None,
-                  max_len: int | None = None, seed: int = 0, progress: bool = True) -> dict:
+                  max_len: int | None = None, seed: int = 0, precision: str | None = None,
+                  progress: bool = True) -> dict:
     """Continue fine-tuning a tenant's stored PET (on new data, else its original training
     file), optionally on another PLOT version; the labels of the data must be the head's. A
     tenant with a full-depth PET has it trained further on the same examples and stored with
-    the new PET, so no level is served from an older round (lr applies to the PET only)."""
+    the new PET, so no level is served from an older round (lr applies to the PET only). Each
+    level's precision is chosen again as tenant_create chooses it (precision None: as the
+    tenant's was asked at its last round)."""
     t0 = time.perf_counter()
     with hkstore.open(store_path) as store:
         snap = store.snapshot()
         if tenant not in snap.pets:
             raise UnknownTenant(f"unknown tenant {tenant!r}")
+        if precision is None:
+            precision = (snap.read_pet(tenant).meta.get("precision_check") or {}).get("asked", "auto")
+        check_precision(precision)
         started_from = (dict(snap.pets[tenant]), dict(snap.full.get(tenant) or {}))
         trained, examples = _update_plot(store, tenant, train_path=train_path, version=version, epochs=epochs,
                                          max_examples=max_examples, lr=lr, batch_size=batch_size, max_len=max_len,
                                          seed=seed, progress=progress)
         if started_from[1]:
             _update_full(store, trained, examples, epochs=epochs, batch_size=batch_size, seed=seed, progress=progress)
+        _mark_precision(store, base_encoder(store), trained.records, examples[2], examples[:2], precision, seed)
     record = trained.records[0]
     with _open_writable(store_path) as store:
         snap = store.snapshot()
@@ -761,6 +793,44 @@ def tenant_eval(store_path, tenant, test_path, *, max_examples: int | None = Non
         store.close()
 
 
+def tenant_precision(store_path, tenant, dev_path, target: float | None = None) -> dict:
+    """Each current level of a tenant whose precision was asked auto measured again on a
+    labelled dev file (a better sample than the held-out share; runtime.construct.precision,
+    target None: its default), its records rewritten in one commit (content and created
+    unchanged, so nothing that names them goes stale). Returns level -> {"precision",
+    "precision_check"} of every level measured."""
+    from runtime.construct import precision
+    from runtime.construct.full import is_stale
+
+    with hkstore.open(store_path) as store:
+        snap = store.snapshot()
+        if tenant not in snap.pets:
+            raise UnknownTenant(f"unknown tenant {tenant!r}")
+        pet = snap.read_pet(tenant)
+        records = [pet]
+        if tenant in snap.full and not is_stale(snap.read_full(tenant).meta, pet.meta):
+            records.append(snap.read_full(tenant))
+        records = [r for r in records if (r.meta.get("precision_check") or {}).get("asked", "auto") == "auto"]
+        if records:
+            encoder = base_encoder(store)
+            task, labels = pet.meta["task"], list(pet.meta["labels"])
+            max_len = (pet.meta.get("train") or {}).get("max_len", 128)
+            ids, targets = encode_eval(encoder, read_task(dev_path, task)[0], task, labels, max_len)
+            precision.mark(snap, encoder, records, ids, targets, "auto", "dev",
+                           precision.TARGET if target is None else target)
+    if not records:
+        return {}
+    with _open_writable(store_path) as store:
+        snap = store.snapshot()
+        now = [snap.read_pet(tenant).meta.get("created") if tenant in snap.pets else None,
+               snap.read_full(tenant).meta.get("created") if tenant in snap.full else None]
+        if any(r.meta.get("created") not in now for r in records):
+            raise ManagerError(f"tenant {tenant!r} was changed while its precision was measured; run it again")
+        store.put_pets(records)
+    return {("full" if r.meta.get("level") == "full" else "plot"):
+            {"precision": r.meta["precision"], "precision_check": r.meta["precision_check"]} for r in records}
+
+
 def status(store_path) -> dict:
     """Versions (with their info) and tenants of a store, for --json listings."""
     store = hkstore.open(store_path)
@@ -775,4 +845,4 @@ def status(store_path) -> dict:
 
 __all__ = ["ManagerError", "build", "domain_create", "domain_grow", "domain_update", "tenant_create", "tenants_create", "tenant_update",
            "tenant_rm", "tenant_ls", "tenant_info",
-           "tenant_eval", "version_encoder", "base_encoder", "status"]
+           "tenant_eval", "tenant_precision", "check_precision", "version_encoder", "base_encoder", "status"]

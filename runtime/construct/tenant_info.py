@@ -8,7 +8,10 @@ whether a profiled Tabi policy (the PET meta's `levels`, runtime.level.profile) 
 current (profiled for the PET stored now). Held-out scores
 are those recorded when training held out a calibration share (`tenant create
 --calibration-share`): the PET's calibration record scores plot and exact, the full-depth
-record its own `held_out`; without a held-out share none is recorded (null).
+record its own `held_out`; without a held-out share none is recorded (null). Each level's
+`precision` is what it serves at under a runtime at precision auto (the record's, chosen by
+runtime.construct.precision; a record from before precisions were measured: fp32), with
+`precision_check`, what was asked and the two scores it was chosen on (null when none).
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ def tenant_ls(store_path) -> dict:
         rows = [_info(snap, t) for t in sorted(snap.pets)]
     return {"tenants": [{"tenant": r["tenant"], "version": r["version"], "pet_type": r["pet_type"],
                          "task": r["task"], "levels": r["served"], "cascade": r["cascade"]["state"],
-                         "bytes": r["bytes"], "metric": r["metric"], "held_out": r["levels"]["plot"]["held_out"]}
+                         "bytes": r["bytes"], "metric": r["metric"], "held_out": r["levels"]["plot"]["held_out"],
+                         "precision": {name: r["levels"][name]["precision"] for name in r["served"]
+                                       if "precision" in r["levels"][name]}}
                         for r in rows]}
 
 
@@ -43,7 +48,7 @@ def _info(snap, tenant) -> dict:
     loc = snap.pets[tenant]
     scores = _pet_scores(meta)
     levels = {name: {"pet_type": meta["pet_type"], "layers": meta.get("layers"), "bytes": int(loc["length"]),
-                     "held_out": scores.get(key)} for name, key in (("plot", "1"), ("exact", "2"))}
+                     "held_out": scores.get(key), **_precision(meta)} for name, key in (("plot", "1"), ("exact", "2"))}
     if tenant in snap.full:
         levels["full"] = _full_level(snap, tenant, meta)
     if tenant in snap.students:
@@ -65,6 +70,12 @@ def _pet_scores(meta: dict) -> dict:
     return dict(calibration.get("score") or {}, metric=calibration.get("metric"))
 
 
+def _precision(meta: dict) -> dict:
+    """A record's precision (fp32 when it records none: what an executor serves it at) and
+    the check it was chosen by."""
+    return {"precision": meta.get("precision", "fp32"), "precision_check": meta.get("precision_check")}
+
+
 def _full_level(snap, tenant, pet_meta) -> dict:
     from runtime.construct.full import is_stale
 
@@ -72,7 +83,8 @@ def _full_level(snap, tenant, pet_meta) -> dict:
     held = meta.get("held_out") or {}
     return {"pet_type": meta.get("pet_type"), "layers": meta.get("layers"),
             "bytes": int(snap.full[tenant]["length"]),
-            "held_out": held.get("score"), "stale": is_stale(meta, pet_meta), "pet_created": meta.get("pet_created")}
+            "held_out": held.get("score"), "stale": is_stale(meta, pet_meta), "pet_created": meta.get("pet_created"),
+            **_precision(meta)}
 
 
 def _students_level(snap, tenant, pet_meta) -> dict:

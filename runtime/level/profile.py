@@ -433,6 +433,18 @@ def profile_tenant(rt, store_path, tenant: str, dev_path, calibration_path=None,
     return levels
 
 
+def check_precision(store_path, tenant: str, dev_path, target: float | None = None) -> dict:
+    """Each current level's precision measured again on the dev file and rewritten
+    (runtime.construct.manager.tenant_precision; target None: its default), each with its words
+    as `hkstore tenant info` says them."""
+    from runtime.construct import precision
+    from runtime.construct.manager import tenant_precision
+
+    levels = tenant_precision(store_path, tenant, dev_path, target)
+    return {name: dict(level, words=precision.words(level["precision"], level["precision_check"]))
+            for name, level in levels.items()}
+
+
 def _students(rt, tenant: str, pet):
     """(group, k) of the tenant's servable students (complete and current) at their best k, the
     students-first level 1 profiling measures; None when it has none."""

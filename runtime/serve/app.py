@@ -414,6 +414,17 @@ def _jsonl(records) -> bytes:
     return "".join(json.dumps(r) + "\n" for r in records).encode()
 
 
+def _precision(asked):
+    """A tenant's asked precision, refused (422, the missing instruction set named) before its
+    job queues when this machine cannot serve it: the job would fail after minutes of waiting."""
+    from runtime.construct.manager import check_precision
+
+    try:
+        check_precision(asked)
+    except ValueError as e:
+        raise HTTPError(422, str(e)) from None
+
+
 def _examples_file(examples):
     if isinstance(examples[0], ClassificationExample):
         return "train.jsonl", _jsonl({"text": e.text, "label": e.label} for e in examples)
@@ -960,6 +971,7 @@ def create_app(store_path, *, admin_token, max_batch=32, max_wait_ms=5, queue_li
             raise HTTPError(409, f"tenant {body.tenant!r} is a tenant of another store this server serves")
         if body.version not in versions:
             raise HTTPError(404, f"unknown version {body.version!r}")
+        _precision(body.precision)
         name, data = _examples_file(body.examples)
         if (name == "train.conll") != (body.task == "tagging"):
             raise HTTPError(422, f"the examples do not fit task {body.task!r}")
@@ -982,6 +994,8 @@ def create_app(store_path, *, admin_token, max_batch=32, max_wait_ms=5, queue_li
             raise HTTPError(404, f"unknown tenant {tenant!r}")
         if body.version is not None and body.version not in versions:
             raise HTTPError(404, f"unknown version {body.version!r}")
+        if body.precision is not None:
+            _precision(body.precision)
         uploads = {}
         if body.examples:
             name, data = _examples_file(body.examples)

@@ -475,11 +475,13 @@ def _execute(store_path, kind, p):
                                      task=p["task"], pet_type=p["pet_type"], epochs=p["epochs"],
                                      max_examples=p["max_examples"], lr=p["lr"], batch_size=p["batch_size"],
                                      max_len=p["max_len"], bottleneck=p["bottleneck"], rank=p["rank"],
-                                     seed=p["seed"], levels=p.get("levels", ["plot"]), progress=True)
+                                     seed=p["seed"], levels=p.get("levels", ["plot"]),
+                                     precision=p.get("precision", "auto"), progress=True)
     if kind == "tenant_update":
         return manager.tenant_update(store_path, p["tenant"], train_path=p.get("train_path"), version=p["version"],
                                      epochs=p["epochs"], max_examples=p["max_examples"], lr=p["lr"],
-                                     batch_size=p["batch_size"], max_len=p["max_len"], seed=p["seed"], progress=True)
+                                     batch_size=p["batch_size"], max_len=p["max_len"], seed=p["seed"],
+                                     precision=p.get("precision"), progress=True)
     if kind == "tenant_rm":
         return manager.tenant_rm(store_path, p["tenant"])
     raise ValueError(f"unknown job kind {kind!r}")

@@ -206,6 +206,8 @@ class TenantCreateBody(Strict):
     bottleneck: Optional[Annotated[int, Field(ge=1, le=1024), INTEGRAL]] = None
     rank: Optional[Annotated[int, Field(ge=1, le=256), INTEGRAL]] = None
     seed: Annotated[int, Field(ge=0, le=2**31 - 1), INTEGRAL] = 0
+    # what each level serves at, as `tenant create --precision` (auto: measured)
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
 
     @field_validator("levels")
     @classmethod
@@ -229,6 +231,7 @@ class TenantUpdateBody(Strict):
     batch_size: Annotated[int, Field(ge=1, le=1024), INTEGRAL] = 16
     max_len: Optional[Annotated[int, Field(ge=8, le=512), INTEGRAL]] = None
     seed: Annotated[int, Field(ge=0, le=2**31 - 1), INTEGRAL] = 0
+    precision: Optional[Literal["auto", "fp32", "bf16"]] = None  # None: as the tenant's was asked
 
     @model_validator(mode="after")
     def _kinds(self):
