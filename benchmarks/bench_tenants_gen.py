@@ -26,7 +26,15 @@ Systems (one torch thread each, the same base weights):
   the group: what a user would write with transformers and PEFT;
 - transformers+PEFT-mixed: the same model with every tenant's adapter loaded under its own name,
   batches of --batch requests in arrival order, each row naming its adapter
-  (model.generate(..., adapter_names=[...]): PEFT's mixed-adapter batching).
+  (model.generate(..., adapter_names=[...]): PEFT's mixed-adapter batching);
+- hGPT-bf16, transformers+PEFT-mixed-bf16: the same two with the base model's GEMMs in bf16
+  (hGPT: runtime.gen.row_precision, weights packed once in bf16; PEFT: the model and its
+  adapters loaded in bf16, what a user would deploy), on a CPU with native bf16.
+
+On the CPU both PEFT systems run the base model's projections and LM head on the same oneDNN
+packed GEMMs as hGPT (runtime.exec.onednn; each module's forward replaced, its LoRA untouched):
+on an AMD CPU MKL's sgemm, transformers' default, keeps to AVX2 code, so without this a ratio
+would measure the GEMM library, not the serving.
 
 --device cuda runs hGPT on the GPU executor's decode path (needs CuPy and a GPU) and the two
 transformers+PEFT systems on the same GPU through PyTorch; the hGPT-grouped, GPT-shared and
@@ -51,7 +59,8 @@ import time
 
 from tools.pretrain_decoder import WIKITEXT, read_lines
 
-SYSTEMS = ("hGPT", "hGPT-grouped", "GPT-shared", "GPT-dedicated", "transformers+PEFT", "transformers+PEFT-mixed")
+SYSTEMS = ("hGPT", "hGPT-bf16", "hGPT-grouped", "GPT-shared", "GPT-dedicated", "transformers+PEFT",
+           "transformers+PEFT-mixed", "transformers+PEFT-mixed-bf16")
 # PEFT's LoRA targets: GPT-2 fuses q, k, v in one Conv1D (its LoRA covers all three); OPT has q and v apart.
 PEFT_TARGETS = {"gpt2": (["c_attn"], True), "opt": (["q_proj", "v_proj"], False)}
 
@@ -171,40 +180,49 @@ class Bench:
             self.pets.append(Pet(tensors, {"pet_type": "lora", "task": "lm", "rank": r, "scale": 2.0}))
         return self.pets[:T]
 
-    def _peft_base(self):
+    def _peft_base(self, dtype=None):
         import torch
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM
 
-        base = AutoModelForCausalLM.from_pretrained(self.model_path, torch_dtype=torch.float32).eval()
+        dtype = dtype or torch.float32
+        base = AutoModelForCausalLM.from_pretrained(self.model_path, torch_dtype=dtype).eval()
         base.to(self.args.device)
         targets, fan_in_fan_out = PEFT_TARGETS[self.dec.config.arch]
         self.peft_config = LoraConfig(r=self.args.rank, lora_alpha=2 * self.args.rank, target_modules=targets,
                                       layers_to_transform=self.upper, fan_in_fan_out=fan_in_fan_out,
                                       lora_dropout=0.0)
-        return get_peft_model(base, self.peft_config).eval()
+        model = get_peft_model(base, self.peft_config, autocast_adapter_dtype=False).eval()
+        if self.args.device == "cpu":
+            packed_gemms(model, dtype)
+        return model
 
     def peft_model(self):
         if self.peft is None:
             self.peft = self._peft_base()
         return self.peft
 
-    def peft_mixed_model(self, T):
-        """A PEFT model holding tenants 0..T-1's adapters, named t0, t1, ... (loaded once)."""
+    def peft_mixed_model(self, T, dtype=None):
+        """A PEFT model holding tenants 0..T-1's adapters, named t0, t1, ... (loaded once; one
+        model per dtype, default fp32)."""
         import torch
 
         from peft.tuners.lora import LoraLayer
 
+        dtype = dtype or torch.float32
         if self.peft_mixed is None:
-            self.peft_mixed, self.peft_named = self._peft_base(), 0
-            self.peft_layers = [m for m in self.peft_mixed.modules() if isinstance(m, LoraLayer)]
+            self.peft_mixed = {}
+        if dtype not in self.peft_mixed:
+            model = self._peft_base(dtype)
+            self.peft_mixed[dtype] = [model, 0, [m for m in model.modules() if isinstance(m, LoraLayer)]]
+        model, named, layers = self.peft_mixed[dtype]
         states, cfg = self.peft_tenants(T), self.peft_config
-        while self.peft_named < T:
-            name = f"t{self.peft_named}"
+        while named < T:
+            name = f"t{named}"
             # What add_adapter and set_peft_model_state_dict do, without their walks over every
             # module, adapter and the whole state dict per call (quadratic: hours at 1,000): the
             # first adapter is made by PEFT, each later one copies its entries, then its weights.
-            for m in self.peft_layers:
+            for m in layers:
                 if name == "t0":
                     m.update_layer(name, cfg.r, cfg.lora_alpha, config=cfg)
                     continue
@@ -212,14 +230,15 @@ class Bench:
                     entries = getattr(m, attr, None)
                     if hasattr(entries, "keys") and "t0" in entries:
                         entries[name] = copy.deepcopy(entries["t0"])
-            self.peft_mixed.peft_config[name] = cfg
+            model.peft_config[name] = cfg
             with torch.no_grad():
-                for key, value in states[self.peft_named].items():
+                for key, value in states[named].items():
                     at = key.replace(".lora_A.weight", f".lora_A.{name}.weight").replace(
                         ".lora_B.weight", f".lora_B.{name}.weight")
-                    self.peft_mixed.get_parameter(at).copy_(value)
-            self.peft_named += 1
-        return self.peft_mixed.eval()
+                    model.get_parameter(at).copy_(value)
+            named += 1
+        self.peft_mixed[dtype][1] = named
+        return model.eval()
 
     def peft_tenants(self, T):
         import torch
@@ -252,13 +271,14 @@ class Bench:
         a = self.args
         self._start()
         swaps = 0
-        if system in ("hGPT", "hGPT-grouped"):
+        if system in ("hGPT", "hGPT-bf16", "hGPT-grouped"):
             from runtime.gen import batched_step, batcher, plot_decode
             from runtime.gen.lora_batch import lora_only
             from runtime.gen.plot_decode import PlotDecoder
 
             pets = self.lora_pets(max(tenants) + 1)
-            gen = PlotDecoder(self.store.snapshot(), "root", self.dec)
+            gen = PlotDecoder(self.store.snapshot(), "root", self.dec,
+                              precision="bf16" if system == "hGPT-bf16" else "fp32")
             if a.device == "cuda":  # the GPU executor's decode path (BGMV / SGMV kernels, KV pool on the device)
                 from runtime.exec.gpu_decoder import GpuDecoderExecutor
                 from runtime.gen.device_decode import DevicePlotDecoder
@@ -266,7 +286,7 @@ class Bench:
                 self.executor = getattr(self, "executor", None) or GpuDecoderExecutor(self.dec)
                 gen = DevicePlotDecoder(self.store.snapshot(), "root", self.dec, executor=self.executor)
             batched_step.lora_only = batcher.lora_only = plot_decode.lora_only = (
-                lora_only if system == "hGPT" else (lambda pet: pet is None))
+                lora_only if system != "hGPT-grouped" else (lambda pet: pet is None))
             self._start()
             try:
                 tokens = run_batcher(gen, self.prompts, [pets[t] for t in tenants], a.max_tokens, a.batch)
@@ -300,8 +320,10 @@ class Bench:
                 resident.append(tenant)
                 tokens += run_batcher(FullGen(self.slots[slot]), [self.prompts[j] for j in rows], [None] * len(rows),
                                       a.max_tokens, a.batch)
-        elif system == "transformers+PEFT-mixed":
-            model = self.peft_mixed_model(max(tenants) + 1)
+        elif system in ("transformers+PEFT-mixed", "transformers+PEFT-mixed-bf16"):
+            import torch
+
+            model = self.peft_mixed_model(max(tenants) + 1, torch.bfloat16 if system.endswith("bf16") else None)
             self._start()
             tokens = 0
             for k in range(0, len(tenants), a.batch):
@@ -348,6 +370,31 @@ class Bench:
         for t, rows in order.items():
             for k in range(0, len(rows), self.args.batch):
                 yield t, rows[k:k + self.args.batch]
+
+
+def packed_gemms(model, dtype) -> None:
+    """Run every base projection and the LM head of a transformers (+ PEFT) model on oneDNN's
+    packed GEMMs in dtype (runtime.exec.onednn, as hGPT's step); LoRA's own layers stay as they are."""
+    import torch
+    from transformers.pytorch_utils import Conv1D
+
+    from runtime.exec import onednn, precision
+
+    if not onednn.available():
+        return
+    packer = onednn.SHARED if dtype == torch.float32 else precision.shared_bf16()
+    for name, m in model.named_modules():
+        if ".lora_" in name or not isinstance(m, (torch.nn.Linear, Conv1D)):
+            continue
+        # Conv1D keeps W^T (d_in, d_out): a transposed copy, kept on the module, is what gets packed
+        w = m.weight if isinstance(m, torch.nn.Linear) else m.weight.detach().t().contiguous()
+        m._packed_w = w
+
+        def forward(x, m=m, w=w):
+            y = packer.linear(x.reshape(-1, x.shape[-1]), w, m.bias)
+            return y.to(x.dtype).view(*x.shape[:-1], w.shape[0])
+
+        m.forward = forward
 
 
 # -- the run ------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """benchmarks.bench_gen124's fairness: the checkpoint it makes is one set of weights that hGPT's
 decoder and transformers read alike (GPT-2 and OPT shapes), PEFT's mixed-adapter batching applies
-each row's own tenant exactly as switching the one slot to that tenant does, and the summary is
-the median of within-round ratios."""
+each row's own tenant exactly as switching the one slot to that tenant does (both on the packed
+GEMMs hGPT runs), in bf16 too, and the summary is the median of within-round ratios."""
 
 import os
 from types import SimpleNamespace
@@ -62,18 +62,39 @@ def test_mixed_adapter_batching_applies_each_rows_tenant(tmp_path, tiny_shapes):
         other = mixed(input_ids=ids[:1], adapter_names=["t1"]).logits[0]
     assert torch.allclose(got, torch.stack(want), atol=1e-5)
     assert not torch.allclose(got[0], other, atol=1e-6)  # the tenants' adapters do differ
+    from runtime.exec import onednn, precision
+
+    if onednn.available():  # the base GEMMs ran on the packed weights hGPT's step uses
+        assert id(mixed.base_model.model.lm_head.weight) in onednn.SHARED._packed
+    if precision.bf16_native():
+        with torch.no_grad():
+            half = bench.peft_mixed_model(3, torch.bfloat16)(input_ids=ids, adapter_names=[f"t{t}" for t in tenants])
+        assert half.logits.dtype == torch.bfloat16
+        assert torch.allclose(half.logits.float(), got, atol=0.05 * float(got.abs().max()))
 
 
 RATES = st.lists(st.floats(1.0, 1000.0), min_size=1, max_size=5)
 
 
 @settings(max_examples=50, deadline=None)
-@given(RATES, st.floats(0.1, 10.0))
-def test_the_summary_is_the_median_of_within_round_ratios(rates, r):
-    rows = [{"round": k, "tenants": T, "system": s, "tokens_per_s": x * (r if s == "hGPT" else 1.0) * (T / 10 + 1)}
+@given(RATES, st.floats(0.1, 10.0), st.floats(0.5, 4.0), st.floats(0.5, 4.0))
+def test_the_summary_is_the_median_of_within_round_ratios(rates, r, bf_ours, bf_theirs):
+    factor = {"hGPT": r, "hGPT-bf16": r * bf_ours, "transformers+PEFT-mixed-bf16": bf_theirs}
+    rows = [{"round": k, "tenants": T, "system": s, "tokens_per_s": x * factor.get(s, 1.0) * (T / 10 + 1)}
             for k, x in enumerate(rates) for T in (1, 10) for s in bench_gen124.SYSTEMS]
     table = bench_gen124.per_round(rows, [1, 10])
-    for row in table:  # every round has hGPT = r x each PEFT system, however the rounds' speeds differ
+    for row in table:  # every round has the same ratios, however the rounds' speeds differ
         assert row["hGPT/PEFT-mixed"] == row["hGPT/PEFT-switch"] == round(r, 2)
         assert row["hGPT/PEFT-mixed rounds"] == [round(r, 2)] * len(rates)
+        assert row["hGPT-bf16/PEFT-mixed-bf16"] == round(r * bf_ours / bf_theirs, 2)
+        assert row["hGPT-bf16/PEFT-mixed"] == round(r * bf_ours, 2)
+        assert row["hGPT-bf16/hGPT"] == round(bf_ours, 2)
+        assert row["PEFT-mixed-bf16/PEFT-mixed"] == round(bf_theirs, 2)
     assert table[1]["hGPT@T/@1"] == round(2.0 / 1.1, 2)
+
+
+def test_greedy_agreement_counts_tokens_up_to_the_first_difference():
+    refs = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 9]]
+    runs = [[1, 2, 3, 4], [5, 0, 7, 8], [8, 9]]  # the second keeps 1 token, the third none
+    assert bench_gen124.agreement(runs, refs) == {"requests_identical": round(1 / 3, 3),
+                                                  "tokens_before_divergence": round(5 / 10, 3)}

@@ -46,13 +46,18 @@ class DecoderRuntime:
                  max_running: int = 64, decoder=None, dtype: str = "fp32", pet_cache_bytes: int = 512 << 20,
                  lora_kernel: str = "auto", executor=None, **_ignored):
         """device "cpu" (the reference path) or "cuda" (runtime.gen.device_decode: the upper layers,
-        KV pool and PETs on the GPU executor; `executor` hands in one already built)."""
+        KV pool and PETs on the GPU executor; `executor` hands in one already built). On the CPU,
+        dtype is the shared GEMMs' precision, "fp32", "bf16" or "auto" (runtime.gen.row_precision)."""
         import hkstore
         from runtime.model.stored import base_decoder
 
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda (runtime.open resolves auto), got {device!r}")
         self.device = device
+        if device == "cpu":
+            from runtime.gen.row_precision import resolve
+
+            self.precision = resolve(dtype)  # (before the store opens: a bad dtype leaves nothing open)
         self.store = hkstore.open(store_path)
         try:
             self.decoder = decoder if decoder is not None else base_decoder(self.store)
@@ -110,7 +115,7 @@ class DecoderRuntime:
         else:
             from runtime.gen.plot_decode import PlotDecoder
 
-            gen = PlotDecoder(snap, version, self.decoder)
+            gen = PlotDecoder(snap, version, self.decoder, precision=self.precision)
         return Batcher(gen, self.kv_budget_bytes, self.max_running)
 
     def refresh(self):

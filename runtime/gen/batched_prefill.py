@@ -13,28 +13,31 @@ any other PET go in one call per PET (shared_pet: runtime.gen.plot_decode.prefil
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
+from runtime.gen.batched_step import qkv
 from runtime.gen.lora_batch import LoraBatch
+from runtime.gen.row_precision import RowPrecision
 from runtime.model import pet as petlib
 from runtime.model.decoder import _act, _norm, _rotate
 
 
 @torch.no_grad()
-def prefill_batch(decoder, h: torch.Tensor, mask: torch.Tensor, seqs, pool, shared_pet=False) -> torch.Tensor:
+def prefill_batch(decoder, h: torch.Tensor, mask: torch.Tensor, seqs, pool, shared_pet=False,
+                  precision: str = "fp32") -> torch.Tensor:
     """Upper layers over h (B, T, d) (mask (B, T): real tokens, right-padded) with each row's
     LoRA (seqs[b].pet); keys and values of the real positions go to seqs[b].slots in pool,
     whose kv_len becomes its prompt's length. Returns the last real position's logits.
     shared_pet: every row has the same PET, of any kind (runtime.model.pet applies it whole:
-    adapters, BitFit, diff, norm deltas), instead of per-row LoRAs."""
+    adapters, BitFit, diff, norm deltas), instead of per-row LoRAs. precision: the shared GEMMs'
+    (runtime.gen.row_precision.resolve's mode; a projection the shared PET edits runs fp32)."""
     c = decoder.config
     B, T, _ = h.shape
     lengths = mask.sum(1)
     pet = seqs[0].pet if shared_pet else None
     lb = LoraBatch([None] * B if shared_pet else [s.pet for s in seqs])
+    rp = RowPrecision.of(precision, [s.pet for s in seqs])
     positions = decoder.positions_of(mask)
     pages = torch.zeros(B, T, dtype=torch.long)
     for b, s in enumerate(seqs):
@@ -45,17 +48,16 @@ def prefill_batch(decoder, h: torch.Tensor, mask: torch.Tensor, seqs, pool, shar
     def lin(i, target, x):
         lin_ = getattr(decoder.layers[i], target)
         if pet is not None:
-            return petlib.linear(pet, i, target, x, lin_)
-        y = F.linear(x, lin_.weight, lin_.bias)
+            return petlib.linear(pet, i, target, x, lin_, gemm=rp.linear)
+        y = rp.linear(x, lin_.weight, lin_.bias)
         d = lb.delta(i, target, x)
         return y if d is None else y + d
 
     for i in range(decoder.lower_layers, c.num_layers):
         blk = decoder.layers[i]
         x = _norm(pet, i, "ln_attn", h, blk.ln_attn)
-        q = lin(i, "q", x).view(B, T, H, hd).transpose(1, 2)
-        k = lin(i, "k", x).view(B, T, KV, hd).transpose(1, 2)
-        v = lin(i, "v", x).view(B, T, KV, hd).transpose(1, 2)
+        q, k, v = qkv(i, blk, x, rp.linear, lb) if pet is None else (lin(i, "q", x), lin(i, "k", x), lin(i, "v", x))
+        q, k, v = (t.reshape(B, T, -1, hd).transpose(1, 2) for t in (q, k, v))
         if c.rotary:
             q, k = _rotate(q, positions, c.rope_theta), _rotate(k, positions, c.rope_theta)
         li = i - pool.first
@@ -63,16 +65,16 @@ def prefill_batch(decoder, h: torch.Tensor, mask: torch.Tensor, seqs, pool, shar
         pool.v[li, pages[mask]] = v.transpose(1, 2)[mask]
         if KV != H:
             k, v = k.repeat_interleave(H // KV, 1), v.repeat_interleave(H // KV, 1)
-        scores = (q @ k.transpose(-2, -1) / math.sqrt(hd)).masked_fill(~allowed, torch.finfo(h.dtype).min)
-        ctx = (scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, H * hd)
+        # (every query has a real key, position 0, so no row of the mask is empty)
+        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed).transpose(1, 2).reshape(B, T, H * hd)
         h = h + lin(i, "o", ctx)
         x = _norm(pet, i, "ln_ffn", h, blk.ln_ffn)
         if c.gated:
-            f = _act(c.act, F.linear(x, blk.ffn_gate.weight, blk.ffn_gate.bias)) * lin(i, "ffn_in", x)
+            f = _act(c.act, rp.linear(x, blk.ffn_gate.weight, blk.ffn_gate.bias)) * lin(i, "ffn_in", x)
         else:
             f = _act(c.act, lin(i, "ffn_in", x))
         h = h + lin(i, "ffn_out", f)
     for b, s in enumerate(seqs):
         s.kv_len = int(lengths[b])
         s.cache = None
-    return decoder.logits(h[torch.arange(B), lengths - 1])
+    return decoder.logits(h[torch.arange(B), lengths - 1], linear=rp.linear)

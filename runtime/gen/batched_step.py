@@ -6,7 +6,8 @@ runs per sequence against its own KV cache (caches have different lengths).
     logits = upper_step(decoder, seqs, h)     # h (B, d): each sequence's newest token's input
 
 When every PET of the step is a pure LoRA (or none), the base projections run once for all rows
-and each row's LoRA is added by BGMV / SGMV (runtime.gen.lora_batch): no per-group loop.
+(q, k and v as one GEMM) and each row's LoRA is added by BGMV / SGMV (runtime.gen.lora_batch):
+no per-group loop. The shared GEMMs run in fp32 or bf16 per row (runtime.gen.row_precision).
 
 Equal to running runtime.model.decoder.Decoder.upper on each sequence alone with its cache and
 PET (tests/test_batcher.py checks the generated text), with one weight read per group instead
@@ -18,10 +19,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
-from runtime.exec import onednn
 from runtime.gen.lora_batch import LoraBatch, lora_only
+from runtime.gen.row_precision import RowPrecision
 from runtime.model import pet as petlib
 from runtime.model.decoder import _act, _norm, _rotate
 
@@ -37,12 +37,12 @@ def _groups(seqs) -> list[tuple[object, torch.Tensor]]:
 
 
 def _grouped(groups, out_dim: int, x: torch.Tensor, fn) -> torch.Tensor:
-    """fn(pet, x[rows]) for every group, scattered back into (B, out_dim)."""
+    """fn(pet, x[rows], gemm) for every group (pet, rows, gemm), scattered back into (B, out_dim)."""
     if len(groups) == 1:
-        return fn(groups[0][0], x)
+        return fn(groups[0][0], x, groups[0][-1])
     y = x.new_empty(x.shape[0], out_dim)
-    for pet, rows in groups:
-        y[rows] = fn(pet, x[rows])
+    for pet, rows, gemm in groups:
+        y[rows] = fn(pet, x[rows], gemm)
     return y
 
 
@@ -62,24 +62,26 @@ def _lora_batch(pets) -> LoraBatch:
 
 
 @torch.no_grad()
-def upper_step(decoder, seqs, h: torch.Tensor, pool=None) -> torch.Tensor:
+def upper_step(decoder, seqs, h: torch.Tensor, pool=None, precision: str = "fp32") -> torch.Tensor:
     """Run the upper layers on one new position per sequence (h (B, d)), appending to each
     sequence's cache (its pages of pool, a runtime.gen.kv_pool.KVPool: attention for all rows
     at once; else its own KVCache, one sequence after another); returns the next-token
-    logits (B, vocab)."""
+    logits (B, vocab). precision: the shared GEMMs' (runtime.gen.row_precision.resolve's mode)."""
     c = decoder.config
     B = h.shape[0]
     pets = [s.pet for s in seqs]
+    rp = RowPrecision.of(precision, pets)
     if all(lora_only(p) for p in pets):  # base projections once, LoRA by BGMV / SGMV (runtime.gen.lora_batch)
         lb = _lora_batch(pets)
-        groups = [(None, None)]
+        groups = [(None, None, None)]
 
         def _lin(i, target, x, lin_):
-            y = onednn.linear(x, lin_.weight, lin_.bias)
+            y = rp.linear(x, lin_.weight, lin_.bias)
             d = lb.delta(i, target, x)
             return y if d is None else y.add_(d)
     else:
-        groups = _groups(seqs)
+        # (a group shares one PET, so one precision; an edited projection runs fp32 whatever it is)
+        groups = [(pet, rows, RowPrecision.of(precision, [pet]).linear) for pet, rows in _groups(seqs)]
         _lin = None
     if pool is not None:  # every position of a pooled sequence is a real token: position = length
         positions = torch.tensor([s.kv_len for s in seqs])
@@ -91,17 +93,20 @@ def upper_step(decoder, seqs, h: torch.Tensor, pool=None) -> torch.Tensor:
         blk = decoder.layers[i]
 
         def norm(name, x, blk=blk, i=i):
-            return _grouped(groups, c.d, x, lambda pet, xs: _norm(pet, i, name, xs, getattr(blk, name)))
+            return _grouped(groups, c.d, x, lambda pet, xs, _: _norm(pet, i, name, xs, getattr(blk, name)))
 
         def lin(target, x, out_dim, blk=blk, i=i):
             if _lin is not None:
                 return _lin(i, target, x, getattr(blk, target))
-            return _grouped(groups, out_dim, x, lambda pet, xs: petlib.linear(pet, i, target, xs, getattr(blk, target)))
+            return _grouped(groups, out_dim, x, lambda pet, xs, gemm: petlib.linear(pet, i, target, xs, getattr(blk, target),
+                                                                                   gemm=gemm))
 
         x = norm("ln_attn", h)
-        q = lin("q", x, H * hd).view(B, H, 1, hd)
-        k = lin("k", x, KV * hd).view(B, KV, 1, hd)
-        v = lin("v", x, KV * hd).view(B, KV, 1, hd)
+        if _lin is not None:
+            q, k, v = qkv(i, blk, x, rp.linear, lb)
+        else:
+            q, k, v = lin("q", x, H * hd), lin("k", x, KV * hd), lin("v", x, KV * hd)
+        q, k, v = q.view(B, H, 1, hd), k.view(B, KV, 1, hd), v.view(B, KV, 1, hd)
         if c.rotary:
             q, k = _rotate(q, positions[:, None], c.rope_theta), _rotate(k, positions[:, None], c.rope_theta)
         if pool is not None:
@@ -111,7 +116,7 @@ def upper_step(decoder, seqs, h: torch.Tensor, pool=None) -> torch.Tensor:
         h = h + lin("o", ctx, c.d)
         x = norm("ln_ffn", h)
         if c.gated:
-            f = _act(c.act, onednn.linear(x, blk.ffn_gate.weight, blk.ffn_gate.bias)) * lin("ffn_in", x, c.ffn)
+            f = _act(c.act, rp.linear(x, blk.ffn_gate.weight, blk.ffn_gate.bias)) * lin("ffn_in", x, c.ffn)
         else:
             f = _act(c.act, lin("ffn_in", x, c.ffn))
         h = h + lin("ffn_out", f, c.d)
@@ -121,7 +126,33 @@ def upper_step(decoder, seqs, h: torch.Tensor, pool=None) -> torch.Tensor:
         else:
             s.cache.mask = torch.cat([s.cache.mask, s.cache.mask.new_ones(1, 1)], 1)
             s.cache.positions = s.cache.positions + 1
-    return decoder.logits(h, linear=onednn.linear)
+    return decoder.logits(h, linear=rp.linear)
+
+
+def qkv(i: int, blk, x: torch.Tensor, linear, lb: LoraBatch):
+    """Layer i's q, k and v of x (..., d) with every row's LoRA: one GEMM on the three weights
+    side by side (a third of the calls, each wider: the better rate at a step's few rows),
+    each row's LoRA deltas added into its parts of the output."""
+    w, b = fused_qkv(blk)
+    q, k, v = linear(x, w, b).split([blk.q.out_features, blk.k.out_features, blk.v.out_features], -1)
+    for target, part in (("q", q), ("k", k), ("v", v)):
+        d = lb.delta(i, target, x)
+        if d is not None:
+            part.add_(d)
+    return q, k, v
+
+
+def fused_qkv(blk) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(W, b) of blk's q, k and v stacked, made once and again whenever one of them is written
+    in place (one tensor kept on the block: the packed GEMMs pack each weight tensor once)."""
+    parts = (blk.q, blk.k, blk.v)
+    versions = tuple(p.weight._version for p in parts) + tuple(id(p.weight) for p in parts)
+    made = getattr(blk, "_fused_qkv", None)
+    if made is None or made[0] != versions:
+        w = torch.cat([p.weight.detach() for p in parts])
+        b = None if blk.q.bias is None else torch.cat([p.bias.detach() for p in parts])
+        made = blk._fused_qkv = (versions, w, b)
+    return made[1], made[2]
 
 
 def _attend_each(i, seqs, q, k, v, c) -> torch.Tensor:

@@ -47,11 +47,16 @@ class Sequence:
 
 
 class PlotDecoder:
-    def __init__(self, snapshot, version, decoder):
+    def __init__(self, snapshot, version, decoder, precision: str = "fp32"):
+        """precision: the shared GEMMs' in the batched prefill and decode step, "fp32", "bf16" or
+        "auto" (runtime.gen.row_precision; the one-sequence path of prefill / greedy stays fp32)."""
+        from runtime.gen.row_precision import resolve
+
         meta = snapshot.meta
         if not is_decoder_store(meta):
             raise ValueError("generation needs a decoder store (this one serves an encoder)")
         self.snapshot, self.version, self.decoder = snapshot, version, decoder
+        self.precision = resolve(precision)
         self.n, self.pad_id = meta["n"], meta["pad_id"]
         self.position = snapshot.position(version)
 
@@ -89,7 +94,7 @@ class PlotDecoder:
         for key, rows in groups.items():
             T = int(mask[rows].sum(1).max())
             logits = prefill_batch(self.decoder, h[rows, :T], mask[rows, :T], [seqs[b] for b in rows], pool,
-                                   shared_pet=key is not None)
+                                   shared_pet=key is not None, precision=self.precision)
             for j, b in enumerate(rows):
                 seqs[b].logits = logits[j]
         for b, s in enumerate(seqs):
@@ -133,7 +138,7 @@ class PlotDecoder:
         if len(seqs) > 1 or pool is not None:  # one GEMM per PET group for all sequences (runtime.gen.batched_step)
             from runtime.gen.batched_step import upper_step
 
-            for s, logits in zip(seqs, upper_step(self.decoder, seqs, h, pool)):
+            for s, logits in zip(seqs, upper_step(self.decoder, seqs, h, pool, self.precision)):
                 s.logits = logits
             return
         for b, s in enumerate(seqs):

@@ -1,0 +1,87 @@
+"""The precision each row of a decode step or prefill runs its shared GEMMs in: fp32, or bf16
+on weights packed once in bf16 (oneDNN, fp32 accumulation; runtime.exec.precision).
+
+    rp = RowPrecision.of("auto", [s.pet for s in seqs])
+    y = rp.linear(x, lin.weight, lin.bias)        # (B, ...) fp32 in, fp32 out, each row at its precision
+
+Only the GEMMs on the base model's weights change precision (the q, k, v, o and FFN projections
+and the LM head: nearly all of a step's FLOPs); what a row adds of its own (LoRA), attention,
+the norms, the residual stream, the KV pool and the logits stay fp32, so rows of both
+precisions share a step. "fp32" and "bf16" set every row; "auto" takes each row's PET's
+recorded precision (meta "precision"; fp32 without one, and for the base model's rows).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.exec import onednn
+from runtime.exec import precision as precisionlib
+
+
+def resolve(precision: str) -> str:
+    """The step mode for a runtime's precision: "fp32", "bf16" or "auto". bf16 on a CPU without
+    native bf16 raises runtime.exec.precision.PrecisionUnavailable; auto there is fp32 (logged once)."""
+    if precision == "auto":
+        return "auto" if precisionlib.resolve("auto") == "bf16" else "fp32"
+    return precisionlib.resolve(precision)
+
+
+def row_precision(pet) -> str:
+    return "fp32" if pet is None else pet.meta.get("precision", "fp32")
+
+
+class RowPrecision:
+    def __init__(self, bf16_rows: torch.Tensor | None, all_bf16: bool):
+        # all_bf16: every row bf16; else bf16_rows (indices) is None (all fp32) or the bf16 rows
+        self.all_bf16, self.bf16_rows = all_bf16, bf16_rows
+        if bf16_rows is not None:
+            self._bf16 = precisionlib.shared_bf16()
+
+    FP32: RowPrecision  # every row fp32 (set below)
+
+    @classmethod
+    def of(cls, mode: str, pets) -> RowPrecision:
+        """The rows' precisions for a step in mode (resolve's) whose rows carry pets."""
+        if mode == "fp32":
+            return cls.FP32
+        if mode == "bf16":
+            return cls(torch.arange(len(pets)), True)
+        rows = [b for b, p in enumerate(pets) if row_precision(p) == "bf16"]
+        if not rows:
+            return cls.FP32
+        return cls(torch.tensor(rows), len(rows) == len(pets))
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T + b in fp32, each row (dim 0 of x) through its precision's packed GEMM."""
+        if self.bf16_rows is None:
+            return _fp32(x, w, b)
+        if self.all_bf16:
+            return self._bf16_linear(x, w, b)
+        y = x.new_empty(*x.shape[:-1], w.shape[0])
+        fp = _complement(self.bf16_rows, x.shape[0])
+        y[self.bf16_rows] = self._bf16_linear(x[self.bf16_rows], w, b)
+        if len(fp):
+            y[fp] = _fp32(x[fp], w, b)
+        return y
+
+    def _bf16_linear(self, x, w, b):
+        shape = x.shape
+        y = self._bf16.linear(x.reshape(-1, shape[-1]).to(torch.bfloat16), w, b)
+        return y.float().view(*shape[:-1], w.shape[0])
+
+
+def _fp32(x, w, b):
+    shape = x.shape
+    if len(shape) == 2:
+        return onednn.linear(x, w, b)
+    return onednn.linear(x.reshape(-1, shape[-1]), w, b).view(*shape[:-1], w.shape[0])
+
+
+def _complement(rows: torch.Tensor, n: int) -> torch.Tensor:
+    keep = torch.ones(n, dtype=torch.bool)
+    keep[rows] = False
+    return keep.nonzero().flatten()
+
+
+RowPrecision.FP32 = RowPrecision(None, False)
