@@ -41,16 +41,17 @@ from runtime.serving import MAX_TEXT_CHARS, Request, Result, Runtime, _cuda_avai
 
 __all__ = [
     "BadRequest", "EmptyText", "Expired", "IncompatiblePet", "MAX_TEXT_CHARS", "Request", "Result", "Runtime", "StoreError", "Unavailable",
-    "TextTooLong", "UnknownTenant", "infer", "open",
+    "TextTooLong", "UnknownTenant", "infer", "open", "resolve_precision",
 ]
 
 
 def open(store_path, device: str = "auto", *, workers=None, **options) -> Runtime:  # noqa: A001 - the package's verb
     """A Runtime serving the store at store_path; options as Runtime's (max_len, max_batch,
     pet_cache_bytes, pipeline and prefetch (the overlap threads: on by default on a GPU, off on the
-    CPU, where they compete with compute for the cores), hot_tier_rows, host_cache_bytes, dtype (CPU: fp32, the
-    default; bf16: the shared GEMMs in bf16, refused on a CPU without AVX512_BF16 / AMX-BF16; auto: bf16 where
-    the CPU has it, else fp32; int8), lora_kernel,
+    CPU, where they compete with compute for the cores), hot_tier_rows, host_cache_bytes, dtype (CPU: auto, the
+    default: each tenant's level at the precision its record names, bf16 where tenant create or levels profile
+    measured it loses nothing and the CPU has AVX512_BF16 / AMX-BF16, else fp32; fp32 or bf16: every row so,
+    bf16 refused on a CPU without it; int8), lora_kernel,
     students_target_s: the students' pruning policy's latency target, length_buffer: batches of
     similar lengths from what waits, False for first come first served; batching: fifo, length,
     coordinated (PetS's coordinated batching) or tenant (one tenant a batch), overrides length_buffer;
@@ -70,6 +71,14 @@ def open(store_path, device: str = "auto", *, workers=None, **options) -> Runtim
     if is_decoder_store_path(store_path):
         return DecoderRuntime(store_path, _resolve_device(device), **options)
     return Runtime(store_path, device, **options)
+
+
+def resolve_precision(precision: str) -> str:
+    """fp32 or bf16 for a requested precision (fp32, bf16, auto) on this CPU; bf16 where the CPU
+    lacks native bf16 raises a ValueError that says so (runtime.exec.precision)."""
+    from runtime.exec.precision import resolve
+
+    return resolve(precision)
 
 
 def infer(store_path, requests, device: str = "auto", **options) -> list:

@@ -90,7 +90,7 @@ class Runtime:
                  pet_cache_bytes: int = DEFAULT_PET_CACHE_BYTES, pipeline: bool | None = None,
                  prefetch: bool | None = None,
                  hot_tier_rows: int = DEFAULT_HOT_TIER_ROWS, host_cache_bytes: int = DEFAULT_HOST_CACHE_BYTES,
-                 dtype: str = "fp32", lora_kernel: str = "auto", encoder=None, truncate: bool = False,
+                 dtype: str = "auto", lora_kernel: str = "auto", encoder=None, truncate: bool = False,
                  students_target_s: float = 0.5, length_buffer: bool = True, batching: str | None = None,
                  max_wait_s: float = 0.0):
         import hkstore
@@ -144,6 +144,8 @@ class Runtime:
             encoder = stored.base_encoder(self.store)
         else:
             check_encoder(meta, encoder)
+        # a text past the model's positions is too long whatever max_len says (422, not a failed lookup)
+        self.max_len = min(self.max_len, encoder.config.max_len)
         self.encoder = encoder
         self.meta = meta
         # level 2's inputs (full-context lower layers) are a source of the executor's batches
@@ -152,12 +154,14 @@ class Runtime:
         if device == "cuda":
             from runtime.exec.gpu import GpuExecutor
 
-            self.executor = GpuExecutor(encoder, dtype=dtype, pet_cache_bytes=pet_cache_bytes, prefetch=prefetch,
+            # auto: the GPU's own default (fp32); a tenant's recorded precision is the CPU's
+            self.executor = GpuExecutor(encoder, dtype="fp32" if dtype == "auto" else dtype,
+                                        pet_cache_bytes=pet_cache_bytes, prefetch=prefetch,
                                         hot_tier_rows=hot_tier_rows, max_batch=self.max_batch, max_len=self.max_len,
                                         lora_kernel=lora_kernel, context=context)
         else:
-            # int8: the shared GEMMs quantized (runtime.exec.int8); bf16 / auto: the shared GEMMs in bf16 where
-            # the CPU has it (runtime.exec.precision); PETs fp32 either way
+            # int8: the shared GEMMs quantized (runtime.exec.int8); bf16: every row in bf16; auto: each row at
+            # the precision its PET records, where the CPU has bf16 (runtime.exec.precision)
             if dtype not in ("fp32", "int8", "bf16", "auto"):
                 raise ValueError(f"the CPU executor computes in fp32, bf16 or auto (or dtype='int8' for the shared GEMMs), "
                                  f"not {dtype!r}")

@@ -124,7 +124,8 @@ def build_tiny_store(root):
         manager.tenant_create(store, tenant, version=version, task=task, pet_type=kind, epochs=1, max_examples=16,
                               bottleneck=8, rank=4, density=0.05, batch_size=8,
                               train_path=cls if task == "classification" else conll, progress=False,
-                              levels=("plot",))  # the PLOT and exact levels; tests/test_cascade.py adds full-depth PETs
+                              levels=("plot",),  # the PLOT and exact levels; tests/test_cascade.py adds full-depth PETs
+                              precision="fp32")  # served fp32, so answers compare with fp32 references
     return store, {"texts": texts, "tenants": tenants}
 
 
@@ -386,3 +387,15 @@ def test_open_warms_the_store_in_the_background(tiny):
                     for s in r.store.snapshot().version_segments(v)}
         assert segments and all(s._all_rows_ok for s in segments.values())
         assert r.infer([{"tenant": next(iter(tiny[1]["tenants"])), "text": tiny[1]["texts"][0]}])
+
+
+def test_a_max_len_past_the_models_positions_is_the_models(tiny):
+    """A text longer than the model has positions is too long (or cut), never a failed lookup."""
+    with runtime.open(tiny[0], device="cpu", max_len=100_000) as rt:
+        positions = rt.encoder.config.max_len
+        assert rt.max_len == positions
+        long_text = " ".join(["string"] * (2 * positions))
+        with pytest.raises(runtime.TextTooLong):
+            rt.infer([{"tenant": "lora-cls", "text": long_text}])
+        cut, = rt.infer([{"tenant": "lora-cls", "text": long_text, "truncate": True}])
+        assert cut.truncated > 0

@@ -110,3 +110,20 @@ def test_batching_reaches_the_runtime_and_is_refused_under_ray(store, monkeypatc
     assert "Ray replicas batch by length" in one_line_error(
         CliRunner().invoke(serve, [store, "--ray", "--batching", "fifo"]))
     assert "'lifo' is not one of" in CliRunner().invoke(serve, [store, "--batching", "lifo"]).output
+
+
+def test_precision_reaches_the_runtime_and_bf16_without_the_instructions_is_one_line(store, monkeypatch):
+    import uvicorn
+
+    from runtime.exec import precision
+    from runtime.serve import cli
+
+    made = []
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: [s.close() for s in sockets])
+    monkeypatch.setattr(cli, "create_app", lambda path, **kw: made.append(kw["runtime_options"]))
+    assert CliRunner().invoke(serve, [store, "--device", "cpu"]).exit_code == 0
+    assert CliRunner().invoke(serve, [store, "--device", "cpu", "--precision", "fp32"]).exit_code == 0
+    assert "dtype" not in made[0] and made[1]["dtype"] == "fp32"  # auto: the runtime's own default
+    monkeypatch.setattr(precision, "bf16_native", lambda: None)
+    assert "AVX512_BF16" in one_line_error(CliRunner().invoke(serve, [store, "--device", "cpu", "--precision", "bf16"]))
+    assert len(made) == 2

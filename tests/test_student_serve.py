@@ -34,7 +34,8 @@ def env(tmp_path_factory):
     for name, path, task in (("cls", data["cls"], "classification"), ("tag", data["tag"], "tagging"),
                              ("plain", data["cls"], "classification")):
         manager.tenant_create(data["store"], name, version="root", train_path=path, task=task, epochs=1,
-                              levels=("plot",), progress=False)  # the exact level is their top
+                              levels=("plot",), progress=False,  # the exact level is their top
+                              precision="fp32")  # served fp32: answers compare exactly across batches
     for name, path in (("cls", data["cls"]), ("tag", data["tag"])):
         # min_gain < 0 keeps both students whatever the validation says: every k is servable
         students_create(data["store"], name, dev_path=path, students=2, epochs=1, lr=1e-3, min_gain=-1.0,

@@ -78,6 +78,10 @@ def admin_token_source(store, token_file=None) -> str:
               help="Engine worker processes behind the one port (auto: one per core this process may use). "
                    "The server's process keeps HTTP, tokens, jobs and metrics; a tenant's texts go to its home "
                    "worker while it keeps up. One store, encoder, CPU, shared mode; else one engine.")
+@click.option("--precision", type=click.Choice(["auto", "fp32", "bf16"]), default="auto", show_default=True,
+              help="Encoder stores on the CPU: auto serves each tenant's level at the precision its record names "
+                   "(bf16 where tenant create measured it loses nothing, fp32 otherwise and for tenants never "
+                   "measured); fp32 or bf16 serve every tenant so (bf16 needs AVX512_BF16 or AMX-BF16).")
 @click.option("--metrics-public", is_flag=True,
               help="Serve /metrics without a token (default: it needs the admin token as a bearer token).")
 @click.option("--header-timeout", type=click.FloatRange(0.1, 3600), default=10, show_default=True,
@@ -103,7 +107,7 @@ def admin_token_source(store, token_file=None) -> str:
 def serve(stores, host, port, admin_token_file, device, max_batch, max_wait_ms, queue_limit, batching, request_timeout,
           max_len,
           truncate, mode, dedicated_resident, job_threads, torch_threads, metrics_public, header_timeout, body_timeout,
-          min_body_rate, log_level, access_log, use_ray, workers, **ray_options):
+          min_body_rate, log_level, access_log, use_ray, workers, precision, **ray_options):
     """Serve STORE over HTTP: POST /v1/tenants/TENANT/infer for every tenant, POST /v1/embeddings,
     manage jobs (/v1/tenants, /v1/domains, /v1/jobs), /healthz, /info, /metrics; the OpenAPI
     description at /docs;
@@ -140,6 +144,9 @@ def serve(stores, host, port, admin_token_file, device, max_batch, max_wait_ms, 
                                        "use --device cpu or auto")
 
     workers = _workers(workers, stores, device, mode, use_ray)
+    # auto is the runtime's own default: passed on only when asked otherwise (decoder stores and the
+    # GPU have their own precisions)
+    precise = {} if precision == "auto" else {"dtype": _precision(precision, stores, device)}
     if host not in ("127.0.0.1", "localhost", "::1"):
         click.echo(f"warning: binding {host}, not loopback: the server is reachable from other hosts", err=True)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -152,13 +159,14 @@ def serve(stores, host, port, admin_token_file, device, max_batch, max_wait_ms, 
                        request_timeout_s=request_timeout, max_len=max_len, mode=mode,
                        dedicated_resident=dedicated_resident, job_threads=job_threads, torch_threads=torch_threads,
                        metrics_public=metrics_public,
-                       runtime_options={"truncate": True} if truncate else None, **ray_options)
+                       runtime_options={**precise, **({"truncate": True} if truncate else {})} or None,
+                       **ray_options)
     try:
         options = {"admin_token": resolve_admin_token(store, admin_token_file), "max_batch": max_batch,
                    "max_wait_ms": max_wait_ms, "queue_limit": queue_limit, "request_timeout_s": request_timeout,
                    "device": device, "max_len": max_len, "mode": mode, "dedicated_resident": dedicated_resident,
                    "job_threads": job_threads, "torch_threads": torch_threads, "metrics_public": metrics_public,
-                   "runtime_options": {"batching": batching, **({"truncate": True} if truncate else {})}}
+                   "runtime_options": {"batching": batching, **precise, **({"truncate": True} if truncate else {})}}
         app = create_app(store, workers=workers, **options) if len(stores) == 1 \
             else create_stores_app(stores, **options)
     except (StoreError, ValueError, OSError) as e:
@@ -317,6 +325,20 @@ def header_timeout_protocol(seconds):
     return HeaderTimeoutProtocol
 
 
+def _precision(precision, stores, device) -> str:
+    """--precision other than auto: for encoder stores on the CPU, and bf16 only where the CPU has it."""
+    from runtime import resolve_precision
+    from runtime.pool import is_decoder_store
+
+    if device == "cuda" or any(is_decoder_store(s) for s in stores):
+        raise click.ClickException(f"--precision {precision}: only encoder stores on the CPU take a precision "
+                                   "(decoder stores and the GPU keep their own)")
+    try:
+        return resolve_precision(precision)
+    except ValueError as e:
+        raise click.ClickException(f"--precision {precision}: {e}") from None
+
+
 def main(argv=None):
     serve.main(args=argv, prog_name="hkstore serve")
 
@@ -326,3 +348,4 @@ if __name__ == "__main__":
 
 
 __all__ = ["create_app", "resolve_admin_token", "serve"]
+
