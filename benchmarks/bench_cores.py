@@ -111,17 +111,17 @@ def request_texts(tokens: int, count: int, seed: int = 0) -> list:
 
 
 class Server:
-    def __init__(self, args, workers, token_file, ray=False):
+    def __init__(self, args, workers, token_file, ray=False, extra=()):
         self.workers, self.port, self.ray = workers, free_port(), ray
         self.name = f"ray{workers}" if ray else workers
         self.url = f"http://{LOOPBACK}:{self.port}"
-        self.log_path = os.path.join(args.out, f"server-{'ray' if ray else 'w'}{workers}.log")
+        self.log_path = os.path.join(args.out, f"server-{'ray' if ray else 'w'}{workers}{''.join(extra)}.log")
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         cmd = [sys.executable, "-m", "runtime.serve.cli", args.store, "--host", LOOPBACK, "--port", str(self.port),
                "--admin-token-file", token_file, "--device", "cpu", "--max-len", str(args.tokens),
                "--max-batch", str(args.max_batch), "--max-wait-ms", str(args.max_wait_ms), "--queue-limit", "100000",
                "--request-timeout", "600", "--torch-threads", str(args.torch_threads), "--truncate"]
-        cmd += ["--ray", "--replicas", str(workers)] if ray else ["--workers", str(workers)]
+        cmd += (["--ray", "--replicas", str(workers)] if ray else ["--workers", str(workers)]) + list(extra)
         with open(self.log_path, "wb") as out:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                                          preexec_fn=_end_with_parent)

@@ -29,6 +29,8 @@ batches of 64, tenants drawn uniformly, random PETs of the shipped shapes):
                 each row's adapter at run time (adapter_names) is not a graph it can freeze. On
                 an AVX-512 CPU the two fp32 GEMMs measured at the same rate, so the row compares
                 like with like there; where the machine line reads AVX2 it does not.
+  PEFT mixed bf16
+                the same with the model in bf16 (PEFT's GEMMs then run oneDNN's bf16 kernels)
 
 Dedicated tenants share 4 distinct weight copies, all resident (tenant t runs copy t % 4), and
 no swap is charged: the baselines' best case, as if every tenant's model stayed in memory
@@ -43,18 +45,20 @@ With --first-use N (0: off) the run also serves N never-seen tenants through the
 own loading path: a store holding N tenants' PLOT-level and full-depth records (random
 tensors of the shipped shapes, as bench_runtime's pool), runtime.open on it, requests at
 policy exact (the full-depth level). Each round serves a fresh slice of the tenants, one
-request each, twice in a row: first use (each PET read from the store, decoded and prepared
-on the request path) and prewarmed (every PET cached); first_use_vs_prewarmed is the median
-of the per-round ratios of their rates per CPU second.
+request each, a batch at a time and each batch twice in a row: first use (each PET read from
+the store, decoded and prepared on the request path) and prewarmed (every PET cached);
+first_use_vs_prewarmed is the median of the per-round ratios of their rates per CPU second.
 
 With --peft-out FILE the run writes the top level against PEFT mixed and first use (claims
 format): top_vs_peft_mixed (full-depth / PEFT mixed, the minimum over the tenant counts of 16
-and more) and first_use_vs_prewarmed.
+and more; top_bf16_vs_peft_mixed and top_bf16_vs_peft_mixed_bf16 the same for the bf16 systems
+that ran) and first_use_vs_prewarmed.
 
 With --precision-out FILE the run also writes the top level's figures against the compiled
-model (benchmarks.claims format): top_vs_compile (full-depth / compiled, the minimum over the
-tenant counts), plot_vs_compile (hPLM / compiled, likewise), bf16_speedup_top (full-depth bf16 /
-full-depth, the median over them), each at fp32 unless the key says otherwise.
+model (benchmarks.claims format): top_vs_compile (the full-depth level at the shipped default,
+bf16 where the CPU has it, as for a tenant whose record says bf16; / compiled fp32, the minimum
+over the tenant counts), plot_vs_compile (hPLM likewise), top_fp32_vs_compile (full-depth fp32 /
+compiled), bf16_speedup_top (full-depth bf16 / full-depth, the median over them).
 """
 
 from __future__ import annotations
@@ -79,12 +83,13 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks import bench_runtime as br  # noqa: E402
+from benchmarks.claims import merge  # noqa: E402
 from runtime.model.encoder import right_pad  # noqa: E402
 
 SECTION = "Encoder serving against transformers and onnxruntime"
 COPIES = 4
 SYSTEMS = ("hPLM", "full-depth", "hPLM bf16", "full-depth bf16", "transformers", "onnxruntime", "compiled",
-           "compiled bf16", "PEFT mixed")
+           "compiled bf16", "PEFT mixed", "PEFT mixed bf16")
 OURS = SYSTEMS[:4]
 PRECISION_SECTION = "The top level against the compiled dedicated model, fp32 and bf16"
 PEFT_SECTION = "The top level against PEFT mixed batching, and first use"
@@ -274,10 +279,11 @@ def run(args) -> dict:
                 executor(system))
         elif system.startswith("compiled"):
             runs[system] = (lambda name: lambda reqs: ded.run_compiled(name, reqs))(system)
-        elif system == "PEFT mixed":
-            log("loading PEFT's mixed-adapter model")
+        elif system.startswith("PEFT mixed"):
+            log(f"loading PEFT's mixed-adapter model ({system})")
+            peft = br.PeftMixed(w, dtype=torch.bfloat16 if system.endswith("bf16") else torch.float32)
             runs[system] = (lambda peft: lambda reqs: [peft.run(reqs[i:i + args.batch])
-                                                       for i in range(0, len(reqs), args.batch)])(br.PeftMixed(w))
+                                                       for i in range(0, len(reqs), args.batch)])(peft)
         else:
             runs[system] = getattr(ded, system)
     runs = {k: runs[k] for k in SYSTEMS if k in runs}
@@ -362,9 +368,17 @@ def first_use(args, w, tmp) -> list:
             reqs = [{"tenant": names[i], "ids": w.seqs[int(j)], "policy": "exact"}
                     for i, j in zip(part, rng.integers(0, len(w.seqs), size=len(part)))]
             row = {"round": r, "requests": len(reqs), "load": os.getloadavg()[0]}
-            answers = []
-            row["first use"], row["first use wall"] = cpu_rate(lambda: answers.extend(rt.infer(reqs)), len(reqs))
-            row["prewarmed"], row["prewarmed wall"] = cpu_rate(lambda: answers.extend(rt.infer(reqs)), len(reqs))
+            answers, cpu, wall = [], {"first use": 0.0, "prewarmed": 0.0}, {"first use": 0.0, "prewarmed": 0.0}
+            # a batch at a time, each batch's first use just before its prewarmed rerun: the two
+            # are timed under the same load (a whole pass apart, the machine's load drifts)
+            for b in range(0, len(reqs), args.batch):
+                for k in cpu:
+                    c0, t0 = time.process_time(), time.perf_counter()
+                    answers.extend(rt.infer(reqs[b:b + args.batch]))
+                    cpu[k] += time.process_time() - c0
+                    wall[k] += time.perf_counter() - t0
+            for k in cpu:
+                row[k], row[k + " wall"] = len(reqs) / cpu[k], len(reqs) / wall[k]
             levels = {a.level_name for a in answers}
             if levels != {"full"}:
                 raise SystemExit(f"first use: answered at {sorted(levels)}, not the full-depth level")
@@ -438,7 +452,12 @@ def precision_claims(args, result) -> dict:
     raw, out = result["raw"], {}
     have = set(raw[0])
     medians = {}
-    for key, a, b in (("top_vs_compile", "full-depth", "compiled"), ("plot_vs_compile", "hPLM", "compiled"),
+    # the shipped default (precision auto) serves a tenant's level in bf16 where its record says so
+    # and the CPU has bf16: the bf16 systems here; fp32 otherwise
+    shipped = " bf16" if bf16_native() and "full-depth bf16" in have else ""
+    for key, a, b in (("top_vs_compile", "full-depth" + shipped, "compiled"),
+                      ("plot_vs_compile", "hPLM" + shipped * ("hPLM bf16" in have), "compiled"),
+                      ("top_fp32_vs_compile", "full-depth", "compiled"),
                       ("bf16_speedup_top", "full-depth bf16", "full-depth")):
         if a in have and b in have:
             medians[key] = {T: float(np.median(ratios(raw, T, a, b))) for T in args.tenants}
@@ -459,20 +478,23 @@ def precision_claims(args, result) -> dict:
             row.append(spread(ratios(raw, T, a, b)))
         rows.append(row)
     return {"section": PRECISION_SECTION, "command": result["command"], "machine": result["machine"],
-            "load": result["load"], "date": result["date"], "tables": [{"columns": cols, "rows": rows}], **out}
+            "load": result["load"], "date": result["date"], "tables": [{"columns": cols, "rows": rows}],
+            "shipped_default": "bf16 where a tenant's record says so" if shipped else "fp32", **out}
 
 
 def peft_claims(args, result) -> dict:
     """The top level against PEFT mixed batching and on first use (the keys the run measured)."""
     raw, first, out, tables = result["raw"], result.get("first_use") or [], {}, []
-    pairs = [(a, "PEFT mixed") for a in ("full-depth", "hPLM") if a in raw[0] and "PEFT mixed" in raw[0]]
+    pairs = [(a, b) for a in ("full-depth", "full-depth bf16", "hPLM", "hPLM bf16")
+             for b in ("PEFT mixed", "PEFT mixed bf16") if a in raw[0] and b in raw[0] and a.endswith("bf16") >= b.endswith("bf16")]
     if pairs:
         # the peer of many tenants: claimed at its worst count of 16 tenants or more
         many = [T for T in args.tenants if T >= 16] or list(args.tenants)
-        if pairs[0][0] == "full-depth":
-            out["top_vs_peft_mixed"] = round(min(float(np.median(ratios(raw, T, "full-depth", "PEFT mixed")))
-                                                 for T in many), 2)
-        rated = [a for a, _ in pairs] + ["PEFT mixed"]
+        for a, b in pairs:
+            if a.startswith("full-depth"):
+                key = "top" + "_bf16" * a.endswith("bf16") + "_vs_peft_mixed" + "_bf16" * b.endswith("bf16")
+                out[key] = round(min(float(np.median(ratios(raw, T, a, b))) for T in many), 2)
+        rated = list(dict.fromkeys([a for a, _ in pairs] + [b for _, b in pairs]))
         cols = ["tenants"] + [f"{s} requests/CPU-s" for s in rated] + [f"{a} / {b}" for a, b in pairs]
         rows = [[f"{T:,}"] + [round(float(np.median([r[s] for r in raw if r["tenants"] == T])), 2) for s in rated]
                 + [spread(ratios(raw, T, a, b)) for a, b in pairs] for T in args.tenants]
@@ -521,8 +543,7 @@ def main(argv=None):
     if args.precision_out:
         claims = precision_claims(args, result)
         print(json.dumps({k: v for k, v in claims.items() if k not in ("tables",)}, indent=1))
-        with open(args.precision_out, "w") as f:
-            json.dump(claims, f, indent=1)
+        merge(args.precision_out, claims)  # the keys other benchmarks add there (accuracy, the headline) stay
     if args.peft_out:
         claims = peft_claims(args, result)
         for t in claims["tables"]:

@@ -30,6 +30,14 @@ NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
 SEPARATOR = re.compile(r"^:?-{3,}:?$")
 
 
+def merge(path, numbers: dict) -> None:
+    """Add numbers to a results file another benchmark writes (it keeps them when it rewrites its own)."""
+    path = Path(path)
+    claims = json.loads(path.read_text()) if path.exists() else {}
+    claims.update(numbers)
+    path.write_text(json.dumps(claims, indent=1) + "\n")
+
+
 def sections(text: str) -> dict[str, str]:
     """``## `` heading -> the text up to the next ``## `` heading."""
     out, name, lines = {}, None, []
