@@ -54,6 +54,7 @@ def mark(snapshot, encoder, records, ids, targets, asked: str, on: str, target: 
     """Set ``precision`` and ``precision_check`` in the meta of each of a tenant's records (its
     PET record, then its full-depth record when it has one), scored on (ids, targets) when
     asked is auto; `on` says what those examples are (held-out, training, dev)."""
+    from runtime.construct.calibration import metric_name
     from runtime.exec.precision import resolve
 
     asked = check_asked(asked)
@@ -63,7 +64,7 @@ def mark(snapshot, encoder, records, ids, targets, asked: str, on: str, target: 
         if measure and ids:
             scores, seconds = score(snapshot, encoder, record, ids, targets)
             chosen = "bf16" if scores["bf16"] >= scores["fp32"] - target - 1e-12 else "fp32"
-            check.update(scores=scores, metric=_metric(record.meta["task"]), examples=len(ids), on=on,
+            check.update(scores=scores, metric=metric_name(record.meta["task"]), examples=len(ids), on=on,
                          target=target, seconds=round(seconds, 3))
         elif asked == "auto":
             chosen = "fp32"
@@ -88,12 +89,12 @@ def score(snapshot, encoder, record, ids, targets) -> tuple[dict, float]:
     source, version = ("full" if is_full(meta) else "plot"), meta["version"]
     logits = {"fp32": [], "bf16": []}
     t0 = time.process_time()
+    # as a runtime loads it: its fp16 tensors kept fp16, computed in fp32
+    pet = load_pet(encoder, record.tensors, pet_meta(meta), half=True)
+    pet.meta.update(version=version, tenant=record.tenant, created=meta.get("created"))
     for precision in logits:
         executor = CpuExecutor(encoder, precision=precision, prefetch=False)
         try:
-            # as a runtime loads it: its fp16 tensors kept fp16, computed in fp32
-            pet = load_pet(encoder, record.tensors, pet_meta(meta), half=True)
-            pet.meta.update(version=version, tenant=record.tenant, created=meta.get("created"))
             served = executor.load_pet(pet)
             with torch.no_grad():
                 for start in range(0, len(ids), BATCH):
@@ -104,12 +105,6 @@ def score(snapshot, encoder, record, ids, targets) -> tuple[dict, float]:
     seconds = time.process_time() - t0
     labels = list(meta["labels"])
     return ({p: round(held_score(z, targets, meta["task"], labels), 6) for p, z in logits.items()}, seconds)
-
-
-def _metric(task: str) -> str:
-    from runtime.construct.calibration import metric_name
-
-    return metric_name(task)
 
 
 def words(precision: str, check: dict | None) -> str:

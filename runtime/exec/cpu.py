@@ -104,11 +104,10 @@ class CpuExecutor:
         # what was asked, resolved: "fp32" (every row; also auto where bf16 cannot run), "bf16" (every
         # row) or "auto" (each row at its PET's recorded precision, precision.row_bf16)
         bf16_able = kernels == "batched" and not int8 and gemm != "addmm"
-        resolved = "fp32" if precision == "auto" and not bf16_able else precision_.resolve(precision)
-        if resolved == "bf16" and not bf16_able:
+        self.precision = "fp32" if precision == "auto" and not bf16_able else precision_.mode(precision)
+        if self.precision == "bf16" and not bf16_able:
             raise ValueError("precision 'bf16' runs on the batched kernels' oneDNN GEMMs, "
                              "without int8 or gemm='addmm'")
-        self.precision = "auto" if precision == "auto" and resolved == "bf16" else resolved
         self.bf16 = precision_.shared_bf16() if self.precision != "fp32" else None
         self.kernels = kernels
         self._local = threading.local()  # per calling thread: cpu_batched.stack_into's reused buffers

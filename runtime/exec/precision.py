@@ -67,6 +67,13 @@ def resolve(precision: str) -> str:
     return "fp32"
 
 
+def mode(precision: str) -> str:
+    """What rows run at for a requested precision: "fp32", "bf16" (every row) or "auto" (each row
+    at its record, row_bf16); auto is fp32 where the CPU lacks native bf16, bf16 there refused."""
+    resolved = resolve(precision)
+    return "auto" if precision == "auto" and resolved == "bf16" else resolved
+
+
 @functools.cache
 def _say_fp32_once():
     log.warning("precision auto: this CPU has no AVX512_BF16 / AMX-BF16, every row runs fp32")

@@ -19,16 +19,7 @@ from runtime.exec import onednn
 from runtime.exec import precision as precisionlib
 
 
-def resolve(precision: str) -> str:
-    """The step mode for a runtime's precision: "fp32", "bf16" or "auto". bf16 on a CPU without
-    native bf16 raises runtime.exec.precision.PrecisionUnavailable; auto there is fp32 (logged once)."""
-    if precision == "auto":
-        return "auto" if precisionlib.resolve("auto") == "bf16" else "fp32"
-    return precisionlib.resolve(precision)
-
-
-def row_precision(pet) -> str:
-    return "fp32" if pet is None else pet.meta.get("precision", "fp32")
+resolve = precisionlib.mode  # the step mode for a runtime's precision: "fp32", "bf16" or "auto"
 
 
 class RowPrecision:
@@ -47,7 +38,7 @@ class RowPrecision:
             return cls.FP32
         if mode == "bf16":
             return cls(torch.arange(len(pets)), True)
-        rows = [b for b, p in enumerate(pets) if row_precision(p) == "bf16"]
+        rows = [b for b, p in enumerate(pets) if p is not None and precisionlib.row_bf16(p.meta)]
         if not rows:
             return cls.FP32
         return cls(torch.tensor(rows), len(rows) == len(pets))
