@@ -88,9 +88,9 @@ from runtime.model.encoder import right_pad  # noqa: E402
 
 SECTION = "Encoder serving against transformers and onnxruntime"
 COPIES = 4
-SYSTEMS = ("hPLM", "full-depth", "hPLM bf16", "full-depth bf16", "transformers", "onnxruntime", "compiled",
-           "compiled bf16", "PEFT mixed", "PEFT mixed bf16")
-OURS = SYSTEMS[:4]
+SYSTEMS = ("hPLM", "full-depth", "hPLM bf16", "full-depth bf16", "full-depth int8", "transformers", "onnxruntime",
+           "compiled", "compiled bf16", "PEFT mixed", "PEFT mixed bf16")
+OURS = SYSTEMS[:5]
 PRECISION_SECTION = "The top level against the compiled dedicated model, fp32 and bf16"
 PEFT_SECTION = "The top level against PEFT mixed batching, and first use"
 FIRST_USE_LABELS = ["a", "b", "c"]
@@ -267,6 +267,8 @@ def run(args) -> dict:
     from runtime.exec.cpu import CpuExecutor
 
     def executor(system):
+        if system.endswith("int8"):  # the shared GEMMs in int8 (VNNI where the CPU has it), the rest fp32
+            return CpuExecutor(w.enc, prefetch=False, int8=True)
         return CpuExecutor(w.enc, prefetch=False, gemm=args.gemm, precision="bf16" if "bf16" in system else "fp32")
 
     n = args.requests
@@ -458,7 +460,8 @@ def precision_claims(args, result) -> dict:
     for key, a, b in (("top_vs_compile", "full-depth" + shipped, "compiled"),
                       ("plot_vs_compile", "hPLM" + shipped * ("hPLM bf16" in have), "compiled"),
                       ("top_fp32_vs_compile", "full-depth", "compiled"),
-                      ("bf16_speedup_top", "full-depth bf16", "full-depth")):
+                      ("bf16_speedup_top", "full-depth bf16", "full-depth"),
+                      ("int8_speedup_top", "full-depth int8", "full-depth")):
         if a in have and b in have:
             medians[key] = {T: float(np.median(ratios(raw, T, a, b))) for T in args.tenants}
     for key, per in medians.items():
@@ -468,7 +471,7 @@ def precision_claims(args, result) -> dict:
     cols = ["tenants"] + [f"{a} / {b}" for a, b in (("full-depth", "compiled"), ("full-depth bf16", "compiled"),
                                                     ("full-depth bf16", "compiled bf16"), ("hPLM", "compiled"),
                                                     ("hPLM bf16", "compiled"), ("full-depth bf16", "full-depth"),
-                                                    ("compiled bf16", "compiled"))
+                                                    ("full-depth int8", "full-depth"), ("compiled bf16", "compiled"))
                           if a in have and b in have]
     rows = []
     for T in args.tenants:
@@ -552,6 +555,8 @@ def main(argv=None):
                 print("| " + " | ".join(str(c) for c in row) + " |")
         with open(args.peft_out, "w") as f:
             json.dump(claims, f, indent=1)
+        if args.precision_out:  # precision.json gathers every figure of the precision work
+            merge(args.precision_out, {k: v for k, v in claims.items() if k.startswith(("top_", "first_use"))})
     return result
 
 

@@ -26,12 +26,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import xxhash
-from safetensors.torch import load_file
 from torch import nn
 
 from runtime.model import pet as petlib
 from runtime.model.decoder_config import DecoderConfig, read_config, tokenizer_file
-from runtime.model.encoder import frozen_with, right_pad
+from runtime.model.encoder import frozen_with, read_checkpoint, right_pad
 
 # -- pieces -------------------------------------------------------------------------------------
 
@@ -354,13 +353,7 @@ def _llama_weights(hf: dict, c: DecoderConfig) -> dict:
 
 
 def _read_weights(path: Path, c: DecoderConfig) -> dict[str, torch.Tensor]:
-    file = path / "model.safetensors"
-    if not file.is_file():
-        raise ValueError(f"{path}: no model.safetensors")
-    try:
-        hf = load_file(file)
-    except Exception as e:  # safetensors raises its own error types for damaged headers
-        raise ValueError(f"{file}: unreadable safetensors file ({e})") from None
+    file, hf = read_checkpoint(path)
     read = {"gpt2": _gpt2_weights, "opt": _opt_weights, "llama": _llama_weights}[c.arch]
     try:
         weights = read(hf, c)

@@ -256,14 +256,19 @@ def _read_tokenizer(path: Path):
     return tokenizer, file.read_bytes()
 
 
-def _read_weights(path: Path, config: Config) -> dict[str, torch.Tensor]:
+def read_checkpoint(path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A model folder's model.safetensors and its tensors; a missing or damaged file is a ValueError."""
     file = path / "model.safetensors"
     if not file.is_file():
         raise ValueError(f"{path}: no model.safetensors")
     try:
-        hf = load_file(file)
+        return file, load_file(file)
     except Exception as e:  # safetensors raises its own error types for damaged headers
         raise ValueError(f"{file}: unreadable safetensors file ({e})") from None
+
+
+def _read_weights(path: Path, config: Config) -> dict[str, torch.Tensor]:
+    file, hf = read_checkpoint(path)
     # Checkpoints saved from BertFor* models prefix the encoder with "bert.".
     hf = {k.removeprefix("bert."): v for k, v in hf.items()}
     ours = {

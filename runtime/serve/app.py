@@ -366,6 +366,22 @@ def _optional_creds(request):
         if scheme.lower() == "bearer" and token else None
 
 
+@contextlib.contextmanager
+def _reported(report):
+    """report(status) when the block ends: 200, an HTTPError's status, 500 for anything else."""
+    status = 200
+    try:
+        yield
+    except HTTPError as e:
+        status = e.status
+        raise
+    except Exception:
+        status = 500
+        raise
+    finally:
+        report(status)
+
+
 def _name(kind, name):
     try:
         check_name(kind, name)
@@ -744,8 +760,13 @@ def create_app(store_path, *, admin_token, max_batch=32, max_wait_ms=5, queue_li
         from hkstore.model_name import accepted_names
 
         t0 = time.perf_counter()
-        status, label = 200, "other"
-        try:
+        label = "other"
+
+        def report(status):
+            svc.metrics.count_embeddings(label, status)
+            svc.metrics.embeddings_latency.observe(time.perf_counter() - t0)
+
+        with _reported(report):
             # A tenant of that name first; else "base" or the base model's own names ask for it.
             pets = svc.rt.store.snapshot().pets
             tenant = None if body.model in {"base"} | accepted_names(svc.rt.meta) and body.model not in pets \
@@ -797,15 +818,6 @@ def create_app(store_path, *, admin_token, max_batch=32, max_wait_ms=5, queue_li
             return {"object": "list", "model": body.model,
                     "data": [{"object": "embedding", "index": j, "embedding": e} for j, e in enumerate(data)],
                     "usage": {"prompt_tokens": int(sum(counts)), "total_tokens": int(sum(counts))}}
-        except HTTPError as e:
-            status = e.status
-            raise
-        except Exception:
-            status = 500
-            raise
-        finally:
-            svc.metrics.count_embeddings(label, status)
-            svc.metrics.embeddings_latency.observe(time.perf_counter() - t0)
 
     @app.post("/v1/tenants/{tenant}/infer", response_model=InferResponse, response_model_exclude_none=True,
               tags=["infer"], responses=errors_infer)
@@ -817,8 +829,12 @@ def create_app(store_path, *, admin_token, max_batch=32, max_wait_ms=5, queue_li
 
         t0 = time.perf_counter()
         m = svc.metrics
-        status = 200
-        try:
+
+        def report(status):
+            m.count_request(tenant, status)
+            m.latency.observe(time.perf_counter() - t0)
+
+        with _reported(report):
             _name("tenant", tenant)
             svc.require_tenant(creds, tenant)
             texts = body.all_texts()
@@ -865,15 +881,6 @@ def create_app(store_path, *, admin_token, max_batch=32, max_wait_ms=5, queue_li
                 results.append(_result_view(out))
             m.texts.inc(len(results))
             return {"tenant": tenant, "results": results}
-        except HTTPError as e:
-            status = e.status
-            raise
-        except Exception:
-            status = 500
-            raise
-        finally:
-            m.count_request(tenant, status)
-            m.latency.observe(time.perf_counter() - t0)
 
     @app.get("/v1/tenants", tags=["manage"], responses=errors_admin)
     async def list_tenants(creds: HTTPAuthorizationCredentials = Depends(bearer)) -> dict:
