@@ -34,7 +34,10 @@ class PackedLinears:
         self._packed = {}
         self._lock = threading.Lock()
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+               post: tuple[str, str] = ("none", "")) -> torch.Tensor:
+        """post: oneDNN's elementwise op on the output, fused into the GEMM, as (name, algorithm):
+        ("gelu", "tanh"), ("gelu", "none") (erf), ("relu", "")."""
         entry = self._packed.get(id(w))
         fresh = entry is None or entry[0]() is not w
         if fresh or entry[1] != w._version:
@@ -44,7 +47,7 @@ class PackedLinears:
                 self._packed[id(w)] = entry
             if fresh:
                 weakref.finalize(w, self._packed.pop, id(w), None)
-        return torch.ops.mkldnn._linear_pointwise(x, entry[2], b, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, entry[2], b, post[0], [], post[1])
 
 
 # One packer for the process: the executor, the exact level and the decode step share the base

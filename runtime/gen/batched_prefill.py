@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from runtime.gen.batched_step import qkv
+from runtime.gen.batched_step import ffn_in_act, qkv
 from runtime.gen.lora_batch import LoraBatch
 from runtime.gen.row_precision import RowPrecision
 from runtime.model import pet as petlib
@@ -71,6 +71,8 @@ def prefill_batch(decoder, h: torch.Tensor, mask: torch.Tensor, seqs, pool, shar
         x = _norm(pet, i, "ln_ffn", h, blk.ln_ffn)
         if c.gated:
             f = _act(c.act, rp.linear(x, blk.ffn_gate.weight, blk.ffn_gate.bias)) * lin(i, "ffn_in", x)
+        elif pet is None:
+            f = ffn_in_act(rp, lb, i, blk, x, c.act, lambda: _act(c.act, lin(i, "ffn_in", x)))
         else:
             f = _act(c.act, lin(i, "ffn_in", x))
         h = h + lin(i, "ffn_out", f)

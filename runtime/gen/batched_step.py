@@ -7,7 +7,8 @@ runs per sequence against its own KV cache (caches have different lengths).
 
 When every PET of the step is a pure LoRA (or none), the base projections run once for all rows
 (q, k and v as one GEMM) and each row's LoRA is added by BGMV / SGMV (runtime.gen.lora_batch):
-no per-group loop. The shared GEMMs run in fp32 or bf16 per row (runtime.gen.row_precision).
+no per-group loop. The shared GEMMs run in fp32 or bf16 per row (runtime.gen.row_precision),
+the FFN's activation fused into its first GEMM where no row's LoRA edits that projection.
 
 Equal to running runtime.model.decoder.Decoder.upper on each sequence alone with its cache and
 PET (tests/test_batcher.py checks the generated text), with one weight read per group instead
@@ -117,6 +118,8 @@ def upper_step(decoder, seqs, h: torch.Tensor, pool=None, precision: str = "fp32
         x = norm("ln_ffn", h)
         if c.gated:
             f = _act(c.act, rp.linear(x, blk.ffn_gate.weight, blk.ffn_gate.bias)) * lin("ffn_in", x, c.ffn)
+        elif _lin is not None:
+            f = ffn_in_act(rp, lb, i, blk, x, c.act, lambda: _act(c.act, lin("ffn_in", x, c.ffn)))
         else:
             f = _act(c.act, lin("ffn_in", x, c.ffn))
         h = h + lin("ffn_out", f, c.d)
@@ -127,6 +130,21 @@ def upper_step(decoder, seqs, h: torch.Tensor, pool=None, precision: str = "fp32
             s.cache.mask = torch.cat([s.cache.mask, s.cache.mask.new_ones(1, 1)], 1)
             s.cache.positions = s.cache.positions + 1
     return decoder.logits(h, linear=rp.linear)
+
+
+def ffn_in_act(rp: RowPrecision, lb: LoraBatch, i: int, blk, x: torch.Tensor, act: str, unfused):
+    """The activation of layer i's ffn_in on x with every row's LoRA: fused into the GEMM (no
+    pass over the FFN's widest tensor) for the rows whose LoRA leaves ffn_in alone, unfused()
+    (the delta must come before the activation) for the others. Fused and unfused round
+    differently, so each row's path hangs on its own tenant only, never on its batch-mates'."""
+    edited = lb.edited(i, "ffn_in")
+    if edited is None:
+        return rp.linear_act(x, blk.ffn_in.weight, blk.ffn_in.bias, act)
+    f = unfused()
+    if bool(edited.all()):
+        return f
+    fused = rp.linear_act(x, blk.ffn_in.weight, blk.ffn_in.bias, act)
+    return torch.where(edited.view(-1, *(1,) * (f.dim() - 1)), f, fused)
 
 
 def qkv(i: int, blk, x: torch.Tensor, linear, lb: LoraBatch):

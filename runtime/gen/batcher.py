@@ -35,7 +35,7 @@ import torch
 
 from runtime.gen.detok import IncrementalText
 from runtime.gen.lora_batch import lora_only
-from runtime.gen.sampling import GREEDY_BELOW, Chooser, SamplingParams, find_stop
+from runtime.gen.sampling import GREEDY_BELOW, Chooser, SamplingParams, find_stop, greedy
 
 
 @dataclass
@@ -194,7 +194,8 @@ class Batcher:
 
     def update(self, plan: Schedule) -> list[Event]:
         """Choose every running sequence's next token (greedy rows of a generator with
-        greedy_choices from it; the others: one log-softmax and one argmax for all),
+        greedy_choices from it; the other greedy rows without top log-probs: runtime.gen.sampling.greedy
+        for all at once; the rest: one log-softmax for all),
         detokenize it, check EOS, max_tokens and stop sequences; retire the finished and the
         cancelled, freeing their KV pages."""
         events = [Event(r.id, None, r.text, True, r.finish) for r in plan.cancelled]
@@ -203,10 +204,17 @@ class Batcher:
         chosen = self._greedy_on_device(live)
         rest = [b for b in range(len(live)) if b not in chosen]  # rows whose logits come to the host
         if rest:
-            logits = torch.stack([live[b].seq.logits for b in rest]).float()
-            logprobs, argmax = torch.log_softmax(logits, -1), logits.argmax(-1).tolist()
-            for j, b in enumerate(rest):
-                chosen[b] = live[b].chooser(logits[j], logprobs[j], argmax[j])
+            logits = _stacked([live[b].seq.logits for b in rest]).float()
+            plain = [j for j, b in enumerate(rest) if _plain_greedy(live[b].params)]
+            if plain:
+                part = logits if len(plain) == len(rest) else logits[torch.tensor(plain, device=logits.device)]
+                for j, token, logprob in zip(plain, *greedy(part)):
+                    chosen[rest[j]] = (token, logprob, [])
+            others = [j for j in range(len(rest)) if rest[j] not in chosen]
+            if others:
+                logprobs = torch.log_softmax(logits, -1)
+                for j in others:
+                    chosen[rest[j]] = live[rest[j]].chooser(logits[j], logprobs[j])
         for b, req in enumerate(live):
             token, logprob, top = chosen[b]
             if token == eos and not req.params.ignore_eos:
@@ -242,7 +250,7 @@ class Batcher:
         the generator gives their argmax and its log-probability itself (the device path: no
         logits copied back for them); what Chooser returns for such a row."""
         choose = getattr(self.gen, "greedy_choices", None)
-        rows = [b for b, r in enumerate(live) if r.params.temperature < GREEDY_BELOW and not r.params.logprobs]
+        rows = [b for b, r in enumerate(live) if _plain_greedy(r.params)]
         picks = choose([live[b].seq for b in rows]) if choose is not None and rows else None
         return {} if picks is None else {b: (token, logprob, []) for b, (token, logprob) in zip(rows, picks)}
 
@@ -276,3 +284,19 @@ class Batcher:
     def run(self) -> None:
         while self.busy:
             self.step()
+
+
+def _plain_greedy(params: SamplingParams) -> bool:
+    """Whether a request's next token is its logits' argmax with no top alternatives reported."""
+    return params.temperature < GREEDY_BELOW and not params.logprobs
+
+
+def _stacked(rows: list[torch.Tensor]) -> torch.Tensor:
+    """torch.stack(rows), without the copy when they are the rows of one tensor in order (a
+    decode step's logits: a 50k vocabulary's copy was a step's largest non-GEMM op after attention)."""
+    whole = rows[0]._base
+    if whole is not None and whole.dim() == 2 and whole.shape[0] == len(rows) and whole.is_contiguous():
+        step = whole.stride(0) * whole.element_size()
+        if all(r._base is whole and r.data_ptr() == whole.data_ptr() + j * step for j, r in enumerate(rows)):
+            return whole
+    return torch.stack(rows)

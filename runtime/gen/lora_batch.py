@@ -47,6 +47,7 @@ class LoraBatch:
         # SGMV: the rows of each adapter (a segment); BGMV: per (layer, target) the gathered stacks.
         self.segments = [torch.nonzero(self.row_adapter == g).flatten() for g in range(G)]
         self._stacks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor] | None] = {}
+        self._edited: dict[tuple[int, str], torch.Tensor | None] = {}
 
     @property
     def empty(self) -> bool:
@@ -74,6 +75,16 @@ class LoraBatch:
             # stored as the bmm reads them, (B, d_in, r) and (B, r, d_out), contiguous
             self._stacks[key] = (A[rows].transpose(1, 2).contiguous(), Bm[rows].transpose(1, 2).contiguous())
         return self._stacks[key]
+
+    def edited(self, i: int, target: str) -> torch.Tensor | None:
+        """Which rows' LoRA edits projection `target` of layer i ((B,) bool), None for no row."""
+        key = (i, target)
+        if key not in self._edited:
+            name = f"layers.{i}.lora.{target}.A"
+            by_adapter = torch.tensor([name in p.tensors for p in self.adapters] + [False])
+            rows = by_adapter[self.row_adapter]  # row_adapter -1 (the base model): the False at the end
+            self._edited[key] = rows if bool(rows.any()) else None
+        return self._edited[key]
 
     def delta(self, i: int, target: str, x: torch.Tensor) -> torch.Tensor | None:
         """The LoRA part of projection `target` of layer i for every row of x (B, d_in) or

@@ -13,10 +13,13 @@ recorded precision (meta "precision"; fp32 without one, and for the base model's
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from runtime.exec import onednn
 from runtime.exec import precision as precisionlib
+from runtime.model.decoder import _act
 
 
 resolve = precisionlib.mode  # the step mode for a runtime's precision: "fp32", "bf16" or "auto"
@@ -43,30 +46,46 @@ class RowPrecision:
             return cls.FP32
         return cls(torch.tensor(rows), len(rows) == len(pets))
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        """x W^T + b in fp32, each row (dim 0 of x) through its precision's packed GEMM."""
+    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, post=None) -> torch.Tensor:
+        """x W^T + b in fp32, each row (dim 0 of x) through its precision's packed GEMM (post:
+        a oneDNN post-op fused into it, as linear_act gives)."""
         if self.bf16_rows is None:
-            return _fp32(x, w, b)
+            return _fp32(x, w, b, post)
         if self.all_bf16:
-            return self._bf16_linear(x, w, b)
+            return self._bf16_linear(x, w, b, post)
         y = x.new_empty(*x.shape[:-1], w.shape[0])
         fp = _complement(self.bf16_rows, x.shape[0])
-        y[self.bf16_rows] = self._bf16_linear(x[self.bf16_rows], w, b)
+        y[self.bf16_rows] = self._bf16_linear(x[self.bf16_rows], w, b, post)
         if len(fp):
-            y[fp] = _fp32(x[fp], w, b)
+            y[fp] = _fp32(x[fp], w, b, post)
         return y
 
-    def _bf16_linear(self, x, w, b):
+    def linear_act(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, act: str) -> torch.Tensor:
+        """The activation act (runtime.model.decoder's names) of linear(x, w, b), fused into the
+        GEMM as a oneDNN post-op where it has one (the activation was a separate pass over the
+        FFN's widest tensor, several times a small GEMM's non-GEMM cost; in bf16 it now reads
+        the fp32 accumulator, before the output's rounding)."""
+        post = _POST_OPS.get(act)
+        if post is None or onednn.SHARED is None:
+            return _act(act, self.linear(x, w, b))
+        return self.linear(x, w, b, post)
+
+    def _bf16_linear(self, x, w, b, post=None):
         shape = x.shape
-        y = self._bf16.linear(x.reshape(-1, shape[-1]).to(torch.bfloat16), w, b)
+        y = self._bf16.linear(x.reshape(-1, shape[-1]).to(torch.bfloat16), w, b, post or ("none", ""))
         return y.float().view(*shape[:-1], w.shape[0])
 
 
-def _fp32(x, w, b):
+# the activations oneDNN fuses into a GEMM: its (post-op, algorithm) for each
+_POST_OPS = {"gelu_tanh": ("gelu", "tanh"), "gelu": ("gelu", "none"), "relu": ("relu", "")}
+
+
+def _fp32(x, w, b, post=None):
     shape = x.shape
+    run = onednn.linear if post is None else functools.partial(onednn.SHARED.linear, post=post)
     if len(shape) == 2:
-        return onednn.linear(x, w, b)
-    return onednn.linear(x.reshape(-1, shape[-1]), w, b).view(*shape[:-1], w.shape[0])
+        return run(x, w, b)
+    return run(x.reshape(-1, shape[-1]), w, b).view(*shape[:-1], w.shape[0])
 
 
 def _complement(rows: torch.Tensor, n: int) -> torch.Tensor:

@@ -4,6 +4,7 @@
     params.check()                                   # ValueError, one line, for bad values
     chooser = Chooser(params)
     token, logprob, top = chooser(logits)            # logits (vocab,) of one sequence
+    tokens, logprobs = greedy(step_logits)           # (n, vocab): many greedy rows at once
 
 temperature 0 (or below 1e-5) is greedy (top_k, top_p and seed do not matter then). Otherwise
 the logits are divided by the temperature, cut to the top_k most likely (0: all), then to the
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -68,16 +70,16 @@ class Chooser:
         else:
             self.generator.seed()
 
-    def __call__(self, logits: torch.Tensor, logprobs: torch.Tensor | None = None,
-                 argmax: int | None = None) -> tuple[int, float, list[tuple[int, float]]]:
-        """(token, its logprob, top alternatives); logprobs and argmax of logits may come
-        precomputed (the batcher does both for every sequence of a step at once)."""
+    def __call__(self, logits: torch.Tensor,
+                 logprobs: torch.Tensor | None = None) -> tuple[int, float, list[tuple[int, float]]]:
+        """(token, its logprob, top alternatives); the log-softmax of logits may come
+        precomputed (the batcher's, for every such sequence of a step at once)."""
         p = self.params
         logits = logits.float()
         if logprobs is None:
             logprobs = torch.log_softmax(logits, -1)
         if p.temperature < GREEDY_BELOW:
-            token = int(logits.argmax()) if argmax is None else argmax
+            token = int(logits.argmax())
         else:
             scaled = logits / p.temperature
             if p.top_k and p.top_k < scaled.numel():
@@ -95,6 +97,22 @@ class Chooser:
             values, ids = logprobs.topk(p.logprobs)
             top = list(zip(ids.tolist(), values.tolist()))
         return token, float(logprobs[token]), top
+
+
+def greedy(logits: torch.Tensor) -> tuple[list[int], list[float]]:
+    """Each row's argmax of logits (n, vocab) and its log-probability: what Chooser gives a
+    greedy row without top alternatives, in three passes over the logits instead of
+    argmax's and log_softmax's five (numpy's argmax: about a tenth of torch's CPU time over a
+    50k vocabulary, with the same first-index rule on ties and NaN)."""
+    logits = logits.float()
+    if logits.device.type == "cpu":
+        tokens = torch.from_numpy(np.argmax(logits.detach().numpy(), -1))
+    else:
+        tokens = logits.argmax(-1)
+    top = logits.gather(1, tokens[:, None].to(logits.device))
+    # log_softmax at the max is -log sum(exp(x - max)), and the max is known
+    logprobs = (logits - top).exp_().sum(-1).log_().neg_()
+    return tokens.tolist(), logprobs.tolist()
 
 
 def generator_seed(seed: int) -> int:
