@@ -21,6 +21,9 @@ def available() -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
+NONE = ("none", "")  # no post-op: the GEMM's output as it is
+
+
 class PackedLinears:
     """y = x W^T + b, with each weight W packed into oneDNN's layout on first use and again
     whenever the tensor is written in place (a dedicated model's swap); a weight that is
@@ -35,7 +38,7 @@ class PackedLinears:
         self._lock = threading.Lock()
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
-               post: tuple[str, str] = ("none", "")) -> torch.Tensor:
+               post: tuple[str, str] = NONE) -> torch.Tensor:
         """post: oneDNN's elementwise op on the output, fused into the GEMM, as (name, algorithm):
         ("gelu", "tanh"), ("gelu", "none") (erf), ("relu", "")."""
         entry = self._packed.get(id(w))
@@ -55,6 +58,8 @@ class PackedLinears:
 SHARED = PackedLinears() if available() else None
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T + b on SHARED's packed weights where torch has oneDNN, else F.linear."""
-    return F.linear(x, w, b) if SHARED is None else SHARED.linear(x, w, b)
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+           post: tuple[str, str] = NONE) -> torch.Tensor:
+    """x W^T + b on SHARED's packed weights where torch has oneDNN, else F.linear (post, a
+    fused post-op, needs oneDNN)."""
+    return F.linear(x, w, b) if SHARED is None else SHARED.linear(x, w, b, post)

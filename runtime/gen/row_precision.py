@@ -13,8 +13,6 @@ recorded precision (meta "precision"; fp32 without one, and for the base model's
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from runtime.exec import onednn
@@ -46,7 +44,7 @@ class RowPrecision:
             return cls.FP32
         return cls(torch.tensor(rows), len(rows) == len(pets))
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, post=None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, post=onednn.NONE) -> torch.Tensor:
         """x W^T + b in fp32, each row (dim 0 of x) through its precision's packed GEMM (post:
         a oneDNN post-op fused into it, as linear_act gives)."""
         if self.bf16_rows is None:
@@ -70,9 +68,9 @@ class RowPrecision:
             return _act(act, self.linear(x, w, b))
         return self.linear(x, w, b, post)
 
-    def _bf16_linear(self, x, w, b, post=None):
+    def _bf16_linear(self, x, w, b, post):
         shape = x.shape
-        y = self._bf16.linear(x.reshape(-1, shape[-1]).to(torch.bfloat16), w, b, post or ("none", ""))
+        y = self._bf16.linear(x.reshape(-1, shape[-1]).to(torch.bfloat16), w, b, post)
         return y.float().view(*shape[:-1], w.shape[0])
 
 
@@ -80,12 +78,11 @@ class RowPrecision:
 _POST_OPS = {"gelu_tanh": ("gelu", "tanh"), "gelu": ("gelu", "none"), "relu": ("relu", "")}
 
 
-def _fp32(x, w, b, post=None):
+def _fp32(x, w, b, post):
     shape = x.shape
-    run = onednn.linear if post is None else functools.partial(onednn.SHARED.linear, post=post)
     if len(shape) == 2:
-        return run(x, w, b)
-    return run(x.reshape(-1, shape[-1]), w, b).view(*shape[:-1], w.shape[0])
+        return onednn.linear(x, w, b, post)
+    return onednn.linear(x.reshape(-1, shape[-1]), w, b, post).view(*shape[:-1], w.shape[0])
 
 
 def _complement(rows: torch.Tensor, n: int) -> torch.Tensor:
