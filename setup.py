@@ -1,8 +1,10 @@
-"""Builds the optional C accelerator formats._probe; pyproject.toml holds all the metadata.
+"""Builds the optional C extensions; pyproject.toml holds all the metadata.
 
-`pip install -e .` (or a wheel build) compiles formats/_probe.c with the platform's C compiler.
-The extension is optional: if it cannot be built (no compiler, no Python headers), installation
-still succeeds with a warning and hkstore runs on its NumPy code (formats/accel.py).
+`pip install -e .` (or a wheel build) compiles them with the platform's C compiler:
+formats/_probe.c (segment lookups; else the NumPy code, formats/accel.py) and
+runtime/exec/_fused.c (the bf16 layers' residual + LayerNorm pass; else ATen's ops,
+runtime/exec/cpu_batched.py). Both are optional: if one cannot be built (no compiler, no Python
+headers), installation still succeeds with a warning and hkstore runs on the reference code.
 """
 
 import sys
@@ -29,14 +31,16 @@ class optional_build_ext(build_ext):
             self._skip(e, ext.name)
 
     @staticmethod
-    def _skip(err, name="formats._probe"):
-        sys.stderr.write(f"WARNING: could not build the optional C extension {name} ({type(err).__name__}: {err}); "
-                         "hkstore will use its NumPy code path instead.\n")
+    def _skip(err, name="the C extensions"):
+        sys.stderr.write(f"WARNING: could not build the optional {name} ({type(err).__name__}: {err}); "
+                         "hkstore will use its reference code path instead.\n")
 
 
 setup(
     ext_modules=[
         Extension("formats._probe", ["formats/_probe.c"], extra_compile_args=["-O3"], optional=True),
+        Extension("runtime.exec._fused", ["runtime/exec/_fused.c"], extra_compile_args=["-O3", "-ffp-contract=off", "-pthread"],
+                  extra_link_args=["-pthread"], optional=True),
     ],
     cmdclass={"build_ext": optional_build_ext},
 )

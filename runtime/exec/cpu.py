@@ -275,15 +275,9 @@ class CpuExecutor:
             layer = self.layer
         else:
             split = self.bf16_from(plan)
-            if split == B:
-                def layer(i, x, m, B, L, plan, stacked, seg_rows):
-                    return self.layer_batched(i, x, m, B, L, plan.received, _groups(stacked))
-            elif split == 0:
-                def layer(i, x, m, B, L, plan, stacked, seg_rows):
-                    return self.layer_bf16(i, x, m, B, L, plan.received, _groups(stacked))
-            else:
-                def layer(i, x, m, B, L, plan, stacked, seg_rows):
-                    return self.layer_mixed(i, x, m, B, L, plan.received, _groups(stacked), split)
+
+            def layer(i, x, m, B, L, plan, stacked, seg_rows):
+                return self.layer_mixed(i, x, m, B, L, plan.received, _groups(stacked), split)
 
         if self.prefetch and len(layers) > 1:
             # Layer-wise prefetch: layer i+1's stacked PET weights are built on a helper
@@ -317,7 +311,12 @@ class CpuExecutor:
     def layer_mixed(self, i, x, m, B, L, received, groups, split):
         """One layer over a batch whose requests [0, split) are fp32 rows and [split, B) bf16
         rows: each precision's layer on its own range of the activations (in place). Attention
-        and LayerNorm are per request and per row, so each range is a batch of its own."""
+        and LayerNorm are per request and per row, so each range is a batch of its own (a
+        batch of one precision is that precision's layer alone)."""
+        if split == B:
+            return self.layer_batched(i, x, m, B, L, received, groups)
+        if split == 0:
+            return self.layer_bf16(i, x, m, B, L, received, groups)
         r = split * L
         sub = (lambda r0, r1: {key: (*cpu_batched.cut_runs(runs, gaps, r0, r1), w)
                                for key, (runs, gaps, w) in groups.items()})
@@ -381,7 +380,8 @@ class CpuExecutor:
         products, fp32 accumulation), attention and GELU, so the activations never round-trip
         through fp32 (the casts cost as much as the bf16 GEMMs themselves: adapters on an fp32
         copy took 5x the PET time at the PLOT level); diff pruning's sparse products run on an
-        fp32 copy; the residual stream and LayerNorm stay fp32."""
+        fp32 copy; the residual stream and LayerNorm stay fp32, the sum, LayerNorm and the next
+        projection's bf16 input one pass (cpu_batched.residual_layernorm)."""
         blk, c = self.encoder.layers[i], self.config
         d = c.d
         heads, dh = c.heads, d // c.heads
@@ -398,24 +398,18 @@ class CpuExecutor:
                 y.copy_(edit_batched(y.float(), inp16.float(), groups, target, ("diff",)))
             if lora and ("lora", target) in groups:
                 runs, _, w = groups[("lora", target)]
-                cpu_batched.lora(y, inp16, runs, w["A"].to(bf16), w["B"].to(bf16), w["scales"].to(bf16))
+                cpu_batched.lora(y, inp16, runs, w["A"].to(bf16), cpu_batched.expand_weight(w["B"], bf16),
+                                 w["scales"].to(bf16))
             if ("adapter", target) in groups:  # last: it wraps the edited output
                 runs, _, w = groups[("adapter", target)]
                 cpu_batched.adapter(y, runs, *(w[k].to(bf16) for k in ("down", "down_bias", "up", "up_bias")))
             tick("PET ops")
             return y
 
-        def norm(y16, residual, name, ln):
-            y = cpu_batched.scratch(buffers, "a", (R, d))
-            if ("norm", name) in groups:
-                runs, gaps, w = groups[("norm", name)]
-                out = cpu_batched.layernorm(y.copy_(y16), residual, ln, runs, gaps, w["weight"], w["bias"],
-                                            out=residual)
-            else:  # the fp32 sum in one pass over y16, then LayerNorm into the residual's memory
-                torch.add(residual, y16, out=y)
-                out = torch.ops.aten.native_layer_norm.out(y, ln.normalized_shape, ln.weight, ln.bias, ln.eps,
-                                                           out0=residual, out1=torch.empty(R, 1),
-                                                           out2=torch.empty(R, 1))[0]
+        def norm(y16, residual, name, ln, out16=None):
+            # into the residual's memory (and, given out16, the next projection's bf16 input)
+            runs, gaps, w = groups.get(("norm", name), (None, None, {}))
+            out = cpu_batched.residual_layernorm(y16, residual, ln, runs, gaps, w.get("weight"), w.get("bias"), out16)
             tick("LayerNorm, GELU")
             return out
 
@@ -427,7 +421,8 @@ class CpuExecutor:
         ys = [proj(t, x16, getattr(blk, t), lora=not shared) for t in ("q", "k", "v")]
         if shared:  # q, k and v read one input: one shrink GEMM against their A's side by side
             cpu_batched.lora_shared(ys, x16, loras[0][0], [w["A"] for _, _, w in loras],
-                                    [w["B"].to(bf16) for _, _, w in loras], loras[0][2]["scales"], bf16)
+                                    [cpu_batched.expand_weight(w["B"], bf16) for _, _, w in loras],
+                                    loras[0][2]["scales"], bf16)
             tick("PET ops")
         q, k, v = (y.view(B, L, heads, dh).transpose(1, 2) for y in ys)
         ctx = cpu_batched.attention(q, k, v, m).transpose(1, 2)
@@ -439,8 +434,8 @@ class CpuExecutor:
             flat = cpu_batched.scratch(buffers, "ctx16", (R, d), bf16)
             flat.view(B, L, heads, dh).copy_(ctx)
         tick("attention")
-        h = norm(proj("o", flat, blk.o), x, "ln_attn", blk.ln_attn)
-        h16 = x16.copy_(h)
+        h = norm(proj("o", flat, blk.o), x, "ln_attn", blk.ln_attn, out16=x16)
+        h16 = x16
         # GELU stays a pass of its own: in the GEMM's epilogue (oneDNN's post-op, on the fp32
         # accumulator) it would round once where this rounds twice, so a row's answer would hang
         # on whether another row's tenant edits ffn_in
