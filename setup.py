@@ -1,10 +1,12 @@
 """Builds the optional C extensions; pyproject.toml holds all the metadata.
 
 `pip install -e .` (or a wheel build) compiles them with the platform's C compiler:
-formats/_probe.c (segment lookups; else the NumPy code, formats/accel.py) and
+formats/_probe.c (segment lookups; else the NumPy code, formats/accel.py),
 runtime/exec/_fused.c (the bf16 layers' residual + LayerNorm pass; else ATen's ops,
-runtime/exec/cpu_batched.py). Both are optional: if one cannot be built (no compiler, no Python
-headers), installation still succeeds with a warning and hkstore runs on the reference code.
+runtime/exec/cpu_batched.py) and runtime/gen/_decode.c (a decode step's paged attention and
+per-row LoRA; else the gather + ATen path, runtime/gen/kv_pool.py, lora_batch.py). All are
+optional: if one cannot be built (no compiler, no Python headers), installation still succeeds
+with a warning and hkstore runs on the reference code.
 """
 
 import sys
@@ -40,6 +42,8 @@ setup(
     ext_modules=[
         Extension("formats._probe", ["formats/_probe.c"], extra_compile_args=["-O3"], optional=True),
         Extension("runtime.exec._fused", ["runtime/exec/_fused.c"], extra_compile_args=["-O3", "-ffp-contract=off", "-pthread"],
+                  extra_link_args=["-pthread"], optional=True),
+        Extension("runtime.gen._decode", ["runtime/gen/_decode.c"], extra_compile_args=["-O3", "-ffp-contract=off", "-pthread"],
                   extra_link_args=["-pthread"], optional=True),
     ],
     cmdclass={"build_ext": optional_build_ext},

@@ -414,6 +414,13 @@ def cpu_name() -> str:
         return platform.processor() or platform.machine()
 
 
+def layernorm_pass() -> str:
+    """Which residual + LayerNorm pass the bf16 layers ran: the C kernel, or ATen's ops without it."""
+    from runtime.exec import cpu_batched
+
+    return "C" if cpu_batched._fused is not None else "ATen"
+
+
 def bf16_native():
     from runtime.exec.precision import bf16_native
 
@@ -439,7 +446,7 @@ def summarize(args, raw, first=()) -> dict:
         "machine": f"{cpu_name()}, {os.cpu_count()} cores, one thread per system, "
                    f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}, "
                    f"native bf16 {bf16_native() or 'none'}, "
-                   f"hkstore GEMMs {args.gemm}"
+                   f"hkstore GEMMs {args.gemm}, bf16 LayerNorm pass {layernorm_pass()}"
                    + (f", ONEDNN_MAX_CPU_ISA={os.environ['ONEDNN_MAX_CPU_ISA']}" if "ONEDNN_MAX_CPU_ISA" in os.environ else ""),
         "load": f"{min(loads):.1f}-{max(loads):.1f}",
         "date": datetime.date.today().isoformat(),

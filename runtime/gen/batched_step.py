@@ -78,8 +78,8 @@ def upper_step(decoder, seqs, h: torch.Tensor, pool=None, precision: str = "fp32
 
         def _lin(i, target, x, lin_):
             y = rp.linear(x, lin_.weight, lin_.bias)
-            d = lb.delta(i, target, x)
-            return y if d is None else y.add_(d)
+            lb.add_to(i, target, x, y)
+            return y
     else:
         # (a group shares one PET, so one precision; an edited projection runs fp32 whatever it is)
         groups = [(pet, rows, RowPrecision.of(precision, [pet]).linear) for pet, rows in _groups(seqs)]
@@ -94,6 +94,8 @@ def upper_step(decoder, seqs, h: torch.Tensor, pool=None, precision: str = "fp32
         blk = decoder.layers[i]
 
         def norm(name, x, blk=blk, i=i):
+            if _lin is not None:  # (pure LoRAs leave the norms as they are: the base model's for every row)
+                return _norm(None, i, name, x, getattr(blk, name))
             return _grouped(groups, c.d, x, lambda pet, xs, _: _norm(pet, i, name, xs, getattr(blk, name)))
 
         def lin(target, x, out_dim, blk=blk, i=i):
@@ -154,9 +156,7 @@ def qkv(i: int, blk, x: torch.Tensor, linear, lb: LoraBatch):
     w, b = fused_qkv(blk)
     q, k, v = linear(x, w, b).split([blk.q.out_features, blk.k.out_features, blk.v.out_features], -1)
     for target, part in (("q", q), ("k", k), ("v", v)):
-        d = lb.delta(i, target, x)
-        if d is not None:
-            part.add_(d)
+        lb.add_to(i, target, x, part)
     return q, k, v
 
 

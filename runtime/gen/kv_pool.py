@@ -9,15 +9,28 @@ and a request reserves exactly prompt + max_tokens positions, as the budget coun
     pool.free(slots)
 
 A decode step attends for every sequence at once: the sequences' pages, (B, longest) indices,
-gather the keys and values (B, kv_heads, longest, head_dim) in one index per layer, and one
-fused attention kernel replaces the per-sequence loop; positions past a sequence's length are
-masked. Nothing grows or is concatenated per step.
+and one pass per layer over each sequence's pages where they lie (runtime/gen/_decode.c, built
+with the package); without the extension, the reference: gather the keys and values
+(B, kv_heads, longest, head_dim) in one index per layer and one fused attention kernel over
+them, positions past a sequence's length masked. Nothing grows or is concatenated per step.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
+
+from formats import accel
+
+_DECODE_API = 1  # HK_DECODE_API_VERSION in runtime/gen/_decode.c: a stale build is not used
+try:
+    from runtime.gen import _decode
+except ImportError:  # not built (no compiler at install): the reference (gather + ATen's attention)
+    _decode = None
+if _decode is not None and (getattr(_decode, "API_VERSION", None) != _DECODE_API or accel.DISABLED_BY_ENV):
+    _decode = None
 
 
 class Pages:
@@ -81,8 +94,10 @@ class KVPool(Pages):
     @staticmethod
     def _step_of(pages, lengths, past) -> tuple:
         """What every layer's attend needs of a step, computed once: (pages, each sequence's new
-        page, the pages flat, the mask of the positions each sequence attends to: up to its length)."""
-        return pages, pages[torch.arange(len(lengths)), lengths], pages.flatten(), ~past[:, None, None, :]
+        page, the pages flat, the mask of the positions each sequence attends to: up to its length,
+        the lengths as the kernel reads them)."""
+        return (pages, pages[torch.arange(len(lengths)), lengths], pages.flatten(), ~past[:, None, None, :],
+                lengths.to(torch.int64).contiguous())
 
     def attend(self, i: int, seqs, pages: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
@@ -93,12 +108,32 @@ class KVPool(Pages):
         if step is None or step[0] is not pages:  # (pages not from this pool's pages())
             lengths = torch.tensor([s.kv_len for s in seqs])
             step = self._step = self._step_of(pages, lengths, torch.arange(pages.shape[1])[None, :] > lengths[:, None])
-        _, new, flat, keep = step  # (index_select: several times faster than advanced indexing here)
-        self.k[li, new], self.v[li, new] = k, v
+        _, new, flat, keep, lengths = step
         KV, hd = k.shape[1], k.shape[2]
+        if _decode is not None and _fits(pages, q, k, v, self.k):
+            out = q.new_empty(B, q.shape[1] * hd)
+            # (the pool's layer li is a contiguous (positions, KV, hd) block: its address and the page count say where)
+            _decode.attend(q.data_ptr(), k.data_ptr(), v.data_ptr(), self.k[li].data_ptr(), self.v[li].data_ptr(),
+                           pages.data_ptr(), lengths.data_ptr(), out.data_ptr(), B, q.shape[1], KV, hd, pages.shape[1],
+                           self.k.shape[1], 1.0 / math.sqrt(hd), q.stride(0), k.stride(0), v.stride(0))
+            return out
+        # (index_select: several times faster than advanced indexing here)
+        self.k[li, new], self.v[li, new] = k, v
         keys = self.k[li].index_select(0, flat).view(B, -1, KV, hd).transpose(1, 2)  # (B, KV, S, hd)
         values = self.v[li].index_select(0, flat).view(B, -1, KV, hd).transpose(1, 2)
         qg = q.reshape(B, KV, q.shape[1] // KV, hd)  # head h reads K/V head h // (heads / kv_heads)
         # (one fused kernel reading the gathered keys in place: matmuls on the transposed keys
         # copied them, and attention took about 4x the CPU time at a 124M decoder's shapes)
         return F.scaled_dot_product_attention(qg, keys, values, attn_mask=keep).reshape(B, -1)
+
+
+def _fits(pages, q, k, v, pool) -> bool:
+    """Whether the kernel reads these operands as they are: fp32, int64 pages, the pool
+    contiguous, and each sequence's q, k and v contiguous (a step's q, k and v are column
+    ranges of one GEMM's output: rows apart, each row's heads in order)."""
+    return pages.dtype == torch.int64 and pages.is_contiguous() and pool.is_contiguous() and \
+        pool.dtype == torch.float32 and \
+        all(t.dtype == torch.float32 and t.stride(2) == 1 and t.stride(1) == t.shape[2] and
+            t.stride(0) >= t.shape[1] * t.shape[2] for t in (q, k, v)) and \
+        q.shape[0] == k.shape[0] == v.shape[0] == pages.shape[0] and k.shape == v.shape and \
+        q.shape[2] == k.shape[2] == pool.shape[3] and k.shape[1] == pool.shape[2] and q.shape[1] % k.shape[1] == 0

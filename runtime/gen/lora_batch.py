@@ -10,6 +10,12 @@ from the tenants' A and B stacked for the step.
 - SGMV (rows share few adapters): one GEMM pair per adapter on its rows (segments), for steps
   with at least SGMV_ROWS rows per adapter on average (a GEMM pays off over a gather there).
 
+A decode step (one position a row) adds its deltas in place, lb.add_to(i, "q", x, y): one pass
+over the rows reading each row's adapter from a table of the step's adapters
+(runtime/gen/_decode.c's lora_add, built with the package: no per-row copy of the weights, no
+delta tensor; the gathered BGMV bmm streamed a (B, d, r) copy per projection and was most of
+the step's LoRA time); without the extension, delta then an add.
+
 Ranks may differ (zero-padded to the step's largest; exact), as may the targets and layers a
 LoRA covers (rows without that projection add nothing). Only pure-LoRA PETs (no LayerNorm
 deltas, nothing else) take this path; runtime.gen.batched_step groups any other PET.
@@ -19,6 +25,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from runtime.gen.kv_pool import _decode
 
 SGMV_ROWS = 4
 
@@ -48,6 +56,7 @@ class LoraBatch:
         self.segments = [torch.nonzero(self.row_adapter == g).flatten() for g in range(G)]
         self._stacks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor] | None] = {}
         self._edited: dict[tuple[int, str], torch.Tensor | None] = {}
+        self._tables: dict[tuple[int, str], tuple | None] = {}
 
     @property
     def empty(self) -> bool:
@@ -85,6 +94,49 @@ class LoraBatch:
             rows = by_adapter[self.row_adapter]  # row_adapter -1 (the base model): the False at the end
             self._edited[key] = rows if bool(rows.any()) else None
         return self._edited[key]
+
+    def _table(self, i: int, target: str):
+        """(A (G, r, d_in), scaled B^T (G, r, d_out), each row's index in them or -1 (int64)) of
+        the adapters that edit this projection, ranks zero-padded to the largest; None if none does."""
+        key = (i, target)
+        if key not in self._tables:
+            a_name, b_name = f"layers.{i}.lora.{target}.A", f"layers.{i}.lora.{target}.B"
+            have = [g for g, p in enumerate(self.adapters) if a_name in p.tensors]
+            if not have:
+                self._tables[key] = None
+                return None
+            tensors = [self.adapters[g].tensors for g in have]
+            r = max(t[a_name].shape[0] for t in tensors)
+            d_in, d_out = tensors[0][a_name].shape[1], tensors[0][b_name].shape[0]
+            A, Bt = torch.zeros(len(have), r, d_in), torch.zeros(len(have), r, d_out)
+            for j, g in enumerate(have):
+                k = tensors[j][a_name].shape[0]
+                A[j, :k] = tensors[j][a_name]
+                Bt[j, :k] = (tensors[j][b_name] * self.adapters[g].meta["scale"]).T
+            at = torch.full((len(self.adapters) + 1,), -1, dtype=torch.long)  # the last: rows of the base model
+            at[torch.tensor(have)] = torch.arange(len(have))
+            self._tables[key] = (A, Bt, at[self.row_adapter].contiguous())
+        return self._tables[key]
+
+    def add_to(self, i: int, target: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y += the LoRA part of projection `target` of layer i (delta's), in place; y (B, d_out)
+        may be a column range of a wider output (q of a fused q, k, v GEMM)."""
+        if self.empty:
+            return
+        if _decode is not None and x.dim() == 2 and y.dim() == 2 and x.dtype == y.dtype == torch.float32 and \
+                x.stride(1) == 1 and y.stride(1) == 1 and x.shape[0] == y.shape[0] == self.B:
+            table = self._table(i, target)
+            if table is None:
+                return
+            A, Bt, rows = table
+            if A.shape[2] == x.shape[1] and Bt.shape[2] == y.shape[1]:
+                _decode.lora_add(x.data_ptr(), A.data_ptr(), Bt.data_ptr(), rows.data_ptr(), y.data_ptr(), self.B,
+                                 A.shape[2], A.shape[1], Bt.shape[2], A.shape[0], max(x.stride(0), x.shape[1]),
+                                 max(y.stride(0), y.shape[1]))
+                return
+        d = self.delta(i, target, x)
+        if d is not None:
+            y.add_(d)
 
     def delta(self, i: int, target: str, x: torch.Tensor) -> torch.Tensor | None:
         """The LoRA part of projection `target` of layer i for every row of x (B, d_in) or
