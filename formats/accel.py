@@ -13,6 +13,7 @@ Python (tests compare both paths in one process).
 """
 
 import contextlib
+import importlib
 import os
 import sys
 
@@ -64,3 +65,17 @@ def describe():
     if BUILT:
         return "NumPy (accelerator built but disabled: HKSTORE_NO_ACCEL or accel.use(False))"
     return f"NumPy (accelerator not built: {IMPORT_ERROR})"
+
+
+def extension(name: str, api_version: int):
+    """Another optional C extension built with the package (setup.py), e.g.
+    "runtime.exec._fused": the module, or None when it is not built, is a stale build (its
+    API_VERSION is not api_version) or HKSTORE_NO_ACCEL is set. Its caller keeps a reference
+    path for None, as the lookups do for this module's."""
+    if DISABLED_BY_ENV:
+        return None
+    try:
+        module = importlib.import_module(name)
+    except ImportError:
+        return None
+    return module if getattr(module, "API_VERSION", None) == api_version else None

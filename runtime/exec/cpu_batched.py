@@ -29,13 +29,8 @@ from formats import accel
 __all__ = ["adapter", "add_received", "attention", "bias", "cut_runs", "diff", "expand_weight", "layernorm", "lora", "lora_shared", "order_by_count",
            "pack_layers", "residual_layernorm", "scratch", "segment_runs", "stack_into", "stack_layer"]
 
-_FUSED_API = 1  # HK_FUSED_API_VERSION in runtime/exec/_fused.c: a stale build is not used
-try:
-    from runtime.exec import _fused
-except ImportError:  # not built (no compiler at install): ATen's passes (layernorm) instead
-    _fused = None
-if _fused is not None and (getattr(_fused, "API_VERSION", None) != _FUSED_API or accel.DISABLED_BY_ENV):
-    _fused = None
+# (1: HK_FUSED_API_VERSION in runtime/exec/_fused.c; None: ATen's passes, layernorm, instead)
+_fused = accel.extension("runtime.exec._fused", 1)
 
 
 def order_by_count(keys: list, kinds: list | None = None, classes: list | None = None) -> np.ndarray:

@@ -24,13 +24,8 @@ import torch.nn.functional as F
 
 from formats import accel
 
-_DECODE_API = 1  # HK_DECODE_API_VERSION in runtime/gen/_decode.c: a stale build is not used
-try:
-    from runtime.gen import _decode
-except ImportError:  # not built (no compiler at install): the reference (gather + ATen's attention)
-    _decode = None
-if _decode is not None and (getattr(_decode, "API_VERSION", None) != _DECODE_API or accel.DISABLED_BY_ENV):
-    _decode = None
+# (1: HK_DECODE_API_VERSION in runtime/gen/_decode.c; None: the reference, gather + ATen's attention)
+_decode = accel.extension("runtime.gen._decode", 1)
 
 
 class Pages:
