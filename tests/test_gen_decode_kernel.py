@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime.gen import kv_pool, lora_batch
+from runtime.gen import kv_pool, lora_batch, sampling
 from runtime.gen.kv_pool import KVPool
 from runtime.gen.lora_batch import LoraBatch
 from runtime.model.pet import Pet
@@ -179,3 +179,45 @@ def test_reference_attention_is_sdpa_over_each_sequences_positions():
         values = pool.v[1, s.slots[:n + 1]].transpose(0, 1)
         want = F.scaled_dot_product_attention(q[b].view(2, 2, 8), keys, values)  # (KV, H / KV, hd)
         torch.testing.assert_close(got[b], want.reshape(-1), rtol=1e-5, atol=1e-5)
+
+
+@st.composite
+def step_logits(draw):
+    """A step's logits (n, vocab): normal values, ties to the row's top, and now and then a NaN,
+    an inf or a row of -inf (the reference's rules must hold there); some as a row subset's copy."""
+    n, vocab, seed = draw(st.integers(1, 5)), draw(st.integers(1, 100)), draw(st.integers(0, 2 ** 31 - 1))
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, vocab, generator=g) * draw(st.sampled_from([0.1, 5.0, 80.0]))
+    if draw(st.booleans()):  # ties: copies of the top at later columns
+        for b in range(n):
+            x[b, torch.randint(vocab, (3,), generator=g)] = x[b].max()
+    special = draw(st.sampled_from([None, float("nan"), float("inf"), float("-inf"), "all -inf"]))
+    if special == "all -inf":
+        x[draw(st.integers(0, n - 1))] = float("-inf")
+    elif special is not None:
+        x[draw(st.integers(0, n - 1)), draw(st.integers(0, vocab - 1))] = special
+    return x[:, : draw(st.integers(1, vocab))] if draw(st.booleans()) else x  # (rows strided: a column slice)
+
+
+def _same_floats(a, b, tol):
+    a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
+    return bool((((a - b).abs() <= tol * (1 + b.abs())) | (a.isnan() & b.isnan()) | (a == b)).all())
+
+
+@needs_decode
+@SETTINGS
+@given(step_logits())
+def test_greedy_kernel_equals_the_reference(logits):
+    tokens, logprobs = sampling.greedy(logits)
+    want_tokens, want_logprobs = sampling.greedy_reference(logits)
+    assert tokens == want_tokens
+    assert _same_floats(logprobs, want_logprobs, 2e-6)
+
+
+@needs_decode
+def test_greedy_kernel_row_is_its_own():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(9, 50257, generator=g) * 4
+    tokens, logprobs = sampling.greedy(logits)
+    for b in range(9):
+        assert sampling.greedy(logits[b:b + 1]) == ([tokens[b]], [logprobs[b]])

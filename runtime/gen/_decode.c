@@ -1,5 +1,6 @@
-/* runtime.gen._decode: a decode step's attention straight from the KV pool's pages, and every
- * row's LoRA from its adapter's weights (lora_add, below).
+/* runtime.gen._decode: a decode step's attention straight from the KV pool's pages, every row's
+ * LoRA from its adapter's weights (lora_add, below), and the greedy rows' choice from the step's
+ * logits (greedy, below; its reference is runtime.gen.sampling.greedy_reference).
  *
  * The reference is runtime/gen/kv_pool.py's KVPool.attend without this module: an index_put of
  * the new keys and values, an index_select gathering every sequence's pages into a padded
@@ -40,7 +41,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define HK_DECODE_API_VERSION 1
+#define HK_DECODE_API_VERSION 2
 #define LANES 16 /* partial sums of a dot product: one AVX-512 register */
 
 #if defined(__GNUC__) && !defined(__clang__) && (defined(__x86_64__) || defined(__i386__)) && defined(__linux__)
@@ -195,6 +196,87 @@ static void run_lora(const lora_t *j) {
     }
 }
 
+/* greedy: each row's first largest logit and -log sum_t e^(x_t - top), its log-probability; 1
+ * (nothing trusted) when a row holds a NaN or its top is not finite: the caller's reference
+ * keeps numpy's rules for those. One pass for the top and its first index (each lane keeps its
+ * first largest, the lanes' tie goes to the lowest index), one for the sum in a fixed order. */
+HK_INLINE vf exp_le0_v(vf x) { /* exp_le0, lane by lane */
+    const vi lo = x < -87.0f;
+    x = (vf)((lo & (vi)((vf){0} - 87.0f)) | (~lo & (vi)x));
+    vf n = x * 1.44269504088896341f;
+    n = (n + 12582912.0f) - 12582912.0f;
+    vf r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    vf p = (vf){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const vf y = p * r * r + r + 1.0f;
+    const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+    return y * (vf)bits;
+}
+
+HK_CLONES
+static int run_greedy(const float *logits, int64_t n, int64_t V, int64_t stride, int64_t *tokens, double *logprobs) {
+    const int64_t nv = V - V % LANES;
+    for (int64_t b = 0; b < n; b++) {
+        const float *x = logits + b * stride;
+        float top = -INFINITY;
+        int64_t at = 0, c = 0;
+        if (nv) {
+            vf best = load(x), v;
+            vi idx = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, lane = idx, nan = best != best;
+            for (c = LANES; c < nv; c += LANES) {
+                v = load(x + c);
+                const vi more = v > best;
+                best = (vf)((more & (vi)v) | (~more & (vi)best));
+                idx = (more & (lane + (int)c)) | (~more & idx);
+                nan |= v != v;
+            }
+            for (int l = 0; l < LANES; l++) {
+                if (nan[l]) return 1;
+                if (best[l] > top || (best[l] == top && idx[l] < at)) top = best[l], at = idx[l];
+            }
+        }
+        for (; c < V; c++) {
+            if (x[c] != x[c]) return 1;
+            if (x[c] > top || (c == 0)) top = x[c], at = c;
+        }
+        if (!isfinite(top)) return 1;
+        vf acc0 = {0}, acc1 = {0};
+        for (c = 0; c + 2 * LANES <= nv; c += 2 * LANES) {
+            acc0 += exp_le0_v(load(x + c) - top);
+            acc1 += exp_le0_v(load(x + c + LANES) - top);
+        }
+        if (c < nv) acc0 += exp_le0_v(load(x + c) - top), c += LANES;
+        vf acc = acc0 + acc1;
+        double sum = 0.0;
+        for (int l = 0; l < LANES; l++) sum += acc[l];
+        for (; c < V; c++) sum += exp_le0(x[c] - top);
+        tokens[b] = at;
+        logprobs[b] = -log(sum);
+    }
+    return 0;
+}
+
+static PyObject *py_greedy(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long px, ptok, plp;
+    long long n, V, stride;
+    if (!PyArg_ParseTuple(args, "KLLLKK", &px, &n, &V, &stride, &ptok, &plp)) return NULL;
+    if (n < 0 || V <= 0 || stride < V || !px || !ptok || !plp) {
+        PyErr_SetString(PyExc_ValueError, "greedy: empty, null or mismatched operand");
+        return NULL;
+    }
+    int bad;
+    Py_BEGIN_ALLOW_THREADS
+    bad = run_greedy((const float *)(uintptr_t)px, n, V, stride, (int64_t *)(uintptr_t)ptok, (double *)(uintptr_t)plp);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(!bad);
+}
+
 static PyObject *py_lora_add(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long px, pa, pbt, prows, py;
@@ -276,11 +358,14 @@ static PyMethodDef methods[] = {
     {"lora_add", py_lora_add, METH_VARARGS,
      "lora_add(x, A, Bt, rows, y, B, d_in, r, d_out, G, xs, ys): y[b] += (A[rows[b]] x[b]) Bt[rows[b]], "
      "rows < 0 unchanged"},
+    {"greedy", py_greedy, METH_VARARGS,
+     "greedy(logits, n, V, stride, tokens, logprobs): each row's first argmax (int64) and its log-probability "
+     "(float64); False (nothing written that counts) if a row holds a NaN or a non-finite top"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "runtime.gen._decode", "A decode step's attention over the KV pool's pages, in place.",
+    PyModuleDef_HEAD_INIT, "runtime.gen._decode", "A decode step's attention over the KV pool's pages, LoRA in place, the greedy choice.",
     -1, methods, NULL, NULL, NULL, NULL,
 };
 

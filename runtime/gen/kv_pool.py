@@ -24,8 +24,8 @@ import torch.nn.functional as F
 
 from formats import accel
 
-# (1: HK_DECODE_API_VERSION in runtime/gen/_decode.c; None: the reference, gather + ATen's attention)
-_decode = accel.extension("runtime.gen._decode", 1)
+# (2: HK_DECODE_API_VERSION in runtime/gen/_decode.c; None: the reference, gather + ATen's attention)
+_decode = accel.extension("runtime.gen._decode", 2)
 
 
 class Pages:
