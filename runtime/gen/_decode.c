@@ -124,6 +124,16 @@ HK_INLINE float exp_le0(float x) {
     return y * two_n;
 }
 
+/* Pages asked for ahead of the one in use: a sequence's pages need not be adjacent, and the
+ * pool comes from DRAM (a step's weights evict it); 4 ran the attention 1.14x faster than none
+ * (2: 1.11x, 8: 1.08x) at a 124M decoder's shapes with the weights' traffic between visits. */
+#define AHEAD 4
+
+/* ask for the n floats at p (one page: all heads' keys or values of a position) ahead of use */
+HK_INLINE void fetch(const float *p, int64_t n) {
+    for (int64_t c = 0; c < n; c += 64 / sizeof(float)) __builtin_prefetch(p + c);
+}
+
 typedef struct {
     const float *q, *k, *v;
     float *kpool, *vpool, *out;
@@ -149,8 +159,10 @@ static void run(const job_t *j) {
         /* position by position, every head of it: each page (all heads' keys, then values) is
          * read once front to back, as the prefetcher likes; s[h * W + t] is head h's score of t */
         float *restrict s = j->scores, *restrict inv = j->scores + H * W;
+        for (int64_t t = 0; t < AHEAD && t <= n; t++) fetch(j->kpool + pg[t] * row, row);
         for (int64_t t = 0; t <= n; t++) {
             const float *kt = j->kpool + pg[t] * row;
+            if (t + AHEAD <= n) fetch(j->kpool + pg[t + AHEAD] * row, row);
             for (int64_t h = 0; h < H; h++) s[h * W + t] = dot(q + h * hd, kt + kv_at[h], hd) * j->scale;
         }
         for (int64_t h = 0; h < H; h++) {
@@ -162,8 +174,10 @@ static void run(const job_t *j) {
             inv[h] = 1.0f / sum;
         }
         memset(o, 0, H * hd * sizeof(float));
+        for (int64_t t = 0; t < AHEAD && t <= n; t++) fetch(j->vpool + pg[t] * row, row);
         for (int64_t t = 0; t <= n; t++) {
             const float *vt = j->vpool + pg[t] * row;
+            if (t + AHEAD <= n) fetch(j->vpool + pg[t + AHEAD] * row, row);
             for (int64_t h = 0; h < H; h++) axpy(o + h * hd, s[h * W + t], vt + kv_at[h], hd);
         }
         for (int64_t h = 0; h < H; h++)
