@@ -101,27 +101,43 @@ HK_INLINE void axpy(float *restrict o, float p, const float *restrict x, int64_t
     for (; c < n; c++) o[c] += p * x[c];
 }
 
-/* e^x for x <= 0 (a score minus the largest), within 2 ulp of expf: Cody-Waite reduction by
- * ln 2 and Cephes's degree-5 polynomial, in plain arithmetic so that a loop of it vectorizes
- * (libm's expf, one call per score, was a quarter of this module's time). Below -87 (a weight
- * under 2^-125 of the largest) it answers e^-87. */
-HK_INLINE float exp_le0(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    float n = x * 1.44269504088896341f;
+/* e^x lane by lane for x <= 0 (a score or logit minus the largest), within 2 ulp of expf:
+ * Cody-Waite reduction by ln 2 and Cephes's degree-5 polynomial, a vector at a time (libm's
+ * expf, one call per score, was a quarter of this module's time). Below -87 (a weight under
+ * 2^-125 of the largest) it answers e^-87. */
+HK_INLINE vf exp_le0(vf x) {
+    const vi lo = x < -87.0f;
+    x = (vf)((lo & (vi)((vf){0} - 87.0f)) | (~lo & (vi)x));
+    vf n = x * 1.44269504088896341f;
     n = (n + 12582912.0f) - 12582912.0f; /* round to the nearest integer (|n| < 2^22) */
-    float r = x - n * 0.693359375f;
+    vf r = x - n * 0.693359375f;
     r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
+    vf p = (vf){0} + 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
     p = p * r + 4.1665795894e-2f;
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
-    const float y = p * r * r + r + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23; /* 2^n: n >= -126 here */
-    float two_n;
-    memcpy(&two_n, &bits, sizeof two_n);
-    return y * two_n;
+    const vf y = p * r * r + r + 1.0f;
+    const vi bits = (__builtin_convertvector(n, vi) + 127) << 23; /* 2^n: n >= -126 here */
+    return y * (vf)bits;
+}
+
+/* the first n lanes of x's floats at p as a vector, the others fill (a tail's lanes) */
+HK_INLINE vf load_part(const float *p, int64_t n, float fill) {
+    vf v = (vf){0} + fill;
+    memcpy(&v, p, (size_t)n * sizeof(float));
+    return v;
+}
+
+/* x[0..n) = e^(x - top) in place, x <= top */
+HK_INLINE void exp_shifted(float *x, int64_t n, float top) {
+    int64_t c = 0;
+    for (; c + LANES <= n; c += LANES) store(x + c, exp_le0(load(x + c) - top));
+    if (c < n) {
+        const vf e = exp_le0(load_part(x + c, n - c, top) - top);
+        memcpy(x + c, &e, (size_t)(n - c) * sizeof(float));
+    }
 }
 
 /* Pages asked for ahead of the one in use: a sequence's pages need not be adjacent, and the
@@ -169,7 +185,7 @@ static void run(const job_t *j) {
             float *restrict sh = s + h * W, top = -INFINITY, sum = 0.0f;
             for (int64_t t = 0; t <= n; t++)
                 if (sh[t] > top) top = sh[t];
-            for (int64_t t = 0; t <= n; t++) sh[t] = exp_le0(sh[t] - top);
+            exp_shifted(sh, n + 1, top);
             for (int64_t t = 0; t <= n; t++) sum += sh[t];
             inv[h] = 1.0f / sum;
         }
@@ -214,23 +230,6 @@ static void run_lora(const lora_t *j) {
  * (nothing trusted) when a row holds a NaN or its top is not finite: the caller's reference
  * keeps numpy's rules for those. One pass for the top and its first index (each lane keeps its
  * first largest, the lanes' tie goes to the lowest index), one for the sum in a fixed order. */
-HK_INLINE vf exp_le0_v(vf x) { /* exp_le0, lane by lane */
-    const vi lo = x < -87.0f;
-    x = (vf)((lo & (vi)((vf){0} - 87.0f)) | (~lo & (vi)x));
-    vf n = x * 1.44269504088896341f;
-    n = (n + 12582912.0f) - 12582912.0f;
-    vf r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    vf p = (vf){0} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const vf y = p * r * r + r + 1.0f;
-    const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
-    return y * (vf)bits;
-}
 
 HK_CLONES
 static int run_greedy(const float *logits, int64_t n, int64_t V, int64_t stride, int64_t *tokens, double *logprobs) {
@@ -261,14 +260,17 @@ static int run_greedy(const float *logits, int64_t n, int64_t V, int64_t stride,
         if (!isfinite(top)) return 1;
         vf acc0 = {0}, acc1 = {0};
         for (c = 0; c + 2 * LANES <= nv; c += 2 * LANES) {
-            acc0 += exp_le0_v(load(x + c) - top);
-            acc1 += exp_le0_v(load(x + c + LANES) - top);
+            acc0 += exp_le0(load(x + c) - top);
+            acc1 += exp_le0(load(x + c + LANES) - top);
         }
-        if (c < nv) acc0 += exp_le0_v(load(x + c) - top), c += LANES;
+        if (c < nv) acc0 += exp_le0(load(x + c) - top), c += LANES;
         vf acc = acc0 + acc1;
         double sum = 0.0;
         for (int l = 0; l < LANES; l++) sum += acc[l];
-        for (; c < V; c++) sum += exp_le0(x[c] - top);
+        if (c < V) {
+            const vf e = exp_le0(load_part(x + c, V - c, top) - top);
+            for (int64_t l = 0; l < V - c; l++) sum += e[l];
+        }
         tokens[b] = at;
         logprobs[b] = -log(sum);
     }
