@@ -3,10 +3,10 @@
 `pip install -e .` (or a wheel build) compiles them with the platform's C compiler:
 formats/_probe.c (segment lookups; else the NumPy code, formats/accel.py),
 runtime/exec/_fused.c (the bf16 layers' residual + LayerNorm pass; else ATen's ops,
-runtime/exec/cpu_batched.py) and runtime/gen/_decode.c (a decode step's paged attention and
-per-row LoRA; else the gather + ATen path, runtime/gen/kv_pool.py, lora_batch.py). All are
-optional: if one cannot be built (no compiler, no Python headers), installation still succeeds
-with a warning and hkstore runs on the reference code.
+runtime/exec/cpu_batched.py) and runtime/gen/_decode.c (a decode step's paged attention, per-row
+LoRA and greedy choice; else the array ops in runtime/gen/kv_pool.py, lora_batch.py and
+sampling.py). All are optional: if one cannot be built (no compiler, no Python headers),
+installation still succeeds with a warning and hkstore runs on the reference code.
 """
 
 import sys

@@ -230,7 +230,6 @@ static void run_lora(const lora_t *j) {
  * (nothing trusted) when a row holds a NaN or its top is not finite: the caller's reference
  * keeps numpy's rules for those. One pass for the top and its first index (each lane keeps its
  * first largest, the lanes' tie goes to the lowest index), one for the sum in a fixed order. */
-
 HK_CLONES
 static int run_greedy(const float *logits, int64_t n, int64_t V, int64_t stride, int64_t *tokens, double *logprobs) {
     const int64_t nv = V - V % LANES;
@@ -255,7 +254,7 @@ static int run_greedy(const float *logits, int64_t n, int64_t V, int64_t stride,
         }
         for (; c < V; c++) {
             if (x[c] != x[c]) return 1;
-            if (x[c] > top || (c == 0)) top = x[c], at = c;
+            if (x[c] > top) top = x[c], at = c; /* (a row all -inf keeps top -inf: refused below) */
         }
         if (!isfinite(top)) return 1;
         vf acc0 = {0}, acc1 = {0};
