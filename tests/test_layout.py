@@ -25,8 +25,9 @@ ROOM_ARROWS = {
     "plot": {"model"},
     "exec": {"model", "plot"},
     "sched": set(),
-    # a trained level's precision is chosen by scoring it through the CPU executor (construct/precision.py)
-    "construct": {"model", "plot", "exec"},
+    # a trained level's precision is chosen by scoring it through the CPU executor (construct/precision.py),
+    # a decoder tenant's through generation's prefill (construct/decoder_tenant.py)
+    "construct": {"model", "plot", "exec", "gen"},
     # profiling reads labelled held-out files with construction's readers, and runs exec's rows
     "level": {"model", "exec", "construct"},
     # the serving loop: schedules (sched, student's buffer), routes (level, student), runs exec's plans

@@ -4,7 +4,9 @@ After a level is trained, its rows are scored through the CPU executor twice, in
 the shared GEMMs in bf16 (runtime.exec.precision), on the same examples: the examples the
 tenant held out of training when it has them, else a seeded sample of its training examples,
 or a dev file (`hkstore levels profile --dev`). The level serves bf16 when bf16 scores no more
-than the target below fp32 (0.3 points unless told), else fp32. On a few hundred examples one
+than the target below fp32 (0.3 points unless told), else fp32. A decoder tenant is measured by
+its perplexity on a sample of its training text (runtime.construct.decoder_tenant): bf16 where
+it is at most 0.3% above fp32's, the same fraction of its metric. On a few hundred examples one
 answer is worth more than 0.3 points, so there bf16 is chosen only where it loses no answer on
 balance: a wrong bf16 costs a tenant accuracy, a wrong fp32 only speed. The record's meta keeps the
 choice, ``precision``, which an executor at precision "auto" serves each row at, and
@@ -25,7 +27,7 @@ import time
 import numpy as np
 
 ASKED = ("auto", "fp32", "bf16")
-TARGET = 0.003  # the most a level may lose at bf16 (a fraction of its metric): 0.3 points
+TARGET = 0.003  # the most a level may lose at bf16, a fraction of its metric: 0.3 points, or 0.3% of a perplexity
 TRAINING_ROWS = 256  # without held-out examples, at most this many training examples are scored
 BATCH = 32
 
@@ -55,23 +57,39 @@ def mark(snapshot, encoder, records, ids, targets, asked: str, on: str, target: 
     PET record, then its full-depth record when it has one), scored on (ids, targets) when
     asked is auto; `on` says what those examples are (held-out, training, dev)."""
     from runtime.construct.calibration import metric_name
+
+    for record in records:
+        record.meta.update(checked(asked, lambda: score(snapshot, encoder, record, ids, targets),
+                                   metric_name(record.meta["task"]), len(ids), on, target))
+
+
+def checked(asked: str, scores_of, metric: str, examples: int, on: str, target: float = TARGET) -> dict:
+    """A level's ``precision`` and ``precision_check``: as asked, or for auto on a CPU with native
+    bf16, bf16 where scores_of() (({"fp32": s, "bf16": s}, CPU seconds), called only then) shows
+    bf16 within the target on `examples` examples of `metric` (a perplexity: at most target
+    higher, as a fraction of fp32's; a score: at most target lower)."""
     from runtime.exec.precision import resolve
 
     asked = check_asked(asked)
     measure = asked == "auto" and resolve("auto") == "bf16"  # resolve says once when the CPU lacks it
-    for record in records:
-        check = {"asked": asked}
-        if measure and ids:
-            scores, seconds = score(snapshot, encoder, record, ids, targets)
-            chosen = "bf16" if scores["bf16"] >= scores["fp32"] - target - 1e-12 else "fp32"
-            check.update(scores=scores, metric=metric_name(record.meta["task"]), examples=len(ids), on=on,
-                         target=target, seconds=round(seconds, 3))
-        elif asked == "auto":
-            chosen = "fp32"
-            check["unmeasured"] = "no examples to score" if measure else "no native bf16 on the machine that trained it"
-        else:
-            chosen = asked
-        record.meta.update(precision=chosen, precision_check=check)
+    check = {"asked": asked}
+    if measure and examples:
+        scores, seconds = scores_of()
+        chosen = "bf16" if holds(scores, metric, target) else "fp32"
+        check.update(scores=scores, metric=metric, examples=examples, on=on, target=target, seconds=round(seconds, 3))
+    elif asked == "auto":
+        chosen = "fp32"
+        check["unmeasured"] = "no examples to score" if measure else "no native bf16 on the machine that trained it"
+    else:
+        chosen = asked
+    return {"precision": chosen, "precision_check": check}
+
+
+def holds(scores: dict, metric: str, target: float = TARGET) -> bool:
+    """Whether bf16's score is within the target of fp32's."""
+    if metric == "perplexity":
+        return scores["bf16"] <= scores["fp32"] * (1 + target) + 1e-12
+    return scores["bf16"] >= scores["fp32"] - target - 1e-12
 
 
 def score(snapshot, encoder, record, ids, targets) -> tuple[dict, float]:
@@ -113,9 +131,10 @@ def words(precision: str, check: dict | None) -> str:
         return f"{precision} (not measured)"
     if "scores" in check:
         s = check["scores"]
+        bound = (f"bf16 may raise it {100 * check['target']:g}%" if check["metric"] == "perplexity"
+                 else f"bf16 may lose {100 * check['target']:g} points")
         return (f"{precision} ({check['on']} {check['metric'].replace('_', ' ')} fp32 {s['fp32']:.3f}, "
-                f"bf16 {s['bf16']:.3f} on {check['examples']} examples; bf16 may lose "
-                f"{100 * check['target']:g} points)")
+                f"bf16 {s['bf16']:.3f} on {check['examples']} examples; {bound})")
     if "unmeasured" in check:
         return f"{precision} (not measured: {check['unmeasured']})"
     return f"{precision} (asked)"

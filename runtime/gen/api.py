@@ -43,11 +43,12 @@ def is_decoder_store_path(path) -> bool:
 
 class DecoderRuntime:
     def __init__(self, store_path, device: str = "cpu", *, kv_budget_bytes: int = DEFAULT_KV_BUDGET,
-                 max_running: int = 64, decoder=None, dtype: str = "fp32", pet_cache_bytes: int = 512 << 20,
+                 max_running: int = 64, decoder=None, dtype: str = "auto", pet_cache_bytes: int = 512 << 20,
                  lora_kernel: str = "auto", executor=None, **_ignored):
         """device "cpu" (the reference path) or "cuda" (runtime.gen.device_decode: the upper layers,
         KV pool and PETs on the GPU executor; `executor` hands in one already built). On the CPU,
-        dtype is the shared GEMMs' precision, "fp32", "bf16" or "auto" (runtime.gen.row_precision)."""
+        dtype is the shared GEMMs' precision, "fp32", "bf16" or "auto" (runtime.gen.row_precision: each
+        tenant at the precision its record names, which lm_tenant_create measures; fp32 without one)."""
         import hkstore
         from runtime.model.stored import base_decoder
 
@@ -65,7 +66,9 @@ class DecoderRuntime:
             if device == "cuda" and executor is None:
                 from runtime.exec.gpu_decoder import GpuDecoderExecutor
 
-                self.executor = GpuDecoderExecutor(self.decoder, dtype=dtype, pet_cache_bytes=pet_cache_bytes,
+                # (the GPU's own precision: fp32 unless one is asked; auto is the CPU's per-tenant choice)
+                self.executor = GpuDecoderExecutor(self.decoder, dtype="fp32" if dtype == "auto" else dtype,
+                                                   pet_cache_bytes=pet_cache_bytes,
                                                    lora_kernel=lora_kernel)
         except BaseException:
             self.store.close()
@@ -218,12 +221,21 @@ class DecoderRuntime:
     def prompt_logprobs(self, snap, version, prompt: list[int], pet=None, top: int = 0) -> list:
         """Each prompt token's logprob given the tokens before it and its `top` most likely
         alternatives there: [None, (logprob, [(token, logprob), ...]), ...] (nothing comes before
-        the first). One pass of the upper layers over the prompt on the reference decoder, as a
-        prefill computes its last position (what echo with logprobs reports)."""
+        the first). One pass of the upper layers over the prompt, as a prefill computes its last
+        position (what echo with logprobs reports): on the CPU with the prefill's own GEMMs at the
+        tenant's precision, so a scored text's logprobs are the ones generating it reported."""
         from runtime.plot.retrieve import retrieve
 
         h, mask, _ = retrieve(snap, version, [list(prompt)])
-        logprobs = torch.log_softmax(self.decoder.logits(self.decoder.upper(h, mask, pet)[0]).float(), -1)
+        if self.device == "cpu":
+            from runtime.gen.batched_prefill import upper_batch
+            from runtime.gen.lora_batch import lora_only
+
+            out, rp = upper_batch(self.decoder, h, mask, [pet], None, not lora_only(pet), self.precision)
+            logits = self.decoder.logits(out[0], linear=rp.linear)
+        else:
+            logits = self.decoder.logits(self.decoder.upper(h, mask, pet)[0])
+        logprobs = torch.log_softmax(logits.float(), -1)
         out: list = [None]
         for t in range(1, len(prompt)):
             row = logprobs[t - 1]

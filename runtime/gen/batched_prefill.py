@@ -32,16 +32,31 @@ def prefill_batch(decoder, h: torch.Tensor, mask: torch.Tensor, seqs, pool, shar
     shared_pet: every row has the same PET, of any kind (runtime.model.pet applies it whole:
     adapters, BitFit, diff, norm deltas), instead of per-row LoRAs. precision: the shared GEMMs'
     (runtime.gen.row_precision.resolve's mode; a projection the shared PET edits runs fp32)."""
-    c = decoder.config
     B, T, _ = h.shape
     lengths = mask.sum(1)
-    pet = seqs[0].pet if shared_pet else None
-    lb = LoraBatch([None] * B if shared_pet else [s.pet for s in seqs])
-    rp = RowPrecision.of(precision, [s.pet for s in seqs])
-    positions = decoder.positions_of(mask)
     pages = torch.zeros(B, T, dtype=torch.long)
     for b, s in enumerate(seqs):
         pages[b, :int(lengths[b])] = s.slots[:int(lengths[b])]
+    h, rp = upper_batch(decoder, h, mask, [s.pet for s in seqs], (pool, pages), shared_pet, precision)
+    for b, s in enumerate(seqs):
+        s.kv_len = int(lengths[b])
+        s.cache = None
+    return decoder.logits(h[torch.arange(B), lengths - 1], linear=rp.linear)
+
+
+@torch.no_grad()
+def upper_batch(decoder, h: torch.Tensor, mask: torch.Tensor, pets, kv=None, shared_pet=False,
+                precision: str = "fp32"):
+    """(the upper layers' output over every position of h, the rows' RowPrecision): prefill's
+    arithmetic, each row with its PET (pets[b]) at its precision. kv: (pool, pages (B, T)) that
+    the real positions' keys and values are written to, or None (a tenant's perplexity at a
+    precision is measured through this, runtime.construct.decoder_tenant)."""
+    c = decoder.config
+    B, T, _ = h.shape
+    pet = pets[0] if shared_pet else None
+    lb = LoraBatch([None] * B if shared_pet else list(pets))
+    rp = RowPrecision.of(precision, pets)
+    positions = decoder.positions_of(mask)
     allowed = (torch.arange(T)[None, :] <= torch.arange(T)[:, None])[None, None] & mask[:, None, None, :]
     hd, H, KV = c.head_dim, c.heads, c.kv_heads
 
@@ -60,9 +75,10 @@ def prefill_batch(decoder, h: torch.Tensor, mask: torch.Tensor, seqs, pool, shar
         q, k, v = (t.reshape(B, T, -1, hd).transpose(1, 2) for t in (q, k, v))
         if c.rotary:
             q, k = _rotate(q, positions, c.rope_theta), _rotate(k, positions, c.rope_theta)
-        li = i - pool.first
-        pool.k[li, pages[mask]] = k.transpose(1, 2)[mask]
-        pool.v[li, pages[mask]] = v.transpose(1, 2)[mask]
+        if kv is not None:
+            pool, pages = kv
+            pool.k[i - pool.first, pages[mask]] = k.transpose(1, 2)[mask]
+            pool.v[i - pool.first, pages[mask]] = v.transpose(1, 2)[mask]
         if KV != H:
             k, v = k.repeat_interleave(H // KV, 1), v.repeat_interleave(H // KV, 1)
         # (every query has a real key, position 0, so no row of the mask is empty)
@@ -76,7 +92,4 @@ def prefill_batch(decoder, h: torch.Tensor, mask: torch.Tensor, seqs, pool, shar
         else:
             f = _act(c.act, lin(i, "ffn_in", x))
         h = h + lin(i, "ffn_out", f)
-    for b, s in enumerate(seqs):
-        s.kv_len = int(lengths[b])
-        s.cache = None
-    return decoder.logits(h[torch.arange(B), lengths - 1], linear=rp.linear)
+    return h, rp

@@ -79,9 +79,10 @@ def admin_token_source(store, token_file=None) -> str:
                    "The server's process keeps HTTP, tokens, jobs and metrics; a tenant's texts go to its home "
                    "worker while it keeps up. One store, encoder, CPU, shared mode; else one engine.")
 @click.option("--precision", type=click.Choice(["auto", "fp32", "bf16"]), default="auto", show_default=True,
-              help="Encoder stores on the CPU: auto serves each tenant's level at the precision its record names "
-                   "(bf16 where tenant create measured it loses nothing, fp32 otherwise and for tenants never "
-                   "measured); fp32 or bf16 serve every tenant so (bf16 needs AVX512_BF16 or AMX-BF16).")
+              help="On the CPU: auto serves each tenant (each level of an encoder tenant) at the precision its "
+                   "record names (bf16 where tenant create measured it loses nothing, fp32 otherwise and for "
+                   "tenants never measured); fp32 or bf16 serve every tenant so (bf16 needs AVX512_BF16 or "
+                   "AMX-BF16).")
 @click.option("--metrics-public", is_flag=True,
               help="Serve /metrics without a token (default: it needs the admin token as a bearer token).")
 @click.option("--header-timeout", type=click.FloatRange(0.1, 3600), default=10, show_default=True,
@@ -144,8 +145,7 @@ def serve(stores, host, port, admin_token_file, device, max_batch, max_wait_ms, 
                                        "use --device cpu or auto")
 
     workers = _workers(workers, stores, device, mode, use_ray)
-    # auto is the runtime's own default: passed on only when asked otherwise (decoder stores and the
-    # GPU have their own precisions)
+    # auto is the runtimes' own default: passed on only when asked otherwise (the GPU has its own)
     precise = {} if precision == "auto" else {"dtype": _precision(precision, stores, device)}
     if host not in ("127.0.0.1", "localhost", "::1"):
         click.echo(f"warning: binding {host}, not loopback: the server is reachable from other hosts", err=True)
@@ -326,13 +326,11 @@ def header_timeout_protocol(seconds):
 
 
 def _precision(precision, stores, device) -> str:
-    """--precision other than auto: for encoder stores on the CPU, and bf16 only where the CPU has it."""
+    """--precision other than auto: for stores on the CPU, and bf16 only where the CPU has it."""
     from runtime import resolve_precision
-    from runtime.pool import is_decoder_store
 
-    if device == "cuda" or any(is_decoder_store(s) for s in stores):
-        raise click.ClickException(f"--precision {precision}: only encoder stores on the CPU take a precision "
-                                   "(decoder stores and the GPU keep their own)")
+    if device == "cuda":
+        raise click.ClickException(f"--precision {precision}: only the CPU takes a precision (the GPU keeps its own)")
     try:
         return resolve_precision(precision)
     except ValueError as e:
