@@ -107,3 +107,10 @@ def test_cli_tenant_eval_reports_perplexity(store_path):
     assert r.exit_code == 0, r.output
     out = json.loads(r.output)
     assert out["perplexity"] < out["base_perplexity"] / 2 and out["tokens"] > 0
+    with hkstore.open(s) as st:
+        assert out["precision"] == st.snapshot().read_pet("eval-acme").meta["precision"]
+    from runtime.exec.precision import bf16_native
+
+    if bf16_native() is not None:  # the tenant's own perplexity, through generation's GEMMs at both precisions
+        assert out["served_perplexity"]["fp32"] == pytest.approx(out["perplexity"], rel=1e-4)
+        assert out["served_perplexity"]["bf16"] == pytest.approx(out["perplexity"], rel=0.05)

@@ -184,7 +184,9 @@ def _ppl(dec, pet, inputs, seqs) -> float:
 
 def lm_tenant_eval(store_path, tenant, test_path, *, max_examples: int | None = None, corpus_format=None) -> dict:
     """Perplexity (per token) of a text file under the tenant and under the base model, both
-    through the serving path (PLOT inputs of the tenant's version + the upper layers)."""
+    through the serving path (PLOT inputs of the tenant's version + the upper layers), and, on a
+    CPU with native bf16, the tenant's through generation's GEMMs in fp32 and in bf16 beside the
+    precision it records (what its choice costs on this text)."""
     import torch
 
     from runtime.construct.data import read_corpora
@@ -198,7 +200,8 @@ def lm_tenant_eval(store_path, tenant, test_path, *, max_examples: int | None = 
             raise ManagerError(f"unknown tenant {tenant!r}")
         dec = base_decoder(store)
         pet = load_lm_pet(store, tenant, dec)
-        version = snap.read_pet(tenant).meta.get("version") or snap.version_names[0]
+        meta = snap.read_pet(tenant).meta
+        version = meta.get("version") or snap.version_names[0]
         seqs = [s for s in tokenize_decoder_corpus(dec, read_corpora(test_path, corpus_format), dec.config.max_len)
                 if len(s) > 1][:max_examples]
         if not seqs:
@@ -206,5 +209,12 @@ def lm_tenant_eval(store_path, tenant, test_path, *, max_examples: int | None = 
         inputs = retrieve_list(snap, version, seqs)
     with torch.no_grad():
         tuned, base = _ppl(dec, pet, inputs, seqs), _ppl(dec, None, inputs, seqs)
-    return {"tenant": tenant, "version": version, "sequences": len(seqs), "tokens": sum(len(s) - 1 for s in seqs),
-            "perplexity": round(tuned, 3), "base_perplexity": round(base, 3)}
+    out = {"tenant": tenant, "version": version, "sequences": len(seqs), "tokens": sum(len(s) - 1 for s in seqs),
+           "perplexity": round(tuned, 3), "base_perplexity": round(base, 3),
+           "precision": meta.get("precision", "fp32")}
+    from runtime.exec.precision import bf16_native
+
+    if bf16_native() is not None:
+        served, _ = served_perplexities(dec, pet, inputs, seqs)
+        out["served_perplexity"] = {k: round(v, 3) for k, v in served.items()}
+    return out
