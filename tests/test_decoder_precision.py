@@ -14,36 +14,14 @@ from hypothesis import given, settings, strategies as st
 import hkstore
 from runtime.construct import decoder_tenant
 from runtime.construct import precision as choice
-from runtime.construct.decoder_store import build_decoder
 from runtime.construct.decoder_tenant import lm_tenant_create
 from runtime.exec import precision as precisionlib
 from runtime.model import pet as petlib
 from runtime.model.decoder import load_decoder
-from runtime.model.tiny_decoder import make_tiny_decoder
 from runtime.plot.retrieve import retrieve_list
+from test_decoder_tenant import TENANT_TEXT, TEXTS, _one_thread, store_path  # noqa: F401  (the same tiny store)
 
-TEXTS = ["the cat sat on the mat .", "a dog ran in the park and the cat ran too .",
-         "storage engines keep tables of vectors , versions and packs ."]
-TENANT_TEXT = ["the cat sat on the mat and the dog sat on the mat .", "a dog ran in the park ."] * 3
 native_only = pytest.mark.skipif(precisionlib.bf16_native() is None, reason="this CPU has no native bf16")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def made(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("decprec")
-    model = make_tiny_decoder(tmp / "m", TEXTS + TENANT_TEXT, d=32, layers=4, max_len=48, scale=1.0)
-    (tmp / "c.txt").write_text("\n".join(TEXTS + TENANT_TEXT))
-    build_decoder(tmp / "s", model_path=model, corpus_paths=[tmp / "c.txt"], n=3, lower_layers=2, progress=False)
-    (tmp / "acme.txt").write_text("\n".join(TENANT_TEXT))
-    return tmp
 
 
 @pytest.fixture
@@ -51,13 +29,13 @@ def native(monkeypatch):
     monkeypatch.setattr(precisionlib, "bf16_native", lambda: "avx512_bf16")
 
 
-def create(made, tenant, **kw):
-    return lm_tenant_create(made / "s", tenant, train_path=made / "acme.txt", epochs=2, batch_size=4, lr=1e-2,
-                            progress=False, replace=True, **kw)
+def create(store_path, tenant, **kw):
+    return lm_tenant_create(store_path / "s", tenant, train_path=store_path / "acme.txt", epochs=2, batch_size=4,
+                            lr=1e-2, progress=False, replace=True, **kw)
 
 
-def meta_of(made, tenant):
-    with hkstore.open(made / "s") as st:
+def meta_of(store_path, tenant):
+    with hkstore.open(store_path / "s") as st:
         return st.snapshot().read_pet(tenant).meta
 
 
@@ -76,9 +54,9 @@ def test_bf16_is_chosen_exactly_when_its_perplexity_is_at_most_a_target_higher(f
 
 
 @native_only
-def test_the_served_perplexity_is_the_models_in_fp32_and_within_bf16_rounding_in_bf16(made):
-    create(made, "ref", precision="fp32")
-    with hkstore.open(made / "s") as st:
+def test_the_served_perplexity_is_the_models_in_fp32_and_within_bf16_rounding_in_bf16(store_path):
+    create(store_path, "ref", precision="fp32")
+    with hkstore.open(store_path / "s") as st:
         dec = load_decoder(st.meta["model_path"], st.meta["lower_layers"])
         record = st.snapshot().read_pet("ref")
         pet = petlib.load_pet(dec, record.tensors, petlib.pet_meta(record.meta))
@@ -92,7 +70,7 @@ def test_the_served_perplexity_is_the_models_in_fp32_and_within_bf16_rounding_in
     assert seconds > 0
 
 
-def test_create_records_bf16_where_the_perplexity_holds_fp32_where_it_rises(made, native, monkeypatch):
+def test_create_records_bf16_where_the_perplexity_holds_fp32_where_it_rises(store_path, native, monkeypatch):
     seen = []
 
     def measured(fp32, bf16):
@@ -102,71 +80,71 @@ def test_create_records_bf16_where_the_perplexity_holds_fp32_where_it_rises(made
         monkeypatch.setattr(decoder_tenant, "served_perplexities", served)
 
     measured(10.0, 10.02)
-    out = create(made, "holds")
-    assert out["precision"] == "bf16" and meta_of(made, "holds")["precision"] == "bf16"
-    check = meta_of(made, "holds")["precision_check"]
+    out = create(store_path, "holds")
+    assert out["precision"] == "bf16" and meta_of(store_path, "holds")["precision"] == "bf16"
+    check = meta_of(store_path, "holds")["precision_check"]
     assert check["metric"] == "perplexity" and check["scores"] == {"fp32": 10.0, "bf16": 10.02}
     assert check["on"] == "training" and check["examples"] == seen[-1] == len(TENANT_TEXT)
     measured(10.0, 10.05)
-    assert create(made, "rises")["precision"] == "fp32" and meta_of(made, "rises")["precision"] == "fp32"
-    assert "bf16 may raise it 0.3%" in choice.words("fp32", meta_of(made, "rises")["precision_check"])
+    assert create(store_path, "rises")["precision"] == "fp32" and meta_of(store_path, "rises")["precision"] == "fp32"
+    assert "bf16 may raise it 0.3%" in choice.words("fp32", meta_of(store_path, "rises")["precision_check"])
 
 
-def test_asked_precisions_are_recorded_unmeasured(made, native, monkeypatch):
+def test_asked_precisions_are_recorded_unmeasured(store_path, native, monkeypatch):
     monkeypatch.setattr(decoder_tenant, "served_perplexities", lambda *a, **k: pytest.fail("measured"))
     for asked in ("fp32", "bf16"):
-        create(made, f"asked-{asked}", precision=asked)
-        meta = meta_of(made, f"asked-{asked}")
+        create(store_path, f"asked-{asked}", precision=asked)
+        meta = meta_of(store_path, f"asked-{asked}")
         assert meta["precision"] == asked and meta["precision_check"] == {"asked": asked}
 
 
-def test_bf16_on_a_cpu_without_it_is_refused_before_training(made, monkeypatch):
+def test_bf16_on_a_cpu_without_it_is_refused_before_training(store_path, monkeypatch):
     monkeypatch.setattr(precisionlib, "bf16_native", lambda: None)
     monkeypatch.setattr(decoder_tenant, "train_lm_pet", lambda *a, **k: pytest.fail("trained"))
     with pytest.raises(precisionlib.PrecisionUnavailable, match="'bf16' needs a CPU") as err:
-        create(made, "nope", precision="bf16")
+        create(store_path, "nope", precision="bf16")
     assert "\n" not in str(err.value)
-    with hkstore.open(made / "s") as st:
+    with hkstore.open(store_path / "s") as st:
         assert "nope" not in st.snapshot().pets
     with pytest.raises(ValueError, match="precision must be one of"):
-        create(made, "nope", precision="fp16")
+        create(store_path, "nope", precision="fp16")
 
 
 @native_only
-def test_a_real_create_measures_and_the_runtime_serves_the_record_by_default(made):
+def test_a_real_create_measures_and_the_runtime_serves_the_record_by_default(store_path):
     from runtime.gen.api import DecoderRuntime
     from runtime.gen.row_precision import RowPrecision
 
-    out = create(made, "real")
+    out = create(store_path, "real")
     check = out["precision_check"]
     assert check["metric"] == "perplexity" and set(check["scores"]) == {"fp32", "bf16"}
     assert out["precision"] == ("bf16" if choice.holds(check["scores"], "perplexity") else "fp32")
-    with DecoderRuntime(made / "s") as rt:  # no dtype: each tenant at its record
+    with DecoderRuntime(store_path / "s") as rt:  # no dtype: each tenant at its record
         assert rt.precision == "auto" and rt.batcher(rt.store.snapshot(), "root").gen.precision == "auto"
         pet = decoder_tenant.load_lm_pet(rt.store, "real", rt.decoder)
         assert RowPrecision.of(rt.precision, [pet]).all_bf16 == (out["precision"] == "bf16")
 
 
-def test_cli_tenant_create_takes_a_precision_and_tenant_info_shows_it(made):
+def test_cli_tenant_create_takes_a_precision_and_tenant_info_shows_it(store_path):
     from runtime.construct.commands import COMMANDS
 
-    r = CliRunner().invoke(COMMANDS["tenant"], ["create", str(made / "s"), "cli", "--version", "root", "--train",
-                                                str(made / "acme.txt"), "--epochs", "1", "--precision", "fp32", "-q",
-                                                "--json"])
+    args = ["create", str(store_path / "s"), "cli", "--version", "root", "--train", str(store_path / "acme.txt"),
+            "--epochs", "1", "--precision", "fp32", "-q", "--json"]
+    r = CliRunner().invoke(COMMANDS["tenant"], args)
     assert r.exit_code == 0, r.output
     assert json.loads(r.output)["precision"] == "fp32"
-    r = CliRunner().invoke(COMMANDS["tenant"], ["info", str(made / "s"), "cli"])
+    r = CliRunner().invoke(COMMANDS["tenant"], ["info", str(store_path / "s"), "cli"])
     assert r.exit_code == 0 and "precision plot: fp32 (asked)" in r.output, r.output
 
 
-def test_serve_takes_a_precision_for_a_decoder_store_on_the_cpu(made):
+def test_serve_takes_a_precision_for_a_decoder_store_on_the_cpu(store_path):
     import click
 
     from runtime.serve.cli import _precision
 
-    assert _precision("fp32", [str(made / "s")], "cpu") == "fp32"
+    assert _precision("fp32", [str(store_path / "s")], "cpu") == "fp32"
     with pytest.raises(click.ClickException, match="only the CPU takes a precision"):
-        _precision("fp32", [str(made / "s")], "cuda")
+        _precision("fp32", [str(store_path / "s")], "cuda")
 
 
 def test_the_experiment_reads_a_splits_texts_in_both_formats(tmp_path):
