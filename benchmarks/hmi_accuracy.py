@@ -78,6 +78,9 @@ TASKS = {  # name: (task kind, directory under --data, domain)
     "NCBI-disease": ("tagging", "ner/NCBI-disease", "biology"),
     "sciie": ("tagging", "ner/sciie", "cs"),
 }
+# Tasks outside the suite (experiments.heldout_task writes them under a --data root of their own):
+# a run may name them, none runs them by default.
+HELD_OUT = {"sciie-task-method": ("classification", "text_classification/sciie-task-method", "cs")}
 ROWS = ("dedicated", "shared", "adapter-only", "plot-only", "hplm", "hplm-grown", "hplm-lora", "hplm-wide", "hplm-full",
         "full")
 DEFAULT_ROWS = ROWS[:-1]  # the full row is asked for by name (--rows): it lengthens a run by about a third
@@ -132,7 +135,7 @@ def prepare_data(args, out: Path) -> dict:
     data_dir.mkdir(parents=True, exist_ok=True)
     tasks, root_texts, domain_texts, held_out = {}, [], {}, set()
     for name in args.tasks:
-        kind, sub, domain = TASKS[name]
+        kind, sub, domain = (TASKS | HELD_OUT)[name]
         files = {}
         for split, cap in (("train", args.max_train), ("eval", args.max_test)):
             source = "train" if split == "train" else args.eval_split

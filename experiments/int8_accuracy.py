@@ -95,13 +95,13 @@ def serve(ex, rows):
     return ex.compute(ex.prepare(ex.gather(None, rows), rows))
 
 
-def load_full_pets(directory, row, encoder) -> dict:
-    """{task: full-depth Pet} of the saved PETs present (meta level "full" added: saved before it existed)."""
+def load_full_pets(directory, row, encoder, tasks=TASK_ORDER) -> dict:
+    """{task: full-depth Pet} of the saved PETs of tasks present (meta level "full" added: saved before it existed)."""
     import torch
     from runtime.model.pet import FULL, load_pet
 
     pets = {}
-    for task in TASK_ORDER:
+    for task in tasks:
         path = os.path.join(directory, f"{task}-{row}.pt")
         if os.path.exists(path):
             saved = torch.load(path)

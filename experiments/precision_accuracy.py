@@ -13,6 +13,14 @@ Results after every (seed, task) in OUT/precision-accuracy.json (resumable) and 
 on stdout; --write writes benchmarks/results/precision_accuracy.json with max_points_lost (the
 worst task's mean test loss over seeds at the chosen precision) and bf16_points_lost (the same
 with bf16 for every tenant), and merges max_points_lost into benchmarks/results/precision.json.
+
+The held-out check runs a task outside the suite (experiments.heldout_task writes it; its PETs
+come from experiments.full_depth --data ROOT --tasks NAME) with the same --data and --tasks:
+
+    python -m experiments.precision_accuracy --out OUT --data ROOT --tasks NAME RUN0/pets ... --write
+
+and its --write adds the task's numbers under "held_out" in precision_accuracy.json, leaving the
+suite's claims (and precision.json) as they are.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import time
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.hmi_accuracy import HELD_OUT
 from experiments.int8_accuracy import TASK_ORDER, load_full_pets, score_full
 
 SPLITS = ("dev", "test")
@@ -53,7 +62,7 @@ def chosen(dev: dict, tolerance: float) -> str:
 def summary(results: dict, tolerance: float) -> dict:
     """Per task over seeds: test fp32, bf16, chosen; mean losses; the claims."""
     rows, lost_chosen, lost_bf16 = {}, {}, {}
-    for task in TASK_ORDER:
+    for task in TASK_ORDER + tuple(HELD_OUT):
         runs = [results[seed][task] for seed in sorted(results) if task in results[seed]]
         if not runs:
             continue
@@ -83,6 +92,30 @@ def table(results: dict, tolerance: float) -> dict:
     return {"columns": columns, "rows": rows}
 
 
+def held_out(results: dict, tolerance: float, task: str) -> dict:
+    """The held-out task's numbers per seed (lists, in seed order) and its mean test losses."""
+    s = summary(results, tolerance)
+    seeds = [seed for seed in sorted(results) if task in results[seed]]
+    per = s["rows"][task]
+    return {"task": task, "seeds": seeds, "tolerance": tolerance,
+            "dev_fp32": [round(results[seed][task]["dev"]["fp32"]["score"], 2) for seed in seeds],
+            "dev_bf16": [round(results[seed][task]["dev"]["bf16"]["score"], 2) for seed in seeds],
+            "test_fp32": [round(p["fp32"], 2) for p in per], "test_bf16": [round(p["bf16"], 2) for p in per],
+            "chosen": [p["choice"] for p in per],
+            "points_lost_chosen": round(s["lost_chosen"][task], 2) + 0.0,
+            "points_lost_bf16": round(s["lost_bf16"][task], 2) + 0.0}
+
+
+def claims_file(saved: dict, run: dict, t: dict, s: dict, held: dict | None = None) -> dict:
+    """precision_accuracy.json's new contents: the suite's claims (keeping a saved held-out
+    record), or, for a held-out task, the saved claims with its record beside them."""
+    if held is not None:
+        return saved | {"held_out": held | run}
+    claims = {"section": SECTION, **run, "tables": [t], "max_points_lost": s["max_points_lost"],
+              "bf16_points_lost": s["bf16_points_lost"]}
+    return claims | ({"held_out": saved["held_out"]} if "held_out" in saved else {})
+
+
 def markdown(t: dict) -> str:
     return "\n".join(["| " + " | ".join(t["columns"]) + " |", "| --- | --- | --- | --- | ---: | ---: |"]
                      + ["| " + " | ".join(r) + " |" for r in t["rows"]])
@@ -93,12 +126,19 @@ def main(argv=None):
     ap.add_argument("pets", nargs="+", help="directories of TASK-fd-lora.pt PETs, one per training seed")
     ap.add_argument("--out", required=True)
     ap.add_argument("--data", help="the SciBERT task data (default: benchmarks.hmi_accuracy's)")
+    ap.add_argument("--tasks", default=",".join(TASK_ORDER), help="comma-separated: the suite's, or held-out ones")
     ap.add_argument("--row", default="fd-lora")
     ap.add_argument("--tolerance", type=float, default=0.3, help="dev points bf16 may lose and still be chosen")
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--write", action="store_true", help="write benchmarks/results/precision_accuracy.json (its BENCHMARKS section) and merge "
                     "max_points_lost into benchmarks/results/precision.json")
     args = ap.parse_args(argv)
+    args.tasks = [t for t in args.tasks.split(",") if t]
+    if bad := [t for t in args.tasks if t not in TASK_ORDER + tuple(HELD_OUT)]:
+        ap.error(f"unknown tasks {bad}")
+    outside = [t for t in args.tasks if t in HELD_OUT]
+    if args.write and outside and (len(outside) > 1 or len(args.tasks) > 1):
+        ap.error("--write takes the suite's tasks, or one held-out task alone")
 
     import torch
 
@@ -118,7 +158,7 @@ def main(argv=None):
     splits = {}
     for directory in args.pets:
         seed = os.path.basename(os.path.dirname(os.path.abspath(directory))) or directory
-        pets = load_full_pets(directory, args.row, encoder)
+        pets = load_full_pets(directory, args.row, encoder, args.tasks)
         done = results.setdefault(seed, {})
         for task, pet in pets.items():
             if task in done:
@@ -128,7 +168,7 @@ def main(argv=None):
             entry = {}
             for split in SPLITS:
                 if split not in splits:
-                    splits[split] = tasks_of(TASK_ORDER, encoder, args.out, split, args.data)
+                    splits[split] = tasks_of(args.tasks, encoder, args.out, split, args.data)
                 entry[split] = dict(score_full(executors, serving, splits[split][task], args.batch_size),
                                     load=round(os.getloadavg()[0], 1))
             done[task] = entry
@@ -150,13 +190,15 @@ def main(argv=None):
         from benchmarks.claims import merge
 
         loads = [e[k]["load"] for r in results.values() for e in r.values() for k in SPLITS if "load" in e.get(k, {})]
-        claims = {"section": SECTION, "command": "python -m experiments.precision_accuracy " + shlex.join(sys.argv[1:]),
-                  "machine": f"{cpu_model()}, {os.cpu_count()} cores, native bf16 {bf16_native()}, one torch thread",
-                  "load": f"{min(loads):.1f}-{max(loads):.1f}" if loads else "", "date": str(datetime.date.today()),
-                  "tables": [t], "max_points_lost": s["max_points_lost"], "bf16_points_lost": s["bf16_points_lost"]}
+        run = {"command": "python -m experiments.precision_accuracy " + shlex.join(sys.argv[1:]),
+               "machine": f"{cpu_model()}, {os.cpu_count()} cores, native bf16 {bf16_native()}, one torch thread",
+               "load": f"{min(loads):.1f}-{max(loads):.1f}" if loads else "", "date": str(datetime.date.today())}
+        saved = json.load(open(RESULTS)) if os.path.exists(RESULTS) else {}
+        held = held_out(results, args.tolerance, outside[0]) if outside else None
         with open(RESULTS, "w") as f:
-            json.dump(claims, f, indent=1)
-        merge(os.path.join(os.path.dirname(RESULTS), "precision.json"), {"max_points_lost": s["max_points_lost"]})
+            json.dump(claims_file(saved, run, t, s, held), f, indent=1)
+        if not outside:  # the suite's claim alone is the precision goal's number
+            merge(os.path.join(os.path.dirname(RESULTS), "precision.json"), {"max_points_lost": s["max_points_lost"]})
 
 
 if __name__ == "__main__":
