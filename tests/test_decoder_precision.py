@@ -54,7 +54,7 @@ def test_bf16_is_chosen_exactly_when_its_perplexity_is_at_most_a_target_higher(f
 
 
 @native_only
-def test_the_served_perplexity_is_the_models_in_fp32_and_within_bf16_rounding_in_bf16(store_path):
+def test_the_served_perplexity_is_the_models_in_fp32_and_within_bf16_rounding_in_bf16(store_path, monkeypatch):
     create(store_path, "ref", precision="fp32")
     with hkstore.open(store_path / "s") as st:
         dec = load_decoder(st.meta["model_path"], st.meta["lower_layers"])
@@ -68,6 +68,9 @@ def test_the_served_perplexity_is_the_models_in_fp32_and_within_bf16_rounding_in
     assert scores["fp32"] == pytest.approx(reference, rel=1e-5)
     assert scores["bf16"] != scores["fp32"] and scores["bf16"] == pytest.approx(reference, rel=0.05)
     assert seconds > 0
+    monkeypatch.setattr(decoder_tenant, "LOGIT_ROWS", 5)  # the logits a few positions at a time: the same sums
+    assert decoder_tenant.served_perplexities(dec, pet, inputs, seqs, batch=3)[0]["fp32"] == \
+        pytest.approx(scores["fp32"], rel=1e-6)
 
 
 def test_create_records_bf16_where_the_perplexity_holds_fp32_where_it_rises(store_path, native, monkeypatch):

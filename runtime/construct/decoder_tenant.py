@@ -26,6 +26,7 @@ from runtime.model.stored import (
 )
 
 LM_PET_TYPES = ("lora", "adapter", "bitfit", "diff")
+LOGIT_ROWS = 1024  # positions whose logits a perplexity computes at once
 DEFAULT_LR = {"adapter": 1e-3, "lora": 1e-3, "bitfit": 3e-3, "diff": 3e-4}
 
 
@@ -163,9 +164,12 @@ def served_perplexities(dec, pet, inputs, seqs, batch: int = 8) -> tuple[dict, f
             mask = torch.arange(L)[None, :] < torch.tensor([len(s) for s in part])[:, None]
             with torch.no_grad():
                 hidden, rp = upper_batch(dec, h, mask, [pet] * len(part), None, not lora_only(pet), precision)
-                logits = dec.logits(hidden, linear=rp.linear)
-            nll += F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum").item()
-            count += sum(len(s) - 1 for s in part)
+                scored = y >= 0
+                hidden, y = hidden[scored], y[scored]
+                for at in range(0, len(y), LOGIT_ROWS):  # (a batch's logits at once would be rows x vocabulary)
+                    logits = dec.logits(hidden[at:at + LOGIT_ROWS], linear=rp.linear)
+                    nll += F.cross_entropy(logits, y[at:at + LOGIT_ROWS], reduction="sum").item()
+            count += len(y)
         out[precision] = round(math.exp(nll / count), 6)
     return out, time.process_time() - t0
 
