@@ -42,17 +42,11 @@ RESULTS = ROOT / "benchmarks" / "results" / "decoders_124m.json"  # its section 
 
 def texts(path: Path, limit: int) -> list[str]:
     """The first `limit` texts of a split: a JSON line's text, or a CoNLL sentence's tokens."""
-    with open(path, encoding="utf-8") as f:
-        if "text_classification" in str(path):
-            return [json.loads(line)["text"] for line, _ in zip(f, range(limit))]
-        out, words = [], []
-        for line in [*f, "\n"]:  # (a blank line ends the last sentence too)
-            if line.strip() and not line.startswith("-DOCSTART-"):
-                words.append(line.split()[0])
-            elif words:
-                out.append(" ".join(words))
-                words = []
-        return out[:limit]
+    from runtime.construct.data import read_classification, read_conll
+
+    if "text_classification" in str(path):
+        return read_classification(path)[0][:limit]
+    return [" ".join(words) for words in read_conll(path)[0][:limit]]
 
 
 def held_out(store_path, tenant, lines) -> tuple[dict, int]:
@@ -85,12 +79,6 @@ def greedy_agreement(store_path, tenant, lines, prompts: int, max_tokens: int) -
             out[dtype] = [r["ids"] for r in rt.generate(reqs)]
     same = sum(a == b for a, b in zip(out["fp32"], out["bf16"]))
     return {"prompts": len(out["fp32"]), "identical": same}
-
-
-def machine() -> str:
-    with open("/proc/cpuinfo") as f:
-        model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown CPU")
-    return f"{model}, {os.cpu_count()} cores"
 
 
 def main(argv=None):
@@ -149,6 +137,8 @@ def main(argv=None):
 
 def summarize(results: dict) -> dict:
     """The claims of BENCHMARKS' decoder section (per tenant, lists: the document's table need not show them)."""
+    from benchmarks.bench_cores import cpu_model
+
     rows = list(results.values())
     pct = lambda x: round(100 * x, 2)  # noqa: E731
     return {
@@ -161,7 +151,8 @@ def summarize(results: dict) -> dict:
         "per_tenant": [[name, r["chosen"], r["training"]["fp32"], r["training"]["bf16"], r["held_out"]["fp32"],
                         r["held_out"]["bf16"], r["greedy"]["identical"], r["greedy"]["prompts"]]
                        for name, r in results.items()],
-        "machine": machine(), "load": [round(x, 2) for x in os.getloadavg()], "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{cpu_model()}, {os.cpu_count()} cores", "load": [round(x, 2) for x in os.getloadavg()],
+        "date": time.strftime("%Y-%m-%d"),
     }
 
 

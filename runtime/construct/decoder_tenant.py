@@ -49,14 +49,7 @@ def train_lm_pet(decoder, pet, inputs, seqs, *, epochs: int, lr: float, batch_si
     for epoch in range(epochs):
         start = len(log)
         for pick in _batches(len(seqs), batch_size, rng):
-            batch = [seqs[i] for i in pick]
-            L = max(len(s) for s in batch)
-            h = torch.zeros(len(batch), L, decoder.config.d)
-            y = torch.full((len(batch), L), -100, dtype=torch.long)
-            for b, i in enumerate(pick):
-                h[b, :len(seqs[i])] = inputs[i]
-                y[b, :len(seqs[i]) - 1] = torch.tensor(seqs[i][1:])
-            mask = torch.arange(L)[None, :] < torch.tensor([len(s) for s in batch])[:, None]
+            h, y, mask = _padded(decoder, [inputs[i] for i in pick], [seqs[i] for i in pick])
             logits = decoder.logits(decoder.upper(h, mask, pet))
             loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
             opt.zero_grad(set_to_none=True)
@@ -66,6 +59,21 @@ def train_lm_pet(decoder, pet, inputs, seqs, *, epochs: int, lr: float, batch_si
         if progress:
             print(f"epoch {epoch + 1}/{epochs}: loss {np.mean(log[start:]):.3f}", flush=True)
     return log
+
+
+def _padded(decoder, inputs, seqs):
+    """(h (B, L, d), next-token targets (B, L) with -100 where none, mask (B, L)) of sequences
+    right-padded together (inputs: each one's (len, d) PLOT inputs)."""
+    import torch
+
+    L = max(len(s) for s in seqs)
+    h = torch.zeros(len(seqs), L, decoder.config.d)
+    y = torch.full((len(seqs), L), -100, dtype=torch.long)
+    for b, (s, x) in enumerate(zip(seqs, inputs)):
+        h[b, :len(s)] = x
+        y[b, :len(s) - 1] = torch.tensor(s[1:])
+    mask = torch.arange(L)[None, :] < torch.tensor([len(s) for s in seqs])[:, None]
+    return h, y, mask
 
 
 def lm_tenant_create(store_path, tenant, *, train_path, version=None, pet_type: str = "lora", epochs: int = 3,
@@ -154,16 +162,9 @@ def served_perplexities(dec, pet, inputs, seqs, batch: int = 8) -> tuple[dict, f
     for precision in ("fp32", "bf16"):
         nll, count = 0.0, 0
         for start in range(0, len(seqs), batch):
-            part = seqs[start:start + batch]
-            L = max(len(s) for s in part)
-            h = torch.zeros(len(part), L, dec.config.d)
-            y = torch.full((len(part), L), -100, dtype=torch.long)
-            for b, (s, x) in enumerate(zip(part, inputs[start:start + batch])):
-                h[b, :len(s)] = x
-                y[b, :len(s) - 1] = torch.tensor(s[1:])
-            mask = torch.arange(L)[None, :] < torch.tensor([len(s) for s in part])[:, None]
+            h, y, mask = _padded(dec, inputs[start:start + batch], seqs[start:start + batch])
             with torch.no_grad():
-                hidden, rp = upper_batch(dec, h, mask, [pet] * len(part), None, not lora_only(pet), precision)
+                hidden, rp = upper_batch(dec, h, mask, [pet] * len(h), None, not lora_only(pet), precision)
                 scored = y >= 0
                 hidden, y = hidden[scored], y[scored]
                 for at in range(0, len(y), LOGIT_ROWS):  # (a batch's logits at once would be rows x vocabulary)
